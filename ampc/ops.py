@@ -1,0 +1,191 @@
+"""Thin Python wrappers around torch.ops.ampc.*, and the fake (meta) kernels that let
+torch.compile trace them.
+
+The ops work on lists of tensors in one call (one parallel region on the CPU, a few
+kernel launches on CUDA) and check every argument before touching any memory: bad
+input raises an error that names the op and the argument.
+"""
+import math
+from collections import defaultdict
+
+import torch
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_list(op, name, tensors):
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"ampc.{op}: {name} must be a list or tuple of tensors, "
+                        f"got {type(tensors).__name__}")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"ampc.{op}: {name}[{i}] must be a Tensor, got {type(t).__name__}")
+
+
+def _check_tensor(op, name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"ampc.{op}: {name} must be a Tensor, got {type(t).__name__}")
+
+
+def _groups(tensors):
+    """Indices of the tensors grouped by (device, dtype), in first-seen order."""
+    groups = defaultdict(list)
+    for i, t in enumerate(tensors):
+        groups[(t.device, t.dtype)].append(i)
+    return list(groups.values())
+
+
+def _split(tensors):
+    """The tensors as one list per (device, dtype): the ops take one dtype per list."""
+    groups = _groups(tensors)
+    if len(groups) == 1:
+        return [list(tensors)]
+    return [[tensors[i] for i in g] for g in groups]
+
+
+def cast(tensors, dtype, *, stochastic=False, seed=0):
+    """Returns a copy of each tensor converted to ``dtype``, in one fused call.
+
+    Converts between torch.float32, torch.float16 and torch.bfloat16 in any
+    direction. By default rounds to nearest even, bit-identical to ``t.to(dtype)``.
+    With ``stochastic=True`` a value rounds up or down at random with probabilities
+    that make the result unbiased; the random bits depend only on ``seed`` and on the
+    element's position, counted across the tensors of one device and dtype, so a call
+    is reproducible on any thread count and on CPU and CUDA alike.
+
+    Args:
+        tensors (list of Tensor): the inputs; non-contiguous ones are read through
+            a contiguous copy.
+        dtype (torch.dtype): the output dtype.
+        stochastic (bool): stochastic rounding instead of round to nearest. Default: False.
+        seed (int): the seed of the stochastic rounding. Default: 0.
+
+    Example::
+
+        >>> w16 = ampc.ops.cast([torch.randn(4, 4)], torch.bfloat16)[0]
+    """
+    _check_list("cast", "tensors", tensors)
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"ampc.cast: dtype must be torch.float32, torch.float16 or "
+                        f"torch.bfloat16, got {dtype}")
+    src = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    dst = [torch.empty(t.shape, dtype=dtype, device=t.device) for t in src]
+    for group in _groups(src):
+        torch.ops.ampc.cast([src[i] for i in group], [dst[i] for i in group],
+                            bool(stochastic), int(seed))
+    return dst
+
+
+def cast_(dst, src, *, stochastic=False, seed=0):
+    """Copies each ``src[i]`` into ``dst[i]``, converting to ``dst[i]``'s dtype, in place.
+
+    The fast path of :func:`cast` for preallocated outputs: every tensor of ``src``
+    shares one dtype and device, every tensor of ``dst`` shares one dtype, all are
+    contiguous, ``dst[i]`` has ``src[i]``'s shape and no output overlaps an input.
+
+    Args:
+        dst (list of Tensor): the outputs, written in place.
+        src (list of Tensor): the inputs.
+        stochastic (bool): stochastic rounding instead of round to nearest. Default: False.
+        seed (int): the seed of the stochastic rounding. Default: 0.
+    """
+    _check_list("cast", "dst", dst)
+    _check_list("cast", "src", src)
+    torch.ops.ampc.cast(src, dst, bool(stochastic), int(seed))
+
+
+def unscale_check(grads, found_inf, inv_scale, *, check_only=False):
+    """Multiplies each grad by ``inv_scale`` in place and flags any inf or nan.
+
+    Equivalent to ``torch._amp_foreach_non_finite_check_and_unscale_`` (bit for bit)
+    and also accepts bfloat16 grads: one pass over memory, ``found_inf`` set to 1 when
+    any input element is inf or nan (never cleared, so the caller zeroes it).
+
+    With ``check_only=True`` the grads are only read, not written, and the global L2
+    norm of the unscaled grads (``|inv_scale| * ||grads||``) is returned as a 0-dim
+    float32 tensor on the grads' device.
+
+    Args:
+        grads (list of Tensor): float32, float16 or bfloat16 gradients, contiguous, on
+            the device of ``found_inf``.
+        found_inf (Tensor): 1-element float32 flag.
+        inv_scale (Tensor): 1-element float32 factor.
+        check_only (bool): check and measure, do not unscale. Default: False.
+
+    Example::
+
+        >>> found_inf = torch.zeros(1); inv_scale = torch.full((1,), 2.0 ** -16)
+        >>> ampc.ops.unscale_check([p.grad for p in model.parameters()], found_inf, inv_scale)
+    """
+    _check_list("unscale_check", "grads", grads)
+    _check_tensor("unscale_check", "found_inf", found_inf)
+    _check_tensor("unscale_check", "inv_scale", inv_scale)
+    parts = _split(grads)
+    if not check_only:
+        for part in parts:
+            torch.ops.ampc.unscale_check(part, found_inf, inv_scale)
+        return None
+    if len(parts) <= 1:
+        return torch.ops.ampc.check_norm(parts[0] if parts else [], found_inf, inv_scale)
+    norms = [torch.ops.ampc.check_norm(part, found_inf, inv_scale) for part in parts]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def update_scale(scale, growth_tracker, found_inf, growth_factor, backoff_factor,
+                 growth_interval, *, hysteresis=1, hysteresis_tracker=None, min_scale=0.0,
+                 max_scale=math.inf):
+    """One step of dynamic loss scaling, in place, on the scale's device (no host sync).
+
+    With the default keyword arguments this is exactly ``torch._amp_update_scale_``:
+    on a step with ``found_inf != 0`` the scale is multiplied by ``backoff_factor``
+    and ``growth_tracker`` reset; otherwise ``growth_tracker`` counts up and every
+    ``growth_interval`` clean steps the scale is multiplied by ``growth_factor``
+    (unless that would overflow to inf).
+
+    Args:
+        scale (Tensor): 1-element float32 loss scale, updated in place.
+        growth_tracker (Tensor): 1-element int32 count of clean steps, updated in place.
+        found_inf (Tensor): 1-element float32, nonzero when the step had inf/nan grads.
+        growth_factor (float), backoff_factor (float), growth_interval (int): as torch.
+        hysteresis (int): back off only after this many non-finite steps in a row.
+            Default: 1 (back off at once, as torch).
+        hysteresis_tracker (Tensor): 1-element int32 countdown, needed when
+            ``hysteresis > 1``; start it at ``hysteresis``.
+        min_scale (float), max_scale (float): bounds of the scale. Default: 0, inf.
+    """
+    _check_tensor("update_scale", "scale", scale)
+    _check_tensor("update_scale", "growth_tracker", growth_tracker)
+    _check_tensor("update_scale", "found_inf", found_inf)
+    if hysteresis_tracker is None:
+        if hysteresis != 1:
+            raise ValueError("ampc.update_scale: hysteresis_tracker is required when "
+                             f"hysteresis > 1, got hysteresis={hysteresis}")
+        hysteresis_tracker = torch.empty(0, dtype=torch.int32, device=scale.device)
+    _check_tensor("update_scale", "hysteresis_tracker", hysteresis_tracker)
+    torch.ops.ampc.update_scale(scale, growth_tracker, hysteresis_tracker, found_inf,
+                                float(growth_factor), float(backoff_factor),
+                                int(growth_interval), int(hysteresis), float(min_scale),
+                                float(max_scale))
+
+
+# ---- fake kernels: shapes only, for torch.compile and meta tensors ----
+
+@torch.library.register_fake("ampc::cast")
+def _cast_fake(src, dst, stochastic=False, seed=0):
+    return None
+
+
+@torch.library.register_fake("ampc::unscale_check")
+def _unscale_check_fake(grads, found_inf, inv_scale):
+    return None
+
+
+@torch.library.register_fake("ampc::check_norm")
+def _check_norm_fake(grads, found_inf, inv_scale):
+    return found_inf.new_empty(())
+
+
+@torch.library.register_fake("ampc::update_scale")
+def _update_scale_fake(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
+                       backoff_factor, growth_interval, hysteresis, min_scale, max_scale):
+    return None

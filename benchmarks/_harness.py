@@ -1,0 +1,135 @@
+"""Shared pieces of the benchmarks: timing, the copy-bandwidth roofline, the header and the table."""
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+GiB = 1 << 30
+
+
+def import_ampc():
+    try:
+        import ampc
+    except ImportError:  # run from a source checkout with the extension built in place
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+        import ampc
+    return ampc
+
+
+def gpt2_shapes() -> list:
+    """Parameter shapes of GPT-2 small (124M parameters, 148 tensors), in module order."""
+    layer = [(768,), (768,), (768, 2304), (2304,), (768, 768), (768,),  # ln_1, attn.c_attn, attn.c_proj
+             (768,), (768,), (768, 3072), (3072,), (3072, 768), (768,)]  # ln_2, mlp.c_fc, mlp.c_proj
+    return [(50257, 768), (1024, 768)] + layer * 12 + [(768,), (768,)]  # wte, wpe, h.0-11, ln_f
+
+
+def workloads(bytes_per_elem: int, device: str) -> list:
+    """(case name, list of shapes): one large tensor moving >= 1 GiB (4 GiB on CUDA), 1,000 small ones, GPT-2."""
+    large = -(-GiB * (4 if device == "cuda" else 1) // bytes_per_elem)
+    large = -(-large // 4096) * 4096
+    g = torch.Generator().manual_seed(0)
+    small = [(int(n),) for n in torch.randint(1024, 16385, (1000,), generator=g)]
+    return [(f"large 1x{large / 1e6:.0f}M", [(large,)]),
+            ("1000 small 1k-16k", small),
+            ("gpt2-124M 148 tensors", gpt2_shapes())]
+
+
+def randn_list(shapes: list, dtype: torch.dtype, device: str, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes]
+
+
+def common_args(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--reps", type=int, default=0, help="timed reps per measurement (0: about 1 s worth)")
+    p.add_argument("--peak-gbs", type=float, default=0.0, help="use this bandwidth instead of measuring it")
+    return p
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fns: dict, device: str, reps: int = 0, warmup: int = 2) -> dict:
+    """Median wall time in ms of each fn in {name: fn}. Reps are interleaved (a, b, c, a, b, c, ...) so
+    that machine noise hits every fn alike. CUDA: events per rep, L2 flushed before each. CPU: perf_counter."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device == "cuda" else None
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    _sync(device)
+    if reps <= 0:  # about 3 s of timed reps in all, 5..200 of each
+        per_round = (time.perf_counter() - t0) / warmup
+        reps = max(5, min(200, int(3.0 / max(per_round, 1e-6))))
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            if flush is not None:
+                flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end))
+            else:
+                t = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def copy_gbs(device: str) -> float:
+    """Measured bandwidth of a large same-dtype dst.copy_(src), counted as bytes read plus bytes written."""
+    numel = (GiB // 2 // 4) * (4 if device == "cuda" else 1)  # fp32: 1 GiB read+written on CPU, 4 GiB on CUDA
+    src = torch.ones(numel, dtype=torch.float32, device=device)
+    dst = torch.zeros_like(src)  # both touched already, so no page faults are timed
+    ms = time_ms({"copy": lambda: dst.copy_(src)}, device, reps=10)["copy"]
+    del src, dst
+    return 2 * numel * 4 / ms / 1e6
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def header(args) -> dict:
+    peak = args.peak_gbs or copy_gbs(args.device)
+    return {"torch": torch.__version__, "device": f"{args.device} ({device_name(args.device)})",
+            "threads": torch.get_num_threads(), "copy_gbs": round(peak, 1),
+            "copy_gbs_source": "given" if args.peak_gbs else "measured"}
+
+
+def report(hdr: dict, rows: list, as_json: bool, notes=()) -> None:
+    """Prints the header, one table row per dict (columns = the first row's keys) and notes, or all as JSON."""
+    if as_json:
+        print(json.dumps({"header": hdr, "rows": rows, "notes": list(notes)}, indent=1))
+        return
+    print(f"torch {hdr['torch']} | {hdr['device']} | {hdr['threads']} threads | "
+          f"copy {hdr['copy_gbs']} GB/s ({hdr['copy_gbs_source']})")
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) and abs(v) < 10 else (f"{v:.1f}" if isinstance(v, float) else str(v))
+    cols = list(rows[0])
+    cells = [[fmt(r[c]) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+    print(" | ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    print("-+-".join("-" * w for w in widths))
+    for r in cells:
+        print(" | ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))))
+    for n in notes:
+        print(f"note: {n}")

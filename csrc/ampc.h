@@ -1,0 +1,110 @@
+/*
+ * ampc.h: the C API of ampc's kernels.
+ *
+ * Raw pointers, element counts and scalars only: no torch types and no CUDA types
+ * (a CUDA stream travels as `void *stream`). Every op has a CPU entry point here and
+ * a CUDA twin with otherwise identical arguments, reached through struct ampc_cuda_api
+ * (the CUDA library is loaded at run time, only when torch has CUDA).
+ *
+ * Argument order: written-to first, then read-only inputs, then the args struct.
+ * All inputs are validated by the binding (binding.c) before any of these is called:
+ * tensors are contiguous, dtypes are the ones named, lists have equal lengths and
+ * matching element counts, and outputs overlap no input.
+ */
+#ifndef AMPC_H
+#define AMPC_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum { AMPC_F32 = 0, AMPC_F16 = 1, AMPC_BF16 = 2 } ampc_dtype;
+
+typedef enum { AMPC_OK = 0, AMPC_ERR_NOMEM = 1, AMPC_ERR_CUDA = 2 } ampc_status;
+
+/* A list of contiguous tensors that share one dtype. numel may be 0 and may exceed 2^31. */
+struct ampc_list {
+    void **ptr;             /* ptr[i] -> first element of tensor i */
+    const int64_t *numel;   /* numel[i] = element count of tensor i */
+    int64_t count;          /* number of tensors */
+    ampc_dtype dtype;
+};
+
+/*
+ * Note [stochastic rounding]: when `stochastic` is set, a value that is not exactly
+ * representable in the 16-bit destination rounds away from zero with probability
+ * (distance to the value toward zero) / (gap between the two neighbours), so the
+ * rounding is unbiased. The random bits of element k of the list (k counts elements
+ * across all tensors of the list, in order) are ampc_random_bits(seed, k): the result
+ * depends on the seed only, not on threads, chunking or the device.
+ */
+struct ampc_cast_args {
+    int stochastic;         /* 0: round to nearest even (bit-identical to Tensor.to) */
+    uint64_t seed;
+};
+
+/* Dynamic loss-scale update, see scale.h for the exact rule. */
+struct ampc_scale_args {
+    double growth_factor;
+    double backoff_factor;
+    int64_t growth_interval;
+    int64_t hysteresis;     /* 1 = back off on the first non-finite step, as torch */
+    double min_scale;       /* 0 = no lower bound */
+    double max_scale;       /* +inf = no upper bound */
+};
+
+/* dst[i] = src[i] converted to dst->dtype. dst and src have equal counts and numels. */
+ampc_status ampc_cast_cpu(const struct ampc_list *dst, const struct ampc_list *src,
+                          const struct ampc_cast_args *args);
+
+/*
+ * grads[i] *= *inv_scale in place, and *found_inf = 1.0f when any element of the
+ * input was inf or nan (checked before the multiply, as torch does).
+ * Note [found_inf is sticky]: found_inf is only ever set, never cleared.
+ */
+ampc_status ampc_unscale_check_cpu(const struct ampc_list *grads, float *found_inf,
+                                   const float *inv_scale);
+
+/*
+ * Read-only twin of unscale_check: sets *found_inf like it (sticky), leaves grads
+ * untouched and writes *norm = |inv_scale| * sqrt(sum of grads^2), the global L2 norm
+ * of the unscaled grads. Squares are summed in fp32 within a chunk and in double
+ * across chunks, in a fixed order, so the result does not depend on the thread count.
+ */
+ampc_status ampc_check_norm_cpu(const struct ampc_list *grads, float *found_inf,
+                                float *norm, const float *inv_scale);
+
+/* One dynamic loss-scale step on 1-element state, see scale.h. */
+ampc_status ampc_update_scale_cpu(float *scale, int32_t *growth_tracker,
+                                  int32_t *hysteresis_tracker, const float *found_inf,
+                                  const struct ampc_scale_args *args);
+
+/*
+ * The CUDA library fills this table (ampc_cuda_get_api in csrc/cuda/api.cu). Every
+ * launcher runs on `stream`, on the device made current by begin(), reads control
+ * values (inv_scale, found_inf, scale) on the device and never synchronizes.
+ */
+struct ampc_cuda_api {
+    /* Makes `device` current, returning the previous device and torch's current stream. */
+    ampc_status (*begin)(int device, int *prev_device, void **stream);
+    void (*end)(int prev_device);
+    ampc_status (*cast)(const struct ampc_list *dst, const struct ampc_list *src,
+                        const struct ampc_cast_args *args, void *stream);
+    ampc_status (*unscale_check)(const struct ampc_list *grads, float *found_inf,
+                                 const float *inv_scale, void *stream);
+    ampc_status (*check_norm)(const struct ampc_list *grads, float *found_inf, float *norm,
+                              const float *inv_scale, void *stream);
+    ampc_status (*update_scale)(float *scale, int32_t *growth_tracker,
+                                int32_t *hysteresis_tracker, const float *found_inf,
+                                const struct ampc_scale_args *args, void *stream);
+    /* Text of the last CUDA error seen by a launcher of this thread. */
+    const char *(*last_error)(void);
+};
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* AMPC_H */

@@ -1,0 +1,638 @@
+/*
+ * binding.c: the only place that knows about PyTorch. It registers torch.ops.ampc.*
+ * through libtorch's stable C ABI (no ATen C++ API), checks every argument, turns
+ * tensor handles into struct ampc_list and calls the CPU kernel or the CUDA one.
+ *
+ * A boxed kernel owns every tensor handle on its stack and must free them. Errors
+ * reach Python as RuntimeError by throwing through aoti_torch_check, which unwinds
+ * through these C frames (built with -fexceptions); so every check runs, and every
+ * handle is freed, before anything is modified. Messages name the op and the
+ * argument: "ampc.cast: dst[3] must be torch.float16 like dst[0], got torch.float32".
+ */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ampc.h"
+#include "torch_shim.h"
+
+#define EXPORT __attribute__((visibility("default")))
+#define MAX_LISTS 2
+#define MAX_SINGLES 4
+
+static const struct ampc_cuda_api *g_cuda;
+
+/* What the kernel knows of one tensor argument. */
+struct tensor {
+    AtenTensorHandle h;
+    const char *name;       /* argument name */
+    int64_t index;          /* position in its list, -1 for a single tensor */
+    int32_t dtype;
+    int32_t device_type;
+    int32_t device_index;
+    int64_t numel;
+    void *data;
+    int written;            /* the op writes it */
+};
+
+struct list {
+    struct tensor *t;
+    int64_t count;
+    void **ptr;             /* for struct ampc_list */
+    int64_t *numel;
+};
+
+/* One call of an op: the handles it owns and the arguments checked so far. */
+struct call {
+    const char *op;
+    int on_cuda;
+    struct list lists[MAX_LISTS];
+    int n_lists;
+    struct tensor singles[MAX_SINGLES];
+    int n_singles;
+    const struct tensor *first;     /* the tensor that fixes the device */
+    char msg[512];
+};
+
+// ---- freeing and failing ----
+
+static void call_free(struct call *c)
+{
+    for (int l = 0; l < c->n_lists; l++) {
+        struct list *ls = &c->lists[l];
+        for (int64_t i = 0; i < ls->count; i++)
+            if (ls->t[i].h)
+                aoti_torch_delete_tensor_object(ls->t[i].h);
+        free(ls->t);
+        free(ls->ptr);
+        free(ls->numel);
+    }
+    for (int s = 0; s < c->n_singles; s++)
+        aoti_torch_delete_tensor_object(c->singles[s].h);
+    c->n_lists = 0;
+    c->n_singles = 0;
+}
+
+/* Frees everything the call owns and raises RuntimeError("<op>: <message>"). */
+static void fail(struct call *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void fail(struct call *c, const char *fmt, ...)
+{
+    int n = snprintf(c->msg, sizeof(c->msg), "%s: ", c->op);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->msg + n, sizeof(c->msg) - (size_t)n, fmt, ap);
+    va_end(ap);
+    call_free(c);
+    aoti_torch_check(false, c->op, __FILE__, __LINE__, c->msg);
+}
+
+static void shim(struct call *c, AOTITorchError err, const char *what)
+{
+    if (err != 0)
+        fail(c, "torch's C API failed in %s", what);
+}
+
+// ---- names for messages ----
+
+static const char *dtype_name(int32_t dtype)
+{
+    /* c10::ScalarType codes, which the stable ABI uses as is */
+    static const char *names[] = {
+        "torch.uint8", "torch.int8", "torch.int16", "torch.int32", "torch.int64",
+        "torch.float16", "torch.float32", "torch.float64", "torch.complex32",
+        "torch.complex64", "torch.complex128", "torch.bool", "torch.qint8", "torch.quint8",
+        "torch.qint32", "torch.bfloat16",
+    };
+    if (dtype >= 0 && dtype < (int32_t)(sizeof(names) / sizeof(names[0])))
+        return names[dtype];
+    return "an unsupported dtype";
+}
+
+static const char *tensor_name(const struct tensor *t, char *buf, size_t size)
+{
+    if (t->index < 0)
+        snprintf(buf, size, "%s", t->name);
+    else
+        snprintf(buf, size, "%s[%lld]", t->name, (long long)t->index);
+    return buf;
+}
+
+static const char *device_name(int32_t type, int32_t index, char *buf, size_t size)
+{
+    if (type == aoti_torch_device_type_cpu())
+        snprintf(buf, size, "cpu");
+    else if (type == aoti_torch_device_type_cuda())
+        snprintf(buf, size, "cuda:%d", (int)index);
+    else
+        snprintf(buf, size, "device type %d", (int)type);
+    return buf;
+}
+
+// ---- taking arguments off the stack ----
+
+/* Reads a tensor's metadata; the first tensor of the call fixes the device. */
+static void describe(struct call *c, struct tensor *t)
+{
+    bool contiguous = false;
+    char a[64];
+    char b[64];
+    char d1[32];
+    char d2[32];
+    shim(c, aoti_torch_get_dtype(t->h, &t->dtype), "get_dtype");
+    shim(c, aoti_torch_get_device_type(t->h, &t->device_type), "get_device_type");
+    shim(c, aoti_torch_get_device_index(t->h, &t->device_index), "get_device_index");
+    shim(c, aoti_torch_get_numel(t->h, &t->numel), "get_numel");
+    shim(c, aoti_torch_is_contiguous(t->h, &contiguous), "is_contiguous");
+    shim(c, torch_get_mutable_data_ptr(t->h, &t->data), "get_data_ptr");
+    if (!c->first)
+        c->first = t;
+    const struct tensor *f = c->first;
+    if (t->device_type != f->device_type || t->device_index != f->device_index)
+        fail(c, "%s must be on %s like %s, got %s", tensor_name(t, a, sizeof(a)),
+             device_name(f->device_type, f->device_index, d1, sizeof(d1)),
+             tensor_name(f, b, sizeof(b)),
+             device_name(t->device_type, t->device_index, d2, sizeof(d2)));
+    if (!contiguous)
+        fail(c, "%s must be contiguous (call .contiguous() on it first)",
+             tensor_name(t, a, sizeof(a)));
+}
+
+/* Takes ownership of a Tensor[] argument and of each of its tensors. */
+static struct list *take_list(struct call *c, StableIValue v, const char *name, int written)
+{
+    StableListHandle lh = (StableListHandle)(uintptr_t)v;
+    struct list *ls = &c->lists[c->n_lists++];
+    size_t n = 0;
+    memset(ls, 0, sizeof(*ls));
+    if (torch_list_size(lh, &n) != 0) {
+        torch_delete_list(lh);
+        fail(c, "torch's C API failed in list_size");
+    }
+    ls->t = calloc(n ? n : 1, sizeof(*ls->t));
+    ls->ptr = calloc(n ? n : 1, sizeof(*ls->ptr));
+    ls->numel = calloc(n ? n : 1, sizeof(*ls->numel));
+    int ok = ls->t && ls->ptr && ls->numel;
+    for (size_t i = 0; ok && i < n; i++) {
+        StableIValue item = 0;
+        ok = torch_list_get_item(lh, i, &item) == 0;
+        ls->t[i].h = (AtenTensorHandle)(uintptr_t)item;
+        ls->count = (int64_t)i + 1;
+    }
+    torch_delete_list(lh);
+    if (!ok)
+        fail(c, "could not read %s (out of memory?)", name);
+    for (int64_t i = 0; i < ls->count; i++) {
+        ls->t[i].name = name;
+        ls->t[i].index = i;
+        ls->t[i].written = written;
+    }
+    return ls;
+}
+
+static struct tensor *take_tensor(struct call *c, StableIValue v, const char *name, int written)
+{
+    struct tensor *t = &c->singles[c->n_singles++];
+    memset(t, 0, sizeof(*t));
+    t->h = (AtenTensorHandle)(uintptr_t)v;
+    t->name = name;
+    t->index = -1;
+    t->written = written;
+    return t;
+}
+
+/* Once every handle is owned (so a failure frees them all): read and check them. */
+static void describe_all(struct call *c)
+{
+    for (int l = 0; l < c->n_lists; l++) {
+        struct list *ls = &c->lists[l];
+        for (int64_t i = 0; i < ls->count; i++) {
+            describe(c, &ls->t[i]);
+            ls->ptr[i] = ls->t[i].data;
+            ls->numel[i] = ls->t[i].numel;
+        }
+    }
+    for (int s = 0; s < c->n_singles; s++)
+        describe(c, &c->singles[s]);
+    if (c->on_cuda && !g_cuda)
+        fail(c, "this build of ampc has no CUDA kernels (nvcc was not found when it was "
+                "built, or the CUDA library failed to load)");
+}
+
+static double take_double(StableIValue v)
+{
+    double d;
+    memcpy(&d, &v, sizeof(d));
+    return d;
+}
+
+// ---- checks ----
+
+static int to_ampc_dtype(int32_t dtype, ampc_dtype *out)
+{
+    if (dtype == aoti_torch_dtype_float32())
+        *out = AMPC_F32;
+    else if (dtype == aoti_torch_dtype_float16())
+        *out = AMPC_F16;
+    else if (dtype == aoti_torch_dtype_bfloat16())
+        *out = AMPC_BF16;
+    else
+        return 0;
+    return 1;
+}
+
+/* Every tensor of the list is fp32, fp16 or bf16, all the same one. */
+static struct ampc_list float_list(struct call *c, const struct list *ls)
+{
+    char a[64];
+    struct ampc_list out = { ls->ptr, ls->numel, ls->count, AMPC_F32 };
+    for (int64_t i = 0; i < ls->count; i++) {
+        const struct tensor *t = &ls->t[i];
+        ampc_dtype d;
+        if (!to_ampc_dtype(t->dtype, &d))
+            fail(c, "%s must be torch.float32, torch.float16 or torch.bfloat16, got %s",
+                 tensor_name(t, a, sizeof(a)), dtype_name(t->dtype));
+        if (i > 0 && t->dtype != ls->t[0].dtype)
+            fail(c, "%s must be %s like %s[0], got %s", tensor_name(t, a, sizeof(a)),
+                 dtype_name(ls->t[0].dtype), t->name, dtype_name(t->dtype));
+        out.dtype = d;
+    }
+    return out;
+}
+
+/* A 1-element tensor of the given dtype (found_inf, inv_scale, scale, trackers). */
+static void check_scalar(struct call *c, const struct tensor *t, int32_t dtype, int allow_empty)
+{
+    if (t->dtype != dtype || !(t->numel == 1 || (allow_empty && t->numel == 0)))
+        fail(c, "%s must be a 1-element %s tensor, got %s with %lld elements", t->name,
+             dtype_name(dtype), dtype_name(t->dtype), (long long)t->numel);
+}
+
+/* dst[i] has the shape of src[i] for every i. */
+static void check_same_shapes(struct call *c, const struct list *a, const char *a_name,
+                              const struct list *b, const char *b_name)
+{
+    char n[64];
+    if (a->count != b->count)
+        fail(c, "%s must have as many tensors as %s (%lld), got %lld", a_name, b_name,
+             (long long)b->count, (long long)a->count);
+    for (int64_t i = 0; i < a->count; i++) {
+        int64_t da = 0;
+        int64_t db = 0;
+        int64_t *sa = NULL;
+        int64_t *sb = NULL;
+        shim(c, aoti_torch_get_dim(a->t[i].h, &da), "get_dim");
+        shim(c, aoti_torch_get_dim(b->t[i].h, &db), "get_dim");
+        shim(c, aoti_torch_get_sizes(a->t[i].h, &sa), "get_sizes");
+        shim(c, aoti_torch_get_sizes(b->t[i].h, &sb), "get_sizes");
+        if (da != db || memcmp(sa, sb, sizeof(*sa) * (size_t)da) != 0)
+            fail(c, "%s must have the shape of %s[%lld]", tensor_name(&a->t[i], n, sizeof(n)),
+                 b_name, (long long)i);
+    }
+}
+
+/* A byte range of one tensor, for the overlap check. */
+struct range {
+    uintptr_t begin;
+    uintptr_t end;
+    const struct tensor *t;
+};
+
+static int by_begin(const void *x, const void *y)
+{
+    const struct range *a = x;
+    const struct range *b = y;
+    return a->begin < b->begin ? -1 : a->begin > b->begin;
+}
+
+static size_t add_range(struct range *r, size_t n, const struct tensor *t)
+{
+    ampc_dtype d;
+    int64_t size = to_ampc_dtype(t->dtype, &d) ? (d == AMPC_F32 ? 4 : 2) : 4;
+    if (t->numel == 0)
+        return n;
+    r[n].begin = (uintptr_t)t->data;
+    r[n].end = r[n].begin + (uintptr_t)(t->numel * size);
+    r[n].t = t;
+    return n + 1;
+}
+
+/* No tensor the op writes may share memory with any other tensor argument. Sorting by
+ * start address, an overlap shows up as a start below the furthest end seen so far. */
+static void check_overlap(struct call *c)
+{
+    size_t cap = (size_t)c->n_singles;
+    for (int l = 0; l < c->n_lists; l++)
+        cap += (size_t)c->lists[l].count;
+    struct range *r = malloc(sizeof(*r) * (cap ? cap : 1));
+    if (!r)
+        fail(c, "out of memory");
+    size_t n = 0;
+    for (int l = 0; l < c->n_lists; l++)
+        for (int64_t i = 0; i < c->lists[l].count; i++)
+            n = add_range(r, n, &c->lists[l].t[i]);
+    for (int s = 0; s < c->n_singles; s++)
+        n = add_range(r, n, &c->singles[s]);
+    qsort(r, n, sizeof(*r), by_begin);
+    const struct range *far = NULL;         /* furthest-reaching range so far */
+    const struct range *far_written = NULL; /* the same among written ones */
+    const struct tensor *x = NULL;
+    const struct tensor *y = NULL;
+    for (size_t i = 0; i < n && !x; i++) {
+        if (r[i].t->written && far && r[i].begin < far->end) {
+            x = r[i].t;
+            y = far->t;
+        } else if (far_written && r[i].begin < far_written->end) {
+            x = far_written->t;
+            y = r[i].t;
+        }
+        if (!far || r[i].end > far->end)
+            far = &r[i];
+        if (r[i].t->written && (!far_written || r[i].end > far_written->end))
+            far_written = &r[i];
+    }
+    free(r);
+    if (x) {
+        char a[64];
+        char b[64];
+        fail(c, "%s overlaps %s in memory; an output must not alias another argument",
+             tensor_name(x, a, sizeof(a)), tensor_name(y, b, sizeof(b)));
+    }
+}
+
+// ---- running ----
+
+/* Runs the kernel on the CPU or, through the CUDA library, on the call's device.
+ * On failure it raises (freeing the call); on success the caller frees the call. */
+static void run(struct call *c, ampc_status (*cpu)(void *job),
+                ampc_status (*cuda)(void *job, void *stream), void *job)
+{
+    ampc_status st;
+    const char *why = "out of memory";
+    if (!c->on_cuda) {
+        st = cpu(job);
+    } else {
+        int prev = 0;
+        void *stream = NULL;
+        int device = c->first ? c->first->device_index : 0;
+        st = g_cuda->begin(device, &prev, &stream);
+        if (st == AMPC_OK) {
+            st = cuda(job, stream);
+            g_cuda->end(prev);
+        }
+        if (st == AMPC_ERR_CUDA)
+            why = g_cuda->last_error();
+    }
+    if (st != AMPC_OK)
+        fail(c, "%s", why);
+}
+
+static void start(struct call *c, const char *op, int on_cuda)
+{
+    memset(c, 0, sizeof(*c));
+    c->op = op;
+    c->on_cuda = on_cuda;
+}
+
+
+// ---- cast(Tensor[] src, Tensor(a!)[] dst, bool stochastic, int seed) ----
+
+struct cast_job {
+    struct ampc_list dst;
+    struct ampc_list src;
+    struct ampc_cast_args args;
+};
+
+static ampc_status cast_on_cpu(void *j)
+{
+    struct cast_job *job = j;
+    return ampc_cast_cpu(&job->dst, &job->src, &job->args);
+}
+
+static ampc_status cast_on_cuda(void *j, void *stream)
+{
+    struct cast_job *job = j;
+    return g_cuda->cast(&job->dst, &job->src, &job->args, stream);
+}
+
+static void cast_kernel(StableIValue *stack, int on_cuda)
+{
+    struct call c;
+    start(&c, "ampc.cast", on_cuda);
+    struct list *src = take_list(&c, stack[0], "src", 0);
+    struct list *dst = take_list(&c, stack[1], "dst", 1);
+    describe_all(&c);
+    struct cast_job job;
+    job.src = float_list(&c, src);
+    job.dst = float_list(&c, dst);
+    check_same_shapes(&c, dst, "dst", src, "src");
+    check_overlap(&c);
+    job.args.stochastic = (stack[2] & 0xff) != 0;
+    job.args.seed = (uint64_t)stack[3];
+    run(&c, cast_on_cpu, cast_on_cuda, &job);
+    call_free(&c);
+}
+
+// ---- unscale_check(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) ----
+// ---- check_norm(Tensor[] grads, Tensor(a!) found_inf, Tensor inv_scale) -> Tensor ----
+
+struct unscale_job {
+    struct ampc_list grads;
+    float *found_inf;
+    const float *inv_scale;
+    float *norm;
+};
+
+static ampc_status unscale_on_cpu(void *j)
+{
+    struct unscale_job *job = j;
+    if (job->norm)
+        return ampc_check_norm_cpu(&job->grads, job->found_inf, job->norm, job->inv_scale);
+    return ampc_unscale_check_cpu(&job->grads, job->found_inf, job->inv_scale);
+}
+
+static ampc_status unscale_on_cuda(void *j, void *stream)
+{
+    struct unscale_job *job = j;
+    if (job->norm)
+        return g_cuda->check_norm(&job->grads, job->found_inf, job->norm, job->inv_scale,
+                                  stream);
+    return g_cuda->unscale_check(&job->grads, job->found_inf, job->inv_scale, stream);
+}
+
+static void unscale_kernel(StableIValue *stack, int on_cuda, int check_only)
+{
+    struct call c;
+    start(&c, check_only ? "ampc.check_norm" : "ampc.unscale_check", on_cuda);
+    struct list *grads = take_list(&c, stack[0], "grads", !check_only);
+    struct tensor *found_inf = take_tensor(&c, stack[1], "found_inf", 1);
+    struct tensor *inv_scale = take_tensor(&c, stack[2], "inv_scale", 0);
+    describe_all(&c);
+    struct unscale_job job;
+    job.grads = float_list(&c, grads);
+    check_scalar(&c, found_inf, aoti_torch_dtype_float32(), 0);
+    check_scalar(&c, inv_scale, aoti_torch_dtype_float32(), 0);
+    check_overlap(&c);
+    job.found_inf = found_inf->data;
+    job.inv_scale = inv_scale->data;
+    job.norm = NULL;
+    AtenTensorHandle norm = NULL;
+    if (check_only) {
+        shim(&c, aoti_torch_empty_strided(0, NULL, NULL, aoti_torch_dtype_float32(),
+                                          found_inf->device_type, found_inf->device_index,
+                                          &norm), "empty_strided");
+        shim(&c, torch_get_mutable_data_ptr(norm, (void **)&job.norm), "get_data_ptr");
+        /* owned by the call until the kernel succeeds, so a failure frees it */
+        c.singles[c.n_singles++] = (struct tensor){ .h = norm, .name = "norm" };
+    }
+    run(&c, unscale_on_cpu, unscale_on_cuda, &job);
+    if (norm)
+        c.n_singles--;      /* the norm goes to the caller */
+    call_free(&c);
+    stack[0] = (StableIValue)(uintptr_t)norm;
+}
+
+// ---- update_scale(Tensor(a!) scale, Tensor(b!) growth_tracker,
+//                   Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor,
+//                   float backoff_factor, int growth_interval, int hysteresis,
+//                   float min_scale, float max_scale) ----
+
+struct scale_job {
+    float *scale;
+    int32_t *growth_tracker;
+    int32_t *hysteresis_tracker;
+    const float *found_inf;
+    struct ampc_scale_args args;
+};
+
+static ampc_status scale_on_cpu(void *j)
+{
+    struct scale_job *job = j;
+    return ampc_update_scale_cpu(job->scale, job->growth_tracker, job->hysteresis_tracker,
+                                 job->found_inf, &job->args);
+}
+
+static ampc_status scale_on_cuda(void *j, void *stream)
+{
+    struct scale_job *job = j;
+    return g_cuda->update_scale(job->scale, job->growth_tracker, job->hysteresis_tracker,
+                                job->found_inf, &job->args, stream);
+}
+
+static void check_scale_args(struct call *c, const struct ampc_scale_args *a)
+{
+    if (!(a->growth_factor > 0 && isfinite(a->growth_factor)))
+        fail(c, "growth_factor must be a positive finite number, got %g", a->growth_factor);
+    if (!(a->backoff_factor > 0 && isfinite(a->backoff_factor)))
+        fail(c, "backoff_factor must be a positive finite number, got %g", a->backoff_factor);
+    if (a->growth_interval < 1 || a->growth_interval > INT32_MAX)
+        fail(c, "growth_interval must be in [1, 2^31), got %lld", (long long)a->growth_interval);
+    if (a->hysteresis < 1 || a->hysteresis > INT32_MAX)
+        fail(c, "hysteresis must be in [1, 2^31), got %lld", (long long)a->hysteresis);
+    if (!(a->min_scale >= 0 && a->min_scale <= a->max_scale))
+        fail(c, "min_scale and max_scale must satisfy 0 <= min_scale <= max_scale, got %g "
+                "and %g", a->min_scale, a->max_scale);
+}
+
+static void scale_kernel(StableIValue *stack, int on_cuda)
+{
+    struct call c;
+    start(&c, "ampc.update_scale", on_cuda);
+    struct tensor *scale = take_tensor(&c, stack[0], "scale", 1);
+    struct tensor *growth = take_tensor(&c, stack[1], "growth_tracker", 1);
+    struct tensor *hyst = take_tensor(&c, stack[2], "hysteresis_tracker", 1);
+    struct tensor *found_inf = take_tensor(&c, stack[3], "found_inf", 0);
+    describe_all(&c);
+    struct scale_job job;
+    job.args.growth_factor = take_double(stack[4]);
+    job.args.backoff_factor = take_double(stack[5]);
+    job.args.growth_interval = (int64_t)stack[6];
+    job.args.hysteresis = (int64_t)stack[7];
+    job.args.min_scale = take_double(stack[8]);
+    job.args.max_scale = take_double(stack[9]);
+    check_scalar(&c, scale, aoti_torch_dtype_float32(), 0);
+    check_scalar(&c, growth, aoti_torch_dtype_int32(), 0);
+    check_scalar(&c, hyst, aoti_torch_dtype_int32(), job.args.hysteresis == 1);
+    check_scalar(&c, found_inf, aoti_torch_dtype_float32(), 0);
+    check_scale_args(&c, &job.args);
+    check_overlap(&c);
+    job.scale = scale->data;
+    job.growth_tracker = growth->data;
+    job.hysteresis_tracker = hyst->data;
+    job.found_inf = found_inf->data;
+    run(&c, scale_on_cpu, scale_on_cuda, &job);
+    call_free(&c);
+}
+
+// ---- boxed entry points ----
+
+static void cast_cpu(StableIValue *s, uint64_t n, uint64_t o) { cast_kernel(s, 0); }
+static void cast_cuda(StableIValue *s, uint64_t n, uint64_t o) { cast_kernel(s, 1); }
+static void unscale_cpu(StableIValue *s, uint64_t n, uint64_t o) { unscale_kernel(s, 0, 0); }
+static void unscale_cuda(StableIValue *s, uint64_t n, uint64_t o) { unscale_kernel(s, 1, 0); }
+static void norm_cpu(StableIValue *s, uint64_t n, uint64_t o) { unscale_kernel(s, 0, 1); }
+static void norm_cuda(StableIValue *s, uint64_t n, uint64_t o) { unscale_kernel(s, 1, 1); }
+static void scale_cpu(StableIValue *s, uint64_t n, uint64_t o) { scale_kernel(s, 0); }
+static void scale_cuda(StableIValue *s, uint64_t n, uint64_t o) { scale_kernel(s, 1); }
+
+struct op {
+    const char *schema;
+    const char *name;
+    void (*cpu)(StableIValue *, uint64_t, uint64_t);
+    void (*cuda)(StableIValue *, uint64_t, uint64_t);
+};
+
+static const struct op ops[] = {
+    { "cast(Tensor[] src, Tensor(a!)[] dst, bool stochastic=False, int seed=0) -> ()",
+      "cast", cast_cpu, cast_cuda },
+    { "unscale_check(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) -> ()",
+      "unscale_check", unscale_cpu, unscale_cuda },
+    { "check_norm(Tensor[] grads, Tensor(a!) found_inf, Tensor inv_scale) -> Tensor",
+      "check_norm", norm_cpu, norm_cuda },
+    { "update_scale(Tensor(a!) scale, Tensor(b!) growth_tracker, "
+      "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
+      "float backoff_factor, int growth_interval, int hysteresis, float min_scale, "
+      "float max_scale) -> ()",
+      "update_scale", scale_cpu, scale_cuda },
+};
+
+#define N_OPS ((int)(sizeof(ops) / sizeof(ops[0])))
+
+/* The library handles must live as long as the process: deleting one deregisters. */
+static TorchLibraryHandle g_def;
+static TorchLibraryHandle g_cpu;
+static TorchLibraryHandle g_cuda_impl;
+
+/* Defines the schemas and registers CPU and CUDA kernels; 0 on success, otherwise the
+ * number of the step that failed. Called once from Python after loading. */
+EXPORT int ampc_register(void)
+{
+    if (g_def)
+        return 0;
+    if (aoti_torch_abi_version() < AMPC_TORCH_ABI_VERSION)
+        return 1;
+    if (aoti_torch_library_init_def("ampc", __FILE__, __LINE__, &g_def))
+        return 2;
+    for (int i = 0; i < N_OPS; i++)
+        if (aoti_torch_library_def(g_def, ops[i].schema))
+            return 3;
+    if (aoti_torch_library_init_impl("ampc", "CPU", __FILE__, __LINE__, &g_cpu))
+        return 4;
+    if (aoti_torch_library_init_impl("ampc", "CUDA", __FILE__, __LINE__, &g_cuda_impl))
+        return 5;
+    for (int i = 0; i < N_OPS; i++) {
+        if (torch_library_impl(g_cpu, ops[i].name, ops[i].cpu, AMPC_TORCH_ABI_VERSION))
+            return 6;
+        if (torch_library_impl(g_cuda_impl, ops[i].name, ops[i].cuda, AMPC_TORCH_ABI_VERSION))
+            return 7;
+    }
+    return 0;
+}
+
+/* Hands over the CUDA library's launchers (csrc/cuda/api.cu). Until then a CUDA call
+ * raises a clear error instead of failing in the dispatcher. */
+EXPORT void ampc_set_cuda_api(const struct ampc_cuda_api *api)
+{
+    g_cuda = api;
+}

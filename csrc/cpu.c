@@ -1,0 +1,83 @@
+/*
+ * cpu.c: the chunked, threaded walk over a list of tensors (see cpu.h).
+ */
+#include <stdlib.h>
+
+#include "cpu.h"
+#include "torch_shim.h"
+
+/* Below this many elements a parallel region costs more than it saves. */
+#define SERIAL_ELEMS (1 << 17)
+
+struct walk {
+    const struct ampc_list *list;
+    const int64_t *first;       /* first[i] = number of the first chunk of tensor i */
+    const int64_t *index;       /* index[i] = list-wide index of tensor i's element 0 */
+    ampc_span_fn fn;
+    void *ctx;
+};
+
+int64_t ampc_dtype_size(ampc_dtype dtype)
+{
+    return dtype == AMPC_F32 ? 4 : 2;
+}
+
+int64_t ampc_chunk_count(const struct ampc_list *list)
+{
+    int64_t n = 0;
+    for (int64_t i = 0; i < list->count; i++)
+        n += (list->numel[i] + AMPC_CHUNK - 1) / AMPC_CHUNK;
+    return n;
+}
+
+/* Runs chunks [begin, end): find the tensor holding chunk `begin`, then walk on. */
+static void walk_range(int64_t begin, int64_t end, void *arg)
+{
+    const struct walk *w = arg;
+    int64_t lo = 0;
+    int64_t hi = w->list->count - 1;
+    while (lo < hi) {           /* last tensor whose first chunk is <= begin */
+        int64_t mid = (lo + hi + 1) / 2;
+        if (w->first[mid] <= begin)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    for (int64_t t = lo, c = begin; c < end; t++) {
+        int64_t numel = w->list->numel[t];
+        for (; c < end && c < w->first[t + 1]; c++) {
+            struct ampc_span s;
+            s.tensor = t;
+            s.begin = (c - w->first[t]) * AMPC_CHUNK;
+            s.end = s.begin + AMPC_CHUNK < numel ? s.begin + AMPC_CHUNK : numel;
+            s.chunk = c;
+            s.index = w->index[t] + s.begin;
+            w->fn(w->ctx, &s);
+        }
+    }
+}
+
+ampc_status ampc_for_each_chunk(const struct ampc_list *list, ampc_span_fn fn, void *ctx)
+{
+    int64_t count = list->count;
+    int64_t *first = malloc(sizeof(*first) * (size_t)(2 * count + 1));
+    if (!first)
+        return AMPC_ERR_NOMEM;
+    int64_t *index = first + count + 1;
+    int64_t total = 0;
+    first[0] = 0;
+    for (int64_t i = 0; i < count; i++) {
+        index[i] = total;
+        total += list->numel[i];
+        first[i + 1] = first[i] + (list->numel[i] + AMPC_CHUNK - 1) / AMPC_CHUNK;
+    }
+    struct walk w = { list, first, index, fn, ctx };
+    int64_t chunks = first[count];
+    ampc_status st = AMPC_OK;
+    if (chunks > 0 && total < SERIAL_ELEMS)
+        walk_range(0, chunks, &w);
+    else if (chunks > 0 && torch_parallel_for(0, chunks, 1, walk_range, &w) != 0)
+        st = AMPC_ERR_NOMEM;
+    free(first);
+    return st;
+}

@@ -1,0 +1,180 @@
+/*
+ * common.cuh: what every CUDA file of ampc shares.
+ *
+ * - error handling: a launcher turns a cudaError_t into an ampc_status with
+ *   ampc_cuda_status(), which also keeps the error's text for last_error() (per thread,
+ *   since two threads may drive two devices at once);
+ * - element access: fp32 is stored as float, fp16 and bf16 as uint16_t. Kernels move raw
+ *   bits (uint32_t, a 16-bit value in the low half) so that a same-dtype cast is a plain
+ *   copy, and convert with the functions of dtype.h, so the GPU computes bit for bit what
+ *   the CPU computes;
+ * - 16-byte vector loads and stores of 8 elements (one uint4 of a 16-bit type, two of fp32);
+ * - a deterministic block sum;
+ * - the launchers of each op (defined in cast.cu, unscale.cu, scale.cu) and the few torch
+ *   functions they call.
+ */
+#ifndef AMPC_CUDA_COMMON_CUH
+#define AMPC_CUDA_COMMON_CUH
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "ampc.h"
+#include "dtype.h"
+#include "torch_shim.h"     // defines: AOTITorchError, aoti_torch_get_current_cuda_stream
+
+#define CEIL_DIV(a, b) (((a) + (b) - 1) / (b))
+#define ELEM_SIZE(dt) ((dt) == AMPC_F32 ? 4 : 2)
+
+// ---- torch's CUDA caching allocator (libtorch_cuda), as declared in torch's shim.h ----
+
+extern "C" {
+AOTITorchError aoti_torch_cuda_caching_allocator_raw_alloc(uint64_t nbytes, void **ret_ptr);
+AOTITorchError aoti_torch_cuda_caching_allocator_raw_delete(void *ptr);
+}
+
+// ---- errors (api.cu) ----
+
+/* AMPC_OK for cudaSuccess; otherwise keeps the error's text and returns AMPC_ERR_CUDA. */
+ampc_status ampc_cuda_status(cudaError_t err);
+/* Keeps `msg` as the last error text and returns `st`, for failures that are not CUDA's. */
+ampc_status ampc_cuda_fail(ampc_status st, const char *msg);
+const char *ampc_cuda_last_error(void);
+
+// ---- launchers (same contracts as the _cpu functions of ampc.h, plus the stream) ----
+
+extern "C" {
+ampc_status ampc_cast_cuda_impl(const struct ampc_list *dst, const struct ampc_list *src,
+                                const struct ampc_cast_args *args, void *stream);
+ampc_status ampc_unscale_check_cuda_impl(const struct ampc_list *grads, float *found_inf,
+                                         const float *inv_scale, void *stream);
+ampc_status ampc_check_norm_cuda_impl(const struct ampc_list *grads, float *found_inf,
+                                      float *norm, const float *inv_scale, void *stream);
+ampc_status ampc_update_scale_cuda_impl(float *scale, int32_t *growth_tracker,
+                                        int32_t *hysteresis_tracker, const float *found_inf,
+                                        const struct ampc_scale_args *args, void *stream);
+}
+
+// ---- element access ----
+
+/* The value of raw bits x of dtype DT, exactly. */
+template <ampc_dtype DT>
+__device__ __forceinline__ float to_f32(uint32_t x)
+{
+    if (DT == AMPC_F32)
+        return ampc_bits_f32(x);
+    if (DT == AMPC_F16)
+        return ampc_f16_to_f32((uint16_t)x);
+    return ampc_bf16_to_f32((uint16_t)x);
+}
+
+/* The raw bits of f rounded to dtype DT, to nearest even. */
+template <ampc_dtype DT>
+__device__ __forceinline__ uint32_t from_f32(float f)
+{
+    if (DT == AMPC_F32)
+        return ampc_f32_bits(f);
+    if (DT == AMPC_F16)
+        return ampc_f32_to_f16(f);
+    return ampc_f32_to_bf16(f);
+}
+
+/* p advanced by i elements of dtype DT. */
+template <ampc_dtype DT>
+__device__ __forceinline__ char *elem_ptr(void *p, int64_t i)
+{
+    return (char *)p + i * ELEM_SIZE(DT);
+}
+
+template <ampc_dtype DT>
+__device__ __forceinline__ uint32_t load1(const void *p, int i)
+{
+    if (DT == AMPC_F32)
+        return ((const uint32_t *)p)[i];
+    return ((const uint16_t *)p)[i];
+}
+
+template <ampc_dtype DT>
+__device__ __forceinline__ void store1(void *p, int i, uint32_t x)
+{
+    if (DT == AMPC_F32)
+        ((uint32_t *)p)[i] = x;
+    else
+        ((uint16_t *)p)[i] = (uint16_t)x;
+}
+
+/* True when p can move as 16-byte vectors (load8, store8). */
+__device__ __forceinline__ bool vec_ok(const void *p)
+{
+    return ((uintptr_t)p & 15) == 0;
+}
+
+/* v[0..8) = raw bits of elements [8u, 8u + 8) of p; p must pass vec_ok. */
+template <ampc_dtype DT>
+__device__ __forceinline__ void load8(uint32_t v[8], const void *p, int u)
+{
+    if (DT == AMPC_F32) {
+        const uint4 *q = (const uint4 *)p + 2 * u;
+        uint4 a = q[0];
+        uint4 b = q[1];
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    } else {
+        uint4 a = ((const uint4 *)p)[u];
+        uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {   /* little endian: element 2j is the low half */
+            v[2 * j] = w[j] & 0xffffu;
+            v[2 * j + 1] = w[j] >> 16;
+        }
+    }
+}
+
+/* Elements [8u, 8u + 8) of p = raw bits v[0..8); p must pass vec_ok. */
+template <ampc_dtype DT>
+__device__ __forceinline__ void store8(void *p, int u, const uint32_t v[8])
+{
+    if (DT == AMPC_F32) {
+        uint4 *q = (uint4 *)p + 2 * u;
+        q[0] = make_uint4(v[0], v[1], v[2], v[3]);
+        q[1] = make_uint4(v[4], v[5], v[6], v[7]);
+    } else {
+        ((uint4 *)p)[u] = make_uint4(v[0] | v[1] << 16, v[2] | v[3] << 16,
+                                     v[4] | v[5] << 16, v[6] | v[7] << 16);
+    }
+}
+
+/* True for inf and nan. */
+__device__ __forceinline__ bool non_finite(float f)
+{
+    return (ampc_f32_bits(f) & 0x7f800000u) == 0x7f800000u;
+}
+
+// ---- reductions ----
+
+/*
+ * Sum of v over the block, valid in thread 0. The tree (warp shuffles, then one warp over
+ * the warp sums) is fixed, so the result depends only on the inputs of each thread.
+ * blockDim.x must be a multiple of 32; call at most once per kernel (shared scratch).
+ */
+template <typename T>
+__device__ T block_sum(T v)
+{
+    __shared__ T warp_sums[32];
+    int lane = threadIdx.x % 32;
+    int warp = threadIdx.x / 32;
+
+    for (int o = 16; o > 0; o /= 2)
+        v += __shfl_down_sync(0xffffffffu, v, o);
+    if (lane == 0)
+        warp_sums[warp] = v;
+    __syncthreads();
+    if (warp != 0)
+        return 0;
+    v = lane < (int)blockDim.x / 32 ? warp_sums[lane] : (T)0;
+    for (int o = 16; o > 0; o /= 2)
+        v += __shfl_down_sync(0xffffffffu, v, o);
+    return v;
+}
+
+#endif /* AMPC_CUDA_COMMON_CUH */

@@ -1,0 +1,142 @@
+/*
+ * dtype.h: per-element conversions between fp32, fp16 and bf16, shared by the CPU
+ * and the CUDA code (AMPC_HD marks them __host__ __device__ under nvcc).
+ *
+ * Down-conversions round to nearest, ties to even (IEEE 754 default), so the results
+ * are bit-identical to torch's Tensor.to() for every non-NaN input; a NaN stays a NaN
+ * (its payload bits may differ from torch's, which itself differs between its scalar
+ * and vector paths). fp16 overflow goes to inf, fp16 subnormals are produced exactly.
+ * Up-conversions are exact.
+ *
+ * Stochastic rounding follows Note [stochastic rounding] in ampc.h.
+ */
+#ifndef AMPC_DTYPE_H
+#define AMPC_DTYPE_H
+
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __CUDACC__
+#define AMPC_HD __host__ __device__ __forceinline__
+#else
+#define AMPC_HD static inline __attribute__((always_inline))
+#endif
+
+AMPC_HD uint32_t ampc_f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    return u;
+}
+
+AMPC_HD float ampc_bits_f32(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+// ---- up-conversions (exact) ----
+
+AMPC_HD float ampc_bf16_to_f32(uint16_t h)
+{
+    return ampc_bits_f32((uint32_t)h << 16);
+}
+
+AMPC_HD float ampc_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f;
+    uint32_t man = h & 0x3ff;
+    if (exp == 0x1f)                        /* inf or nan: widen the payload */
+        return ampc_bits_f32(sign | 0x7f800000u | (man << 13));
+    if (exp == 0) {                         /* zero or subnormal: man * 2^-24, exact */
+        float f = (float)man * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    return ampc_bits_f32(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+// ---- down-conversions, round to nearest even ----
+
+AMPC_HD uint16_t ampc_f32_to_bf16(float f)
+{
+    uint32_t u = ampc_f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u)    /* nan: keep it a quiet nan */
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1);         /* ties go to the even neighbour */
+    return (uint16_t)(u >> 16);
+}
+
+AMPC_HD uint16_t ampc_f32_to_f16(float f)
+{
+    uint32_t u = ampc_f32_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u)                    /* nan */
+        return (uint16_t)(sign | 0x7e00 | ((a >> 13) & 0x3ff));
+    if (a >= 0x477ff000u)                   /* rounds past 65504: inf */
+        return (uint16_t)(sign | 0x7c00);
+    if (a < 0x38800000u) {                  /* below 2^-14: subnormal or zero */
+        /* Adding 0.5 moves the value's bits to where fp32 rounding (to nearest even)
+         * leaves exactly the fp16 subnormal mantissa in the low bits. */
+        float r = ampc_bits_f32(a) + 0.5f;
+        return (uint16_t)(sign | (uint16_t)(ampc_f32_bits(r) - 0x3f000000u));
+    }
+    uint32_t odd = (a >> 13) & 1;
+    a += 0xc8000fffu + odd;                 /* rebias exponent (-112 << 23) and round */
+    return (uint16_t)(sign | (uint16_t)(a >> 13));
+}
+
+// ---- stochastic rounding ----
+
+/* A 32-bit integer mixer (good avalanche, cheap, vectorizes). */
+AMPC_HD uint32_t ampc_mix32(uint32_t x)
+{
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+/* The random bits for element `index` of a list, see Note [stochastic rounding]. */
+AMPC_HD uint32_t ampc_random_bits(uint64_t seed, uint64_t index)
+{
+    uint32_t key = ampc_mix32((uint32_t)(seed >> 32) ^ ampc_mix32((uint32_t)(index >> 32)));
+    return ampc_mix32((uint32_t)index ^ ampc_mix32(key ^ (uint32_t)seed));
+}
+
+/* bf16 keeps the top 16 bits: adding 16 random bits below them carries into the kept
+ * part with probability (dropped bits) / 2^16, which is the distance ratio. */
+AMPC_HD uint16_t ampc_f32_to_bf16_sr(float f, uint32_t rnd)
+{
+    uint32_t u = ampc_f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + (rnd >> 16)) >> 16);
+}
+
+/* fp16: take the neighbour toward zero (lo) and the next one away (lo + 1 ulp), and go
+ * away when the distance past lo exceeds u * ulp, u = rnd / 2^32 in [0, 1). Both sides
+ * of the comparison are exact in fp32, so the probability is exactly distance / ulp. */
+AMPC_HD uint16_t ampc_f32_to_f16_sr(float f, uint32_t rnd)
+{
+    uint32_t u = ampc_f32_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    float a = ampc_bits_f32(u & 0x7fffffffu);
+    if (!(a < ampc_bits_f32(0x7f800000u)))  /* inf or nan: as round to nearest */
+        return ampc_f32_to_f16(f);
+    uint16_t lo = (uint16_t)(ampc_f32_to_f16(a) & 0x7fff);
+    if (ampc_f16_to_f32(lo) > a)            /* rounded up: step back toward zero */
+        lo = (uint16_t)(lo - 1);
+    float lo_f = ampc_f16_to_f32(lo);
+    /* the step past 65504 is 32 (to 65536, which is inf in fp16) */
+    float ulp = lo == 0x7bff ? 32.0f : ampc_f16_to_f32((uint16_t)(lo + 1)) - lo_f;
+    float u01 = (float)(rnd >> 8) * 5.9604644775390625e-8f;  /* 24 random bits / 2^24 */
+    uint16_t away = (a - lo_f) > u01 * ulp;
+    return (uint16_t)(sign | (uint16_t)(lo + away));
+}
+
+#endif /* AMPC_DTYPE_H */

@@ -1,0 +1,51 @@
+/*
+ * scale.h: one step of dynamic loss scaling, shared by the CPU and the CUDA code.
+ *
+ * With hysteresis = 1, min_scale = 0 and max_scale = inf this is exactly torch's
+ * _amp_update_scale_ (aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp):
+ *   non-finite step (found_inf != 0): scale *= backoff_factor, growth_tracker = 0;
+ *   clean step: growth_tracker += 1, and when it reaches growth_interval:
+ *               scale *= growth_factor if the result is finite, growth_tracker = 0.
+ * The products are taken in double and rounded once to float, as torch does.
+ *
+ * Hysteresis (Megatron/apex style): a non-finite step first decrements
+ * hysteresis_tracker; the scale backs off only once it reaches 0. A clean step
+ * resets it to `hysteresis`. min_scale and max_scale clamp the result.
+ */
+#ifndef AMPC_SCALE_H
+#define AMPC_SCALE_H
+
+#include "ampc.h"
+#include "dtype.h"
+
+AMPC_HD void ampc_update_scale_step(float *scale, int32_t *growth_tracker,
+                                    int32_t *hysteresis_tracker, float found_inf,
+                                    const struct ampc_scale_args *a)
+{
+    if (found_inf != 0.0f) {
+        if (a->hysteresis > 1) {
+            *hysteresis_tracker -= 1;
+            if (*hysteresis_tracker > 0) {
+                *growth_tracker = 0;
+                return;
+            }
+        }
+        float s = (float)((double)*scale * a->backoff_factor);
+        *scale = (double)s < a->min_scale ? (float)a->min_scale : s;
+        *growth_tracker = 0;
+        return;
+    }
+    int32_t successful = *growth_tracker + 1;
+    if (successful == a->growth_interval) {
+        float s = (float)((double)*scale * a->growth_factor);
+        if ((ampc_f32_bits(s) & 0x7f800000u) != 0x7f800000u)      /* finite */
+            *scale = (double)s > a->max_scale ? (float)a->max_scale : s;
+        *growth_tracker = 0;
+    } else {
+        *growth_tracker = successful;
+    }
+    if (a->hysteresis > 1)
+        *hysteresis_tracker = (int32_t)a->hysteresis;
+}
+
+#endif /* AMPC_SCALE_H */

@@ -1,0 +1,71 @@
+"""Builds ampc's two shared libraries; neither needs torch to build.
+
+ampc/libampc.so       the C kernels and the binding (csrc/*.c), compiled as C11.
+ampc/libampc_cuda.so  the CUDA kernels (csrc/cuda/*.cu), only when nvcc is on the PATH.
+
+Both are loaded with ctypes by ampc/_lib.py after `import torch`, and resolve torch's
+stable C ABI symbols against the libtorch that is already loaded, so one build works
+with every torch from 2.10 on. DEBUG=1 builds with -O0 -g.
+"""
+import glob
+import os
+import shutil
+import subprocess
+import sysconfig
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+DEBUG = os.environ.get("DEBUG") == "1"
+C_FLAGS = ["-std=c11", "-fexceptions", "-fvisibility=hidden", "-Wall", "-Wextra",
+           "-Wno-unused-parameter"] + (["-O0", "-g"] if DEBUG else ["-O3"])
+NVCC_FLAGS = ["-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+              "-gencode", "arch=compute_80,code=sm_80",
+              "-gencode", "arch=compute_90,code=sm_90",
+              "-gencode", "arch=compute_90,code=compute_90",
+              "-Icsrc"] + (["-O0", "-g"] if DEBUG else ["-O3"])
+
+
+class BuildLibraries(build_ext):
+    """Plain shared libraries (no Python module init), named libampc*.so."""
+
+    def get_ext_filename(self, ext_name):
+        return os.path.join(*ext_name.split(".")) + ".so"
+
+    def build_extensions(self):
+        # distutils adds Python's own CFLAGS (-O2, -DNDEBUG ...); keep only what we ask for
+        self.compiler.compiler_so = [self.compiler.compiler_so[0], "-fPIC"]
+        super().build_extensions()
+        self.build_cuda()
+
+    def build_cuda(self):
+        nvcc = shutil.which("nvcc")
+        sources = sorted(glob.glob("csrc/cuda/*.cu"))
+        if not sources:
+            return
+        if nvcc is None:
+            print("ampc: nvcc not found, building the CPU kernels only")
+            return
+        out = os.path.join(self.build_lib if not self.inplace else ".", "ampc", "libampc_cuda.so")
+        tmp = os.path.join(self.build_temp, "cuda")
+        os.makedirs(tmp, exist_ok=True)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        objects = []
+        for src in sources:
+            obj = os.path.join(tmp, os.path.basename(src) + ".o")
+            deps = [src] + glob.glob("csrc/*.h") + glob.glob("csrc/cuda/*.cuh")
+            if not os.path.exists(obj) or os.path.getmtime(obj) < max(map(os.path.getmtime, deps)):
+                print(f"nvcc {src}")
+                subprocess.check_call([nvcc, *NVCC_FLAGS, "-c", src, "-o", obj])
+            objects.append(obj)
+        subprocess.check_call([nvcc, "-shared", "-o", out, *objects])
+
+
+setup(
+    ext_modules=[
+        Extension("ampc.libampc", sources=sorted(glob.glob("csrc/*.c")),
+                  include_dirs=["csrc"], extra_compile_args=C_FLAGS,
+                  extra_link_args=["-lm"]),
+    ],
+    cmdclass={"build_ext": BuildLibraries},
+)
