@@ -64,7 +64,8 @@ class BuildLibraries(build_ext):
 setup(
     ext_modules=[
         Extension("ampc.libampc", sources=sorted(glob.glob("csrc/*.c")),
-                  include_dirs=["csrc"], extra_compile_args=C_FLAGS,
+                  include_dirs=["csrc"], depends=sorted(glob.glob("csrc/*.h")),
+                  extra_compile_args=C_FLAGS,
                   extra_link_args=["-lm"]),
     ],
     cmdclass={"build_ext": BuildLibraries},

@@ -169,23 +169,40 @@ def update_scale(scale, growth_tracker, found_inf, growth_factor, backoff_factor
 
 
 # ---- fake kernels: shapes only, for torch.compile and meta tensors ----
+# They check devices like the real kernels do: a meta tensor mixed into a call on real
+# tensors lands here, and must not pass silently.
+
+def _same_device(op, **args):
+    first = None
+    for name, value in args.items():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for i, t in enumerate(items):
+            label = f"{name}[{i}]" if isinstance(value, (list, tuple)) else name
+            if first is None:
+                first = (label, t.device)
+            elif t.device != first[1]:
+                raise RuntimeError(f"ampc.{op}: {label} must be on {first[1]} like "
+                                   f"{first[0]}, got {t.device}")
+
 
 @torch.library.register_fake("ampc::cast")
 def _cast_fake(src, dst, stochastic=False, seed=0):
-    return None
+    _same_device("cast", src=src, dst=dst)
 
 
 @torch.library.register_fake("ampc::unscale_check")
 def _unscale_check_fake(grads, found_inf, inv_scale):
-    return None
+    _same_device("unscale_check", grads=grads, found_inf=found_inf, inv_scale=inv_scale)
 
 
 @torch.library.register_fake("ampc::check_norm")
 def _check_norm_fake(grads, found_inf, inv_scale):
+    _same_device("check_norm", grads=grads, found_inf=found_inf, inv_scale=inv_scale)
     return found_inf.new_empty(())
 
 
 @torch.library.register_fake("ampc::update_scale")
 def _update_scale_fake(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
                        backoff_factor, growth_interval, hysteresis, min_scale, max_scale):
-    return None
+    _same_device("update_scale", scale=scale, growth_tracker=growth_tracker,
+                 hysteresis_tracker=hysteresis_tracker, found_inf=found_inf)

@@ -1,0 +1,103 @@
+/*
+ * cast.cu: dst[i] = src[i] converted to dst's dtype, for every pair of fp32/fp16/bf16,
+ * over whole tensor lists. The CUDA twin of ampc_cast_cpu: same dtype is a plain copy of
+ * the bits, widening is exact, narrowing rounds to nearest even (bit-identical to
+ * Tensor.to) or stochastically with the random bits ampc_random_bits(seed, k) of list
+ * element k (Note [stochastic rounding] in ampc.h), so CPU and GPU results match exactly.
+ *
+ * Launch shape: multi_tensor.cuh (one 512-thread block per 65536-element chunk). When both
+ * chunk starts are 16-byte aligned, each thread moves MT_ILP vectors of 8 elements at once
+ * (all loads issued before the first store, to keep enough bytes in flight); a storage
+ * offset that breaks alignment sends the chunk down a plain element-per-thread loop.
+ */
+#include "common.cuh"
+#include "multi_tensor.cuh"
+
+/* Element k of the list, raw bits of dtype S to raw bits of dtype D. */
+template <ampc_dtype S, ampc_dtype D>
+__device__ __forceinline__ uint32_t cast1(uint32_t x, int stochastic, uint64_t seed, uint64_t k)
+{
+    if (S == D)
+        return x;
+    float f = to_f32<S>(x);
+    if (D == AMPC_F32 || !stochastic)
+        return from_f32<D>(f);
+    uint32_t rnd = ampc_random_bits(seed, k);
+    return D == AMPC_F16 ? ampc_f32_to_f16_sr(f, rnd) : ampc_f32_to_bf16_sr(f, rnd);
+}
+
+template <ampc_dtype S, ampc_dtype D>
+__global__ void __launch_bounds__(MT_THREADS)
+cast_kernel(const __grid_constant__ struct mt_table tab, int stochastic, uint64_t seed)
+{
+    int64_t start;
+    int len;
+    int t = mt_chunk(&tab, &start, &len);
+    char *dst = elem_ptr<D>(tab.ptr[0][t], start);
+    const char *src = elem_ptr<S>(tab.ptr[1][t], start);
+    uint64_t k0 = (uint64_t)(tab.first[t] + start);   /* list index of the chunk's element 0 */
+    int tail = 0;
+
+    if (vec_ok(dst) && vec_ok(src)) {
+        int nvec = len / 8;
+        for (int u0 = threadIdx.x; u0 < nvec; u0 += MT_THREADS * MT_ILP) {
+            uint32_t v[MT_ILP][8];
+#pragma unroll
+            for (int j = 0; j < MT_ILP; j++)
+                if (u0 + j * MT_THREADS < nvec)
+                    load8<S>(v[j], src, u0 + j * MT_THREADS);
+#pragma unroll
+            for (int j = 0; j < MT_ILP; j++) {
+                int u = u0 + j * MT_THREADS;
+                if (u >= nvec)
+                    break;
+#pragma unroll
+                for (int e = 0; e < 8; e++)
+                    v[j][e] = cast1<S, D>(v[j][e], stochastic, seed, k0 + 8 * u + e);
+                store8<D>(dst, u, v[j]);
+            }
+        }
+        tail = nvec * 8;
+    }
+    for (int i = tail + threadIdx.x; i < len; i += MT_THREADS)
+        store1<D>(dst, i, cast1<S, D>(load1<S>(src, i), stochastic, seed, k0 + i));
+}
+
+typedef void (*cast_kernel_fn)(const struct mt_table, int, uint64_t);
+
+/* [src dtype][dst dtype], in ampc_dtype order */
+static const cast_kernel_fn cast_kernels[3][3] = {
+    {cast_kernel<AMPC_F32, AMPC_F32>, cast_kernel<AMPC_F32, AMPC_F16>,
+     cast_kernel<AMPC_F32, AMPC_BF16>},
+    {cast_kernel<AMPC_F16, AMPC_F32>, cast_kernel<AMPC_F16, AMPC_F16>,
+     cast_kernel<AMPC_F16, AMPC_BF16>},
+    {cast_kernel<AMPC_BF16, AMPC_F32>, cast_kernel<AMPC_BF16, AMPC_F16>,
+     cast_kernel<AMPC_BF16, AMPC_BF16>},
+};
+
+struct cast_ctx {
+    cast_kernel_fn kernel;
+    int stochastic;
+    uint64_t seed;
+    cudaStream_t stream;
+};
+
+static ampc_status cast_launch(const struct mt_table *tab, int nblocks, void *ctx)
+{
+    const struct cast_ctx *c = (const struct cast_ctx *)ctx;
+    c->kernel<<<nblocks, MT_THREADS, 0, c->stream>>>(*tab, c->stochastic, c->seed);
+    return ampc_cuda_status(cudaGetLastError());
+}
+
+extern "C" ampc_status ampc_cast_cuda_impl(const struct ampc_list *dst,
+                                           const struct ampc_list *src,
+                                           const struct ampc_cast_args *args, void *stream)
+{
+    struct cast_ctx c;
+
+    c.kernel = cast_kernels[src->dtype][dst->dtype];
+    c.stochastic = args->stochastic;
+    c.seed = args->seed;
+    c.stream = (cudaStream_t)stream;
+    return mt_apply(dst, src, cast_launch, &c);
+}

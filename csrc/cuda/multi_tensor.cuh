@@ -1,0 +1,122 @@
+/*
+ * multi_tensor.cuh: run one kernel over every element of a list of tensors (or of two
+ * lists walked in step, as dst and src of a cast) in a few launches.
+ *
+ * Launch shape: every tensor is cut into chunks of MT_CHUNK elements; one block of
+ * MT_THREADS threads works on one chunk. A launch covers up to MT_MAX_TENSORS consecutive
+ * non-empty tensors with all their chunks (one launch for a single huge tensor), so the
+ * grid has one block per chunk. Its table (pointers, numel, the list index of each
+ * tensor's element 0, the first block of each tensor) travels by value as the kernel
+ * argument: under the 4 KB that every GPU and driver accepts, with no copy to the device
+ * and nothing to free, so the launches can be captured in a CUDA graph. A block finds its
+ * tensor with a binary search of the first-block column (all threads read the same
+ * constant-bank words). Empty tensors are skipped and take no slot, which also keeps the
+ * search valid. Sizes and offsets are 64-bit: a tensor may exceed 2^31 elements.
+ */
+#ifndef AMPC_CUDA_MULTI_TENSOR_CUH
+#define AMPC_CUDA_MULTI_TENSOR_CUH
+
+#include <limits.h>
+#include <string.h>
+
+#include "common.cuh"
+
+#define MT_CHUNK 65536          /* elements per block: a multiple of 8, so chunks stay aligned */
+#define MT_THREADS 512
+#define MT_ILP 4                /* 16-byte vectors in flight per thread */
+#define MT_MAX_TENSORS 96
+
+struct mt_table {
+    void *ptr[2][MT_MAX_TENSORS];       /* [0]: first list (the written one), [1]: second */
+    int64_t numel[MT_MAX_TENSORS];
+    int64_t first[MT_MAX_TENSORS];      /* list index of element 0 (Note [stochastic rounding]) */
+    int32_t block_start[MT_MAX_TENSORS];    /* first block of the launch on this tensor */
+    int32_t count;
+    int64_t block_offset;               /* blocks of the earlier launches for the same list */
+};
+
+/* Leaves room for the kernels' other arguments within the 4 KB argument limit. */
+static_assert(sizeof(struct mt_table) <= 4096 - 256, "mt_table too large for a kernel argument");
+
+/*
+ * The chunk of the calling block: returns its tensor's slot t and sets *start (element
+ * offset in tensor t) and *len (1..MT_CHUNK). Element i of the chunk has list index
+ * tab->first[t] + *start + i.
+ */
+__device__ __forceinline__ int mt_chunk(const struct mt_table *tab, int64_t *start, int *len)
+{
+    int block = (int)blockIdx.x;
+    int lo = 0;
+    int hi = tab->count - 1;
+
+    while (lo < hi) {           /* the last tensor whose first block is <= block */
+        int mid = (lo + hi + 1) / 2;
+        if (tab->block_start[mid] <= block)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    *start = (int64_t)(block - tab->block_start[lo]) * MT_CHUNK;
+    int64_t left = tab->numel[lo] - *start;
+    *len = left < MT_CHUNK ? (int)left : MT_CHUNK;
+    return lo;
+}
+
+static inline int64_t mt_chunks(int64_t numel)
+{
+    return CEIL_DIV(numel, (int64_t)MT_CHUNK);
+}
+
+/* Chunks (blocks) needed for a whole list. */
+static inline int64_t mt_list_chunks(const struct ampc_list *a)
+{
+    int64_t n = 0;
+    for (int64_t i = 0; i < a->count; i++)
+        n += mt_chunks(a->numel[i]);
+    return n;
+}
+
+/* Launches one kernel for `tab` with `nblocks` blocks; returns the launch's status. */
+typedef ampc_status (*mt_launch_fn)(const struct mt_table *tab, int nblocks, void *ctx);
+
+/*
+ * Fills tables from list a (and b, same numels, or NULL) and calls launch() for each
+ * full one and for the last. Nothing is launched for a list without elements.
+ */
+static inline ampc_status mt_apply(const struct ampc_list *a, const struct ampc_list *b,
+                                   mt_launch_fn launch, void *ctx)
+{
+    struct mt_table tab;
+    int64_t first = 0;
+    int blocks = 0;
+
+    memset(&tab, 0, sizeof(tab));
+    for (int64_t i = 0; i < a->count; i++) {
+        int64_t n = a->numel[i];
+        int64_t chunks = mt_chunks(n);
+        if (n == 0)
+            continue;
+        /* A tensor's chunks always fit one grid: INT_MAX chunks would be 2^47 elements. */
+        if (tab.count == MT_MAX_TENSORS || (tab.count > 0 && chunks > INT_MAX - blocks)) {
+            ampc_status st = launch(&tab, blocks, ctx);
+            if (st != AMPC_OK)
+                return st;
+            tab.block_offset += blocks;
+            tab.count = 0;
+            blocks = 0;
+        }
+        int t = tab.count++;
+        tab.ptr[0][t] = a->ptr[i];
+        tab.ptr[1][t] = b ? b->ptr[i] : NULL;
+        tab.numel[t] = n;
+        tab.first[t] = first;
+        tab.block_start[t] = blocks;
+        blocks += (int)chunks;
+        first += n;
+    }
+    if (tab.count == 0)
+        return AMPC_OK;
+    return launch(&tab, blocks, ctx);
+}
+
+#endif /* AMPC_CUDA_MULTI_TENSOR_CUH */

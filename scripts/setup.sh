@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Sets up .venv (torch 2.14.1, pytest, numpy) and builds ampc into it from source.
+# Idempotent: a second run only rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch, pytest, numpy; assert torch.__version__.startswith('2.14.1')" 2>/dev/null; then
+    .venv/bin/pip install -q torch==2.14.1 pytest numpy
+fi
+# No build isolation: the build needs only setuptools, and isolation could pull a torch.
+.venv/bin/pip install -q --no-build-isolation --no-deps -e .

@@ -1,0 +1,261 @@
+"""Bad input: every case raises an error that names the op and the argument, and
+leaves every tensor it was given unchanged (the checks run before any write)."""
+import pytest
+import torch
+
+import ampc
+
+f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+
+
+def scalar(value=0.0, dtype=f32):
+    return torch.full((1,), value, dtype=dtype)
+
+
+def raw_cast(src, dst):
+    return lambda: torch.ops.ampc.cast(src, dst, False, 0)
+
+
+def raw_unscale(grads, found_inf=None, inv_scale=None):
+    found_inf = scalar() if found_inf is None else found_inf
+    inv_scale = scalar(0.5) if inv_scale is None else inv_scale
+    return lambda: torch.ops.ampc.unscale_check(grads, found_inf, inv_scale)
+
+
+def raw_norm(grads, found_inf, inv_scale):
+    return lambda: torch.ops.ampc.check_norm(grads, found_inf, inv_scale)
+
+
+def raw_scale(scale=None, growth=None, hyst=None, found_inf=None, growth_factor=2.0,
+              backoff_factor=0.5, growth_interval=10, hysteresis=1, min_scale=0.0,
+              max_scale=float("inf")):
+    scale = scalar(1024.0) if scale is None else scale
+    growth = torch.zeros(1, dtype=torch.int32) if growth is None else growth
+    hyst = torch.ones(1, dtype=torch.int32) if hyst is None else hyst
+    found_inf = scalar(1.0) if found_inf is None else found_inf
+    return lambda: torch.ops.ampc.update_scale(scale, growth, hyst, found_inf, growth_factor,
+                                               backoff_factor, growth_interval, hysteresis,
+                                               min_scale, max_scale)
+
+
+def case_cast_src_dtype():
+    src = [torch.randn(5), torch.randn(5, dtype=torch.float64)]
+    dst = [torch.zeros(5, dtype=bf16), torch.zeros(5, dtype=bf16)]
+    return raw_cast(src, dst), src + dst, RuntimeError, r"^ampc\.cast: src\[1\] must be torch\.float32, torch\.float16 or torch\.bfloat16, got torch\.float64"
+
+
+def case_cast_dst_dtype():
+    src = [torch.randn(5)]
+    dst = [torch.zeros(5, dtype=torch.int32)]
+    return raw_cast(src, dst), src + dst, RuntimeError, r"^ampc\.cast: dst\[0\] must be torch\.float32, torch\.float16 or torch\.bfloat16, got torch\.int32"
+
+
+def case_cast_mixed_dtypes():
+    src = [torch.randn(5), torch.randn(5)]
+    dst = [torch.zeros(5, dtype=bf16), torch.zeros(5, dtype=f16)]
+    return raw_cast(src, dst), src + dst, RuntimeError, r"^ampc\.cast: dst\[1\] must be torch\.bfloat16 like dst\[0\], got torch\.float16"
+
+
+def case_cast_lengths():
+    src = [torch.randn(5), torch.randn(6)]
+    dst = [torch.zeros(5, dtype=bf16)]
+    return raw_cast(src, dst), src + dst, RuntimeError, r"^ampc\.cast: dst must have as many tensors as src \(2\), got 1"
+
+
+def case_cast_shapes():
+    src = [torch.randn(2, 3)]
+    dst = [torch.zeros(3, 2, dtype=bf16)]
+    return raw_cast(src, dst), src + dst, RuntimeError, r"^ampc\.cast: dst\[0\] must have the shape of src\[0\]"
+
+
+def case_cast_alias_dst_src():
+    buf = torch.randn(10)
+    src = [buf[:6]]
+    dst = [buf[4:10]]
+    return raw_cast(src, dst), [buf], RuntimeError, r"^ampc\.cast: (dst\[0\] overlaps src\[0\]|src\[0\] overlaps dst\[0\]|dst\[0\] overlaps src\[0\]) in memory"
+
+
+def case_cast_alias_dst_dst():
+    buf = torch.zeros(10, dtype=bf16)
+    src = [torch.randn(6), torch.randn(6)]
+    dst = [buf[:6], buf[4:]]
+    return raw_cast(src, dst), src + [buf], RuntimeError, r"^ampc\.cast: dst\[[01]\] overlaps dst\[[01]\] in memory"
+
+
+def case_cast_noncontiguous():
+    src = [torch.randn(4, 6).t()]
+    dst = [torch.zeros(6, 4, dtype=bf16)]
+    return raw_cast(src, dst), src + dst, RuntimeError, r"^ampc\.cast: src\[0\] must be contiguous"
+
+
+def case_cast_device():
+    src = [torch.randn(4)]
+    dst = [torch.zeros(4, dtype=bf16, device="meta")]
+    # a meta tensor among CPU ones goes to the fake kernel, which must refuse it by name
+    return raw_cast(src, dst), src, RuntimeError, r"^ampc\.cast: dst\[0\] must be on cpu like src\[0\], got meta"
+
+
+def case_cast_non_tensor():
+    src = [torch.randn(4), 3.0]
+    return (lambda: ampc.ops.cast(src, bf16)), src[:1], TypeError, r"^ampc\.cast: tensors\[1\] must be a Tensor, got float"
+
+
+def case_cast_bad_target():
+    src = [torch.randn(4)]
+    return (lambda: ampc.ops.cast(src, torch.float64)), src, TypeError, r"^ampc\.cast: dtype must be torch\.float32, torch\.float16 or torch\.bfloat16, got torch\.float64"
+
+
+def case_cast_not_a_list():
+    src = torch.randn(4)
+    return (lambda: ampc.ops.cast(src, bf16)), [src], TypeError, r"^ampc\.cast: tensors must be a list or tuple of tensors, got Tensor"
+
+
+def case_unscale_dtype():
+    grads = [torch.randn(5), torch.randn(5).double()]
+    return raw_unscale(grads), grads, RuntimeError, r"^ampc\.unscale_check: grads\[1\] must be torch\.float32, torch\.float16 or torch\.bfloat16, got torch\.float64"
+
+
+def case_unscale_mixed_raw():
+    grads = [torch.randn(5), torch.randn(5).half()]
+    return raw_unscale(grads), grads, RuntimeError, r"^ampc\.unscale_check: grads\[1\] must be torch\.float32 like grads\[0\], got torch\.float16"
+
+
+def case_unscale_found_inf_dtype():
+    grads = [torch.randn(5)]
+    found_inf = torch.zeros(1, dtype=torch.float64)
+    return raw_unscale(grads, found_inf), grads + [found_inf], RuntimeError, r"^ampc\.unscale_check: found_inf must be a 1-element torch\.float32 tensor, got torch\.float64 with 1 elements"
+
+
+def case_unscale_inv_scale_shape():
+    grads = [torch.randn(5)]
+    inv = torch.full((2,), 0.5)
+    return raw_unscale(grads, None, inv), grads + [inv], RuntimeError, r"^ampc\.unscale_check: inv_scale must be a 1-element torch\.float32 tensor, got torch\.float32 with 2 elements"
+
+
+def case_unscale_alias_grads():
+    buf = torch.randn(10)
+    grads = [buf[:6], buf[3:]]
+    return raw_unscale(grads), [buf], RuntimeError, r"^ampc\.unscale_check: grads\[[01]\] overlaps grads\[[01]\] in memory"
+
+
+def case_unscale_alias_found_inf():
+    grads = [torch.randn(5)]
+    found_inf = grads[0][2:3]
+    return raw_unscale(grads, found_inf), grads, RuntimeError, r"^ampc\.unscale_check: (grads\[0\] overlaps found_inf|found_inf overlaps grads\[0\]) in memory"
+
+
+def case_unscale_alias_inv_scale():
+    grads = [torch.randn(5)]
+    inv = grads[0][4:5]
+    return raw_unscale(grads, None, inv), grads, RuntimeError, r"^ampc\.unscale_check: (grads\[0\] overlaps inv_scale|inv_scale overlaps grads\[0\]) in memory"
+
+
+def case_unscale_noncontiguous():
+    grads = [torch.randn(6, 4)[:, 1]]
+    return raw_unscale(grads), grads, RuntimeError, r"^ampc\.unscale_check: grads\[0\] must be contiguous"
+
+
+def case_unscale_non_tensor():
+    grads = [torch.randn(5), None]
+    return (lambda: ampc.ops.unscale_check(grads, scalar(), scalar(0.5))), grads[:1], TypeError, r"^ampc\.unscale_check: grads\[1\] must be a Tensor, got NoneType"
+
+
+def case_unscale_found_inf_not_tensor():
+    grads = [torch.randn(5)]
+    return (lambda: ampc.ops.unscale_check(grads, 0.0, scalar(0.5))), grads, TypeError, r"^ampc\.unscale_check: found_inf must be a Tensor, got float"
+
+
+def case_norm_found_inf_int():
+    grads = [torch.randn(5)]
+    found_inf = torch.zeros(1, dtype=torch.int32)
+    return raw_norm(grads, found_inf, scalar(1.0)), grads + [found_inf], RuntimeError, r"^ampc\.check_norm: found_inf must be a 1-element torch\.float32 tensor, got torch\.int32"
+
+
+def case_scale_dtype():
+    scale = torch.full((1,), 4.0, dtype=torch.float64)
+    return raw_scale(scale=scale), [scale], RuntimeError, r"^ampc\.update_scale: scale must be a 1-element torch\.float32 tensor, got torch\.float64"
+
+
+def case_scale_tracker_dtype():
+    growth = torch.zeros(1, dtype=torch.int64)
+    return raw_scale(growth=growth), [growth], RuntimeError, r"^ampc\.update_scale: growth_tracker must be a 1-element torch\.int32 tensor, got torch\.int64"
+
+
+def case_scale_hysteresis_tracker_missing():
+    scale = scalar(8.0)
+    hyst = torch.empty(0, dtype=torch.int32)
+    return raw_scale(scale=scale, hyst=hyst, hysteresis=2), [scale], RuntimeError, r"^ampc\.update_scale: hysteresis_tracker must be a 1-element torch\.int32 tensor, got torch\.int32 with 0 elements"
+
+
+def case_scale_interval():
+    scale = scalar(8.0)
+    return raw_scale(scale=scale, growth_interval=0), [scale], RuntimeError, r"^ampc\.update_scale: growth_interval must be in \[1, 2\^31\), got 0"
+
+
+def case_scale_backoff():
+    scale = scalar(8.0)
+    return raw_scale(scale=scale, backoff_factor=float("nan")), [scale], RuntimeError, r"^ampc\.update_scale: backoff_factor must be a positive finite number, got nan"
+
+
+def case_scale_bounds():
+    scale = scalar(8.0)
+    return raw_scale(scale=scale, min_scale=4.0, max_scale=2.0), [scale], RuntimeError, r"^ampc\.update_scale: min_scale and max_scale must satisfy 0 <= min_scale <= max_scale, got 4 and 2"
+
+
+def case_scale_alias():
+    scale = scalar(8.0)
+    return raw_scale(scale=scale, found_inf=scale), [scale], RuntimeError, r"^ampc\.update_scale: (scale overlaps found_inf|found_inf overlaps scale) in memory"
+
+
+def case_scale_hysteresis_needs_tracker():
+    scale = scalar(8.0)
+    growth = torch.zeros(1, dtype=torch.int32)
+    call = lambda: ampc.ops.update_scale(scale, growth, scalar(1.0), 2.0, 0.5, 10, hysteresis=3)
+    return call, [scale, growth], ValueError, r"^ampc\.update_scale: hysteresis_tracker is required when hysteresis > 1"
+
+
+CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_raises_and_changes_nothing(name):
+    call, watched, exc, pattern = CASES[name]()
+    before = [t.clone() for t in watched if t.device.type != "meta"]
+    with pytest.raises(exc, match=pattern):
+        call()
+    after = [t for t in watched if t.device.type != "meta"]
+    for b, a in zip(before, after):
+        assert torch.equal(b.contiguous().view(torch.uint8), a.contiguous().view(torch.uint8)), \
+            f"{name} modified a tensor"
+
+
+def test_error_is_one_line_without_cpp_backtrace():
+    src = [torch.randn(3).double()]
+    with pytest.raises(RuntimeError) as info:
+        torch.ops.ampc.cast(src, [torch.zeros(3, dtype=bf16)], False, 0)
+    assert "\n" not in str(info.value).strip()
+    assert str(info.value).startswith("ampc.cast: src[0]")
+
+
+def test_schema_rejects_non_tensor_in_raw_op():
+    with pytest.raises((TypeError, RuntimeError), match=r"ampc::cast|src"):
+        torch.ops.ampc.cast([torch.randn(3), 1.0], [torch.zeros(3), torch.zeros(1)], False, 0)
+
+
+def test_failed_call_leaks_no_tensor():
+    # the kernel owns every handle it receives, on the error path too
+    src = torch.randn(1000)
+    import sys
+    refs = sys.getrefcount(src)
+    for _ in range(100):
+        with pytest.raises(RuntimeError):
+            torch.ops.ampc.cast([src], [torch.zeros(999, dtype=bf16)], False, 0)
+    assert sys.getrefcount(src) == refs
+    import weakref
+    dst = torch.zeros(1000, dtype=bf16)
+    ref = weakref.ref(dst)
+    with pytest.raises(RuntimeError):
+        torch.ops.ampc.cast([src.double()], [dst], False, 0)
+    del dst
+    assert ref() is None
