@@ -1,0 +1,82 @@
+"""What the build produced: plain C libraries on torch's stable C ABI only, the CUDA
+library whenever nvcc is there, and both loaded into the running torch."""
+import glob
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import ampc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIB = os.path.join(ROOT, "ampc", "libampc.so")
+CUDA_LIB = os.path.join(ROOT, "ampc", "libampc_cuda.so")
+# the stable C ABI, libc/libm and the gcc runtime; nothing from ATen or c10
+ALLOWED_UNDEFINED = re.compile(r"^(aoti_torch_\w+|torch_\w+|_ITM_\w+|__gmon_start__|__cxa_finalize"
+                               r"|__cpu_\w+|[a-z_0-9]+@GLIBC\S*|[a-z_0-9]+@GCC\S*)$")
+
+
+def symbols(path, kind):
+    out = subprocess.run(["nm", "-D", kind, path], check=True, capture_output=True,
+                         text=True).stdout
+    return [line.split()[-1] for line in out.splitlines() if line.strip()]
+
+
+needs_nm = pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm")
+
+
+@pytest.mark.smoke
+@needs_nm
+def test_library_exports_only_its_entry_points():
+    exported = [s for s in symbols(LIB, "--defined-only") if not s.startswith("_")]
+    assert sorted(exported) == ["ampc_register", "ampc_set_cuda_api"]
+
+
+@pytest.mark.smoke
+@needs_nm
+def test_library_needs_only_the_stable_abi():
+    undefined = symbols(LIB, "--undefined-only")
+    assert any(s.startswith("torch_library_impl") for s in undefined)
+    bad = [s for s in undefined if not ALLOWED_UNDEFINED.match(s)]
+    assert bad == [], f"symbols outside torch's stable C ABI: {bad}"
+
+
+def test_sources_use_no_aten_cpp_api():
+    banned = re.compile(r'#include\s*[<"](torch/extension\.h|ATen/|c10/|torch/library\.h)'
+                        r"|at::Tensor|TORCH_LIBRARY")
+    for path in glob.glob(os.path.join(ROOT, "csrc", "**", "*.*"), recursive=True):
+        with open(path) as f:
+            assert not banned.search(f.read()), path
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on the PATH")
+def test_cuda_library_was_built_with_nvcc_present():
+    # a CUDA source that does not compile fails the build; this catches a silent skip
+    assert os.path.exists(CUDA_LIB)
+
+
+@needs_nm
+@pytest.mark.skipif(not os.path.exists(CUDA_LIB), reason="built without nvcc")
+def test_cuda_library_exports_its_table_only():
+    exported = [s for s in symbols(CUDA_LIB, "--defined-only") if not s.startswith("_")]
+    assert exported == ["ampc_cuda_get_api"]
+    torch_symbols = [s for s in symbols(CUDA_LIB, "--undefined-only")
+                     if "torch" in s or s.startswith("_Z")]
+    assert all(s.startswith("aoti_torch_") for s in torch_symbols), torch_symbols
+
+
+@pytest.mark.smoke
+def test_cuda_kernels_loaded_exactly_when_torch_has_cuda():
+    expected = torch.version.cuda is not None and os.path.exists(CUDA_LIB)
+    assert ampc._lib.HAS_CUDA_KERNELS == expected
+
+
+@pytest.mark.smoke
+def test_ops_registered_for_cpu_and_cuda():
+    for op in ("cast", "unscale_check", "check_norm", "update_scale"):
+        packet = getattr(torch.ops.ampc, op)
+        for key in ("CPU", "CUDA"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(packet.default.name(), key), (op, key)
