@@ -46,7 +46,9 @@ class BuildLibraries(build_ext):
         if nvcc is None:
             print("ampc: nvcc not found, building the CPU kernels only")
             return
-        out = os.path.join(self.build_lib if not self.inplace else ".", "ampc", "libampc_cuda.so")
+        # in place (and for editable installs) next to the sources, else into the wheel
+        in_tree = self.inplace or getattr(self, "editable_mode", False)
+        out = os.path.join("." if in_tree else self.build_lib, "ampc", "libampc_cuda.so")
         tmp = os.path.join(self.build_temp, "cuda")
         os.makedirs(tmp, exist_ok=True)
         os.makedirs(os.path.dirname(out), exist_ok=True)

@@ -27,20 +27,28 @@ def _check_tensor(op, name, t):
         raise TypeError(f"ampc.{op}: {name} must be a Tensor, got {type(t).__name__}")
 
 
-def _groups(tensors):
-    """Indices of the tensors grouped by (device, dtype), in first-seen order."""
+def _mixed_dtypes(err, name):
+    """Whether the kernel refused the call only because list `name` mixes dtypes."""
+    msg = str(err)
+    return msg.startswith("ampc.") and f": {name}[" in msg and f" like {name}[0], got " in msg
+
+
+def _per_dtype(op, lists, call):
+    """Runs ``call(*lists)`` once when each list has one dtype (the fast path: no
+    per-tensor Python work), otherwise once per group of positions whose tensors share
+    their dtypes. The kernels check everything before writing, so a refused call
+    changed nothing and can be split and run again."""
+    try:
+        return [call(*lists.values())]
+    except (TypeError, RuntimeError) as err:
+        for name, tensors in lists.items():
+            _check_list(op, name, tensors)
+        if not any(_mixed_dtypes(err, name) for name in lists):
+            raise
     groups = defaultdict(list)
-    for i, t in enumerate(tensors):
-        groups[(t.device, t.dtype)].append(i)
-    return list(groups.values())
-
-
-def _split(tensors):
-    """The tensors as one list per (device, dtype): the ops take one dtype per list."""
-    groups = _groups(tensors)
-    if len(groups) == 1:
-        return [list(tensors)]
-    return [[tensors[i] for i in g] for g in groups]
+    for i, key in enumerate(zip(*[[t.dtype for t in ts] for ts in lists.values()])):
+        groups[key].append(i)
+    return [call(*[[ts[i] for i in g] for ts in lists.values()]) for g in groups.values()]
 
 
 def cast(tensors, dtype, *, stochastic=False, seed=0):
@@ -50,8 +58,9 @@ def cast(tensors, dtype, *, stochastic=False, seed=0):
     direction. By default rounds to nearest even, bit-identical to ``t.to(dtype)``.
     With ``stochastic=True`` a value rounds up or down at random with probabilities
     that make the result unbiased; the random bits depend only on ``seed`` and on the
-    element's position, counted across the tensors of one device and dtype, so a call
-    is reproducible on any thread count and on CPU and CUDA alike.
+    element's position, counted across the tensors of the call (across those that
+    share their dtype, when the inputs mix dtypes), so a call is reproducible on any
+    thread count and on CPU and CUDA alike.
 
     Args:
         tensors (list of Tensor): the inputs; non-contiguous ones are read through
@@ -70,9 +79,7 @@ def cast(tensors, dtype, *, stochastic=False, seed=0):
                         f"torch.bfloat16, got {dtype}")
     src = [t if t.is_contiguous() else t.contiguous() for t in tensors]
     dst = [torch.empty(t.shape, dtype=dtype, device=t.device) for t in src]
-    for group in _groups(src):
-        torch.ops.ampc.cast([src[i] for i in group], [dst[i] for i in group],
-                            bool(stochastic), int(seed))
+    cast_(dst, src, stochastic=stochastic, seed=seed)
     return dst
 
 
@@ -89,9 +96,8 @@ def cast_(dst, src, *, stochastic=False, seed=0):
         stochastic (bool): stochastic rounding instead of round to nearest. Default: False.
         seed (int): the seed of the stochastic rounding. Default: 0.
     """
-    _check_list("cast", "dst", dst)
-    _check_list("cast", "src", src)
-    torch.ops.ampc.cast(src, dst, bool(stochastic), int(seed))
+    _per_dtype("cast", {"src": src, "dst": dst},
+               lambda s, d: torch.ops.ampc.cast(s, d, bool(stochastic), int(seed)))
 
 
 def unscale_check(grads, found_inf, inv_scale, *, check_only=False):
@@ -117,18 +123,14 @@ def unscale_check(grads, found_inf, inv_scale, *, check_only=False):
         >>> found_inf = torch.zeros(1); inv_scale = torch.full((1,), 2.0 ** -16)
         >>> ampc.ops.unscale_check([p.grad for p in model.parameters()], found_inf, inv_scale)
     """
-    _check_list("unscale_check", "grads", grads)
     _check_tensor("unscale_check", "found_inf", found_inf)
     _check_tensor("unscale_check", "inv_scale", inv_scale)
-    parts = _split(grads)
+    op = torch.ops.ampc.check_norm if check_only else torch.ops.ampc.unscale_check
+    norms = _per_dtype("unscale_check", {"grads": grads},
+                       lambda g: op(g, found_inf, inv_scale))
     if not check_only:
-        for part in parts:
-            torch.ops.ampc.unscale_check(part, found_inf, inv_scale)
         return None
-    if len(parts) <= 1:
-        return torch.ops.ampc.check_norm(parts[0] if parts else [], found_inf, inv_scale)
-    norms = [torch.ops.ampc.check_norm(part, found_inf, inv_scale) for part in parts]
-    return torch.linalg.vector_norm(torch.stack(norms))
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
 
 def update_scale(scale, growth_tracker, found_inf, growth_factor, backoff_factor,

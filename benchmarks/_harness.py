@@ -49,33 +49,32 @@ def common_args(doc: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--reps", type=int, default=0, help="timed reps per measurement (0: about 1 s worth)")
+    p.add_argument("--reps", type=int, default=0, help="timed rounds per case (0: about 4 s worth)")
     p.add_argument("--peak-gbs", type=float, default=0.0, help="use this bandwidth instead of measuring it")
     return p
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def time_ms(fns: dict, device: str, reps: int = 0, warmup: int = 2) -> dict:
-    """Median wall time in ms of each fn in {name: fn}. Reps are interleaved (a, b, c, a, b, c, ...) so
-    that machine noise hits every fn alike. CUDA: events per rep, L2 flushed before each. CPU: perf_counter."""
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device == "cuda" else None
+    """Median wall time in ms of each fn in {name: fn}, cold caches: every rep follows an untimed pass
+    over 512 MiB (more than the last-level cache; a read on CPU so that no dirty lines are left behind).
+    Reps are interleaved (a, b, c, a, b, c, ...) so that machine noise hits every fn alike.
+    CUDA: events and synchronize. CPU: perf_counter."""
+    buf = torch.ones(512 << 20, dtype=torch.uint8, device=device)
+    flush = buf.zero_ if device == "cuda" else buf.max
     t0 = time.perf_counter()
     for _ in range(warmup):
         for fn in fns.values():
+            flush()
             fn()
-    _sync(device)
-    if reps <= 0:  # about 3 s of timed reps in all, 5..200 of each
-        per_round = (time.perf_counter() - t0) / warmup
-        reps = max(5, min(200, int(3.0 / max(per_round, 1e-6))))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    if reps <= 0:  # about 4 s of timed rounds, 5..200 of them
+        reps = max(5, min(200, int(4.0 * warmup / max(time.perf_counter() - t0, 1e-6))))
     times = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
-            if flush is not None:
-                flush.zero_()
+            flush()
+            if device == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 fn()
@@ -89,14 +88,25 @@ def time_ms(fns: dict, device: str, reps: int = 0, warmup: int = 2) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def copy_gbs(device: str) -> float:
-    """Measured bandwidth of a large same-dtype dst.copy_(src), counted as bytes read plus bytes written."""
-    numel = (GiB // 2 // 4) * (4 if device == "cuda" else 1)  # fp32: 1 GiB read+written on CPU, 4 GiB on CUDA
-    src = torch.ones(numel, dtype=torch.float32, device=device)
-    dst = torch.zeros_like(src)  # both touched already, so no page faults are timed
-    ms = time_ms({"copy": lambda: dst.copy_(src)}, device, reps=10)["copy"]
-    del src, dst
-    return 2 * numel * 4 / ms / 1e6
+class Roofline:
+    """Copy bandwidth: a large same-dtype dst.copy_(src), counted as bytes read plus bytes written
+    (fp32, 1 GiB moved on CPU, 4 GiB on CUDA). Memory bandwidth on a shared machine drifts by 2x and
+    more within minutes, so measure() times the copy interleaved with the fns it is compared to."""
+
+    def __init__(self, args):
+        self.device, self.fixed = args.device, args.peak_gbs
+        if not self.fixed:
+            numel = GiB // 8 * (4 if args.device == "cuda" else 1)
+            self.src = torch.ones(numel, dtype=torch.float32, device=args.device)
+            self.dst = torch.zeros_like(self.src)  # both touched already, so no page faults are timed
+            self.gb = 2 * self.src.nbytes / 1e9
+        self.start_gbs = self.measure({}, reps=10)[1]
+
+    def measure(self, fns: dict, reps: int = 0):
+        """(median ms per fn, copy GB/s measured alongside them, or --peak-gbs if given)"""
+        ms = time_ms({**fns, "copy": lambda: self.dst.copy_(self.src)} if not self.fixed else fns,
+                     self.device, reps)
+        return ms, self.fixed or self.gb / ms.pop("copy") * 1e3
 
 
 def device_name(device: str) -> str:
@@ -109,11 +119,10 @@ def device_name(device: str) -> str:
         return platform.processor() or platform.machine()
 
 
-def header(args) -> dict:
-    peak = args.peak_gbs or copy_gbs(args.device)
+def header(args, roof: Roofline) -> dict:
     return {"torch": torch.__version__, "device": f"{args.device} ({device_name(args.device)})",
-            "threads": torch.get_num_threads(), "copy_gbs": round(peak, 1),
-            "copy_gbs_source": "given" if args.peak_gbs else "measured"}
+            "threads": torch.get_num_threads(), "copy_gbs": round(roof.start_gbs, 1),
+            "copy_gbs_source": "given" if roof.fixed else "measured at start"}
 
 
 def report(hdr: dict, rows: list, as_json: bool, notes=()) -> None:

@@ -68,7 +68,8 @@ def main() -> int:
     p.add_argument("--dtype", choices=list(H.DTYPES), default="fp32")
     args = p.parse_args()
     dt, dev = H.DTYPES[args.dtype], args.device
-    hdr = H.header(args)
+    roof = H.Roofline(args)
+    hdr = H.header(args, roof)
     hdr["op"] = f"unscale_check {args.dtype}"
     rows = []
     for case, shapes in H.workloads(2 * dt.itemsize, dev):
@@ -89,14 +90,15 @@ def main() -> int:
             return fn
 
         numel = sum(g.numel() for g in grads)
-        ms = H.time_ms({"torch": alternating(torch._amp_foreach_non_finite_check_and_unscale_),
-                        "unscale": alternating(ampc.ops.unscale_check),
-                        "check": alternating(ampc.ops.unscale_check, check_only=True)}, dev, args.reps)
+        ms, copy_gbs = roof.measure({"torch": alternating(torch._amp_foreach_non_finite_check_and_unscale_),
+                                     "unscale": alternating(ampc.ops.unscale_check),
+                                     "check": alternating(ampc.ops.unscale_check, check_only=True)}, args.reps)
         for mode, check_only in (("unscale", False), ("check", True)):
             a_ms, t_ms = ms[mode], ms["torch"]
             gb = bytes_moved(numel, dt, check_only) / 1e9
             rows.append({"case": f"{case} {mode}", "ampc ms": a_ms, "torch ms": t_ms, "torch/ampc": t_ms / a_ms,
-                         "ampc GB/s": gb / a_ms * 1e3, "% copy": 100 * gb / a_ms * 1e3 / hdr["copy_gbs"],
+                         "ampc GB/s": gb / a_ms * 1e3, "% copy": 100 * gb / a_ms * 1e3 / copy_gbs,
+                         "copy GB/s": copy_gbs,
                          "tensors": len(grads), "MB moved": gb * 1e3})
         if found_inf.item() != 0.0:
             print(f"FAIL {case}: found_inf set while timing finite grads", file=sys.stderr)

@@ -46,6 +46,10 @@ static void cast_span(void *ctx, const struct ampc_span *s)
     float buf[AMPC_BLOCK];
     for (int64_t i = 0; i < n; i += AMPC_BLOCK) {
         int64_t m = n - i < AMPC_BLOCK ? n - i : AMPC_BLOCK;
+        if (dd == AMPC_F32) {   /* widen straight into dst */
+            ampc_load_block((float *)dst + i, src + i * ampc_dtype_size(sd), sd, m);
+            continue;
+        }
         const float *f = ampc_load_block(buf, src + i * ampc_dtype_size(sd), sd, m);
         if (stochastic)
             store_stochastic((uint16_t *)dst + i, dd, f, m, job->args->seed, s->index + i);
