@@ -17,7 +17,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 DEBUG = os.environ.get("DEBUG") == "1"
-C_FLAGS = ["-std=c11", "-fexceptions", "-fvisibility=hidden", "-Wall", "-Wextra",
+C_FLAGS = ["-std=c11", "-fexceptions", "-fopenmp-simd", "-fvisibility=hidden", "-Wall", "-Wextra",
            "-Wno-unused-parameter"] + (["-O0", "-g"] if DEBUG else ["-O3"])
 NVCC_FLAGS = ["-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
               "-gencode", "arch=compute_80,code=sm_80",

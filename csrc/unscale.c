@@ -7,8 +7,8 @@
  * rounded back to nearest even. One pass: each element is read and written once.
  *
  * check_norm: the same check without writing, plus the global L2 norm of the
- * unscaled grads, |inv_scale| * sqrt(sum g^2). Sums: fp32 in 16 lanes within a chunk,
- * double across chunks in chunk order (deterministic, see cpu.h).
+ * unscaled grads, |inv_scale| * sqrt(sum g^2). Sums: fp32 in SIMD lanes within a block of
+ * AMPC_BLOCK, double across blocks and chunks, in a fixed order (deterministic, see cpu.h).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -25,36 +25,31 @@ struct unscale_job {
     double *sumsq;          /* check_norm: one partial sum per chunk */
 };
 
-/* Nonzero when any of x[0..n) is inf or nan: all exponent bits set. */
-CLONES static int any_nonfinite(const float *x, int64_t n)
+/* out = x * s; returns nonzero when any x was inf or nan (all exponent bits set). */
+CLONES static int scale_and_check(float *out, const float *x, float s, int64_t n)
 {
     const uint32_t *u = (const uint32_t *)x;
     uint32_t bad = 0;
-    for (int64_t i = 0; i < n; i++)
+    for (int64_t i = 0; i < n; i++) {
         bad |= (u[i] & 0x7f800000u) == 0x7f800000u;
+        out[i] = x[i] * s;
+    }
     return bad != 0;
 }
 
-CLONES static void scale_into(float *out, const float *x, float s, int64_t n)
+/* *sum += sum of x^2 (fp32 within the block, in SIMD lanes); nonzero on inf/nan. */
+CLONES static int square_sum_and_check(const float *x, int64_t n, double *sum)
 {
-    for (int64_t i = 0; i < n; i++)
-        out[i] = x[i] * s;
-}
-
-/* Sum of squares in 16 fp32 lanes, folded to double at the end. */
-CLONES static double sum_squares(const float *x, int64_t n)
-{
-    float lane[16] = { 0 };
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; j++)
-            lane[j] += x[i + j] * x[i + j];
-    double s = 0;
-    for (; i < n; i++)
-        s += (double)x[i] * x[i];
-    for (int j = 0; j < 16; j++)
-        s += lane[j];
-    return s;
+    const uint32_t *u = (const uint32_t *)x;
+    float s = 0;
+    uint32_t bad = 0;
+#pragma omp simd reduction(+ : s) reduction(| : bad)
+    for (int64_t i = 0; i < n; i++) {
+        bad |= (u[i] & 0x7f800000u) == 0x7f800000u;
+        s += x[i] * x[i];
+    }
+    *sum += s;
+    return bad != 0;
 }
 
 static void unscale_span(void *ctx, const struct ampc_span *s)
@@ -70,13 +65,12 @@ static void unscale_span(void *ctx, const struct ampc_span *s)
         int64_t m = n - i < AMPC_BLOCK ? n - i : AMPC_BLOCK;
         char *p = g + i * ampc_dtype_size(dt);
         const float *f = ampc_load_block(buf, p, dt, m);
-        found |= any_nonfinite(f, m);
         if (job->sumsq) {
-            sumsq += sum_squares(f, m);
+            found |= square_sum_and_check(f, m, &sumsq);
         } else {
             /* fp32 grads are scaled where they lie, 16-bit ones through buf */
             float *out = dt == AMPC_F32 ? (float *)p : buf;
-            scale_into(out, f, job->inv_scale, m);
+            found |= scale_and_check(out, f, job->inv_scale, m);
             ampc_store_block(p, dt, out, m);
         }
     }
