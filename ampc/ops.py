@@ -96,6 +96,8 @@ def cast_(dst, src, *, stochastic=False, seed=0):
         stochastic (bool): stochastic rounding instead of round to nearest. Default: False.
         seed (int): the seed of the stochastic rounding. Default: 0.
     """
+    if len(src) == 0 and len(dst) == 0:
+        return      # nothing to do, and no tensor for the dispatcher to pick a device from
     _per_dtype("cast", {"src": src, "dst": dst},
                lambda s, d: torch.ops.ampc.cast(s, d, bool(stochastic), int(seed)))
 

@@ -79,6 +79,8 @@ AOTITorchError torch_parallel_for(int64_t begin, int64_t end, int64_t grain_size
 
 // ---- CUDA (libtorch_cuda; only the CUDA library calls these) ----
 AOTITorchError aoti_torch_get_current_cuda_stream(int32_t device_index, void **ret_stream);
+AOTITorchError aoti_torch_cuda_caching_allocator_raw_alloc(uint64_t nbytes, void **ret_ptr);
+AOTITorchError aoti_torch_cuda_caching_allocator_raw_delete(void *ptr);
 
 #ifdef __cplusplus
 }

@@ -26,13 +26,6 @@
 #define CEIL_DIV(a, b) (((a) + (b) - 1) / (b))
 #define ELEM_SIZE(dt) ((dt) == AMPC_F32 ? 4 : 2)
 
-// ---- torch's CUDA caching allocator (libtorch_cuda), as declared in torch's shim.h ----
-
-extern "C" {
-AOTITorchError aoti_torch_cuda_caching_allocator_raw_alloc(uint64_t nbytes, void **ret_ptr);
-AOTITorchError aoti_torch_cuda_caching_allocator_raw_delete(void *ptr);
-}
-
 // ---- errors (api.cu) ----
 
 /* AMPC_OK for cudaSuccess; otherwise keeps the error's text and returns AMPC_ERR_CUDA. */

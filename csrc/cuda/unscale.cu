@@ -120,8 +120,8 @@ norm_finish_kernel(float *norm, const float *partial, int64_t n, const float *in
     for (int64_t i = threadIdx.x; i < n; i += MT_THREADS)
         sum += partial[i];
     sum = block_sum(sum);
-    if (threadIdx.x == 0)
-        *norm = fabsf(*inv_scale) * sqrtf((float)sum);
+    if (threadIdx.x == 0)       /* in double and rounded once, as the CPU path */
+        *norm = (float)(fabs((double)*inv_scale) * sqrt(sum));
 }
 
 // ---- launchers ----

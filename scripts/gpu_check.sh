@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# gpu_check.sh: every check that needs a GPU, in one run on a machine with a CUDA device.
+#
+# Sets up (.venv and the build, scripts/setup.sh), runs the CUDA tests, runs the CUDA
+# benchmarks, and prints a short table last: test counts, then one row per benchmark case
+# (ampc ms, torch ms, ratio torch/ampc, ampc GB/s, % of the device's copy bandwidth).
+# The whole run stays under 8 minutes: each stage gets a capped slice of the budget.
+#
+# The benchmarks' --json output: {"header": {"copy_gbs", ...}, "rows": [{"case", "ampc ms",
+# "torch ms", "torch/ampc", "ampc GB/s", "% copy", ...}]}.
+#
+# Usage: bash scripts/gpu_check.sh
+set -u
+cd "$(dirname "$0")/.."
+budget=470                          # seconds for everything, 8 minutes less a margin
+start=$(date +%s)
+work=$(mktemp -d)
+py=.venv/bin/python
+export PYTHONUNBUFFERED=1
+
+# stage CAP CMD...: runs CMD for at most CAP seconds and never past the overall budget.
+stage() {
+    local cap=$1
+    local left=$((budget - ($(date +%s) - start)))
+    shift
+    [ "$left" -lt "$cap" ] && cap=$left
+    if [ "$cap" -le 5 ]; then
+        echo "out of time, skipped: $*" >&2
+        return 124
+    fi
+    timeout --kill-after=5 "$cap" "$@"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
+stage 240 bash scripts/setup.sh || echo "setup failed or timed out (rc $?)"
+stage 240 "$py" -m pytest -q -m cuda --tb=short --junitxml="$work/junit.xml" tests/ 2>&1 |
+    tail -n 60
+for b in cast unscale; do
+    stage 100 "$py" "benchmarks/bench_$b.py" --device cuda --json \
+        >"$work/bench_$b.json" 2>"$work/bench_$b.err"
+    echo $? >"$work/bench_$b.rc"
+    tail -n 5 "$work/bench_$b.err"
+done
+
+[ -x "$py" ] || py=python3          # still print the summary when setup failed
+"$py" - "$work" <<'EOF'
+import json, sys, xml.etree.ElementTree as ET
+
+work = sys.argv[1]
+print("\n---- gpu_check summary ----")
+try:
+    root = ET.parse(f"{work}/junit.xml").getroot()
+    s = root if root.tag == "testsuite" else root.find("testsuite")
+    n, f, e, sk = (int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+    print(f"tests: {n - f - e - sk} passed, {f} failed, {e} errors, {sk} skipped")
+except Exception:
+    print("tests: no report (setup failed or the run timed out)")
+
+def num(x, fmt):
+    return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
+print(f"{'case':44} {'ampc ms':>9} {'torch ms':>9} {'ratio':>6} {'GB/s':>7} {'% copy':>7}")
+for b in ("cast", "unscale"):
+    text = open(f"{work}/bench_{b}.json").read()
+    try:
+        data = json.loads(text)
+    except ValueError:      # crashed or timed out before printing
+        data = {}
+    rows = data.get("rows", []) if isinstance(data, dict) else []
+    if not rows:
+        rc = open(f"{work}/bench_{b}.rc").read().strip()
+        print(f"bench_{b}: no rows (exit {rc})")
+    for r in rows:
+        case = f"{b}: {r.get('case')}"
+        print(f"{case[:44]:44} {num(r.get('ampc ms'), '9.4f')} {num(r.get('torch ms'), '9.4f')} "
+              f"{num(r.get('torch/ampc'), '6.2f')} {num(r.get('ampc GB/s'), '7.0f')} "
+              f"{num(r.get('% copy'), '7.1f')}")
+EOF
