@@ -1,6 +1,7 @@
 """Shared pieces of the benchmarks: timing, the copy-bandwidth roofline, the header and the table."""
 import argparse
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -121,7 +122,8 @@ def device_name(device: str) -> str:
 
 def header(args, roof: Roofline) -> dict:
     return {"torch": torch.__version__, "device": f"{args.device} ({device_name(args.device)})",
-            "threads": torch.get_num_threads(), "copy_gbs": round(roof.start_gbs, 1),
+            "threads": torch.get_num_threads(), "load_1min": round(os.getloadavg()[0], 2),
+            "copy_gbs": round(roof.start_gbs, 1),
             "copy_gbs_source": "given" if roof.fixed else "measured at start"}
 
 
@@ -130,7 +132,7 @@ def report(hdr: dict, rows: list, as_json: bool, notes=()) -> None:
     if as_json:
         print(json.dumps({"header": hdr, "rows": rows, "notes": list(notes)}, indent=1))
         return
-    print(f"torch {hdr['torch']} | {hdr['device']} | {hdr['threads']} threads | "
+    print(f"torch {hdr['torch']} | {hdr['device']} | {hdr['threads']} threads | load {hdr['load_1min']} | "
           f"copy {hdr['copy_gbs']} GB/s ({hdr['copy_gbs_source']})")
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) and abs(v) < 10 else (f"{v:.1f}" if isinstance(v, float) else str(v))
     cols = list(rows[0])

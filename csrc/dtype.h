@@ -119,8 +119,10 @@ AMPC_HD uint16_t ampc_f32_to_bf16_sr(float f, uint32_t rnd)
 }
 
 /* fp16: take the neighbour toward zero (lo) and the next one away (lo + 1 ulp), and go
- * away when the distance past lo exceeds u * ulp, u = rnd / 2^32 in [0, 1). Both sides
- * of the comparison are exact in fp32, so the probability is exactly distance / ulp. */
+ * away when the distance past lo exceeds u * ulp, u = 24 random bits / 2^24 in [0, 1).
+ * Both sides of the comparison are exact in fp32, so the probability is distance / ulp
+ * rounded up to a multiple of 2^-24: exact for fp32 inputs of magnitude 2^-14 and up
+ * (at most 13 bits fall below an fp16 ulp there), a hair high for tinier ones. */
 AMPC_HD uint16_t ampc_f32_to_f16_sr(float f, uint32_t rnd)
 {
     uint32_t u = ampc_f32_bits(f);

@@ -10,7 +10,9 @@
  *
  * Hysteresis (Megatron/apex style): a non-finite step first decrements
  * hysteresis_tracker; the scale backs off only once it reaches 0. A clean step
- * resets it to `hysteresis`. min_scale and max_scale clamp the result.
+ * resets it to `hysteresis`. min_scale and max_scale bound the scale whenever it
+ * changes (a growth that would pass max_scale lands on it, as long as that is finite
+ * in fp32; a backoff below min_scale lands on min_scale).
  */
 #ifndef AMPC_SCALE_H
 #define AMPC_SCALE_H
@@ -30,16 +32,21 @@ AMPC_HD void ampc_update_scale_step(float *scale, int32_t *growth_tracker,
                 return;
             }
         }
-        float s = (float)((double)*scale * a->backoff_factor);
-        *scale = (double)s < a->min_scale ? (float)a->min_scale : s;
+        double shrunk = (double)*scale * a->backoff_factor;
+        if (a->min_scale > 0 && shrunk < a->min_scale)
+            shrunk = a->min_scale;
+        *scale = (float)shrunk;
         *growth_tracker = 0;
         return;
     }
     int32_t successful = *growth_tracker + 1;
     if (successful == a->growth_interval) {
-        float s = (float)((double)*scale * a->growth_factor);
+        double grown = (double)*scale * a->growth_factor;
+        if (grown > a->max_scale)
+            grown = a->max_scale;
+        float s = (float)grown;
         if ((ampc_f32_bits(s) & 0x7f800000u) != 0x7f800000u)      /* finite */
-            *scale = (double)s > a->max_scale ? (float)a->max_scale : s;
+            *scale = s;
         *growth_tracker = 0;
     } else {
         *growth_tracker = successful;

@@ -7,8 +7,8 @@
  * rounded back to nearest even. One pass: each element is read and written once.
  *
  * check_norm: the same check without writing, plus the global L2 norm of the
- * unscaled grads, |inv_scale| * sqrt(sum g^2). Sums: fp32 in SIMD lanes within a block of
- * AMPC_BLOCK, double across blocks and chunks, in a fixed order (deterministic, see cpu.h).
+ * unscaled grads, |inv_scale| * sqrt(sum g^2). Squares are summed in double (SIMD lanes
+ * within a block), in a fixed order across blocks and chunks (deterministic, see cpu.h).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -37,16 +37,17 @@ CLONES static int scale_and_check(float *out, const float *x, float s, int64_t n
     return bad != 0;
 }
 
-/* *sum += sum of x^2 (fp32 within the block, in SIMD lanes); nonzero on inf/nan. */
+/* *sum += sum of x^2, in double SIMD lanes: the square of a finite fp32 value can
+ * overflow or underflow fp32 (scaled grads of 2^64), never a double. Nonzero on inf/nan. */
 CLONES static int square_sum_and_check(const float *x, int64_t n, double *sum)
 {
     const uint32_t *u = (const uint32_t *)x;
-    float s = 0;
+    double s = 0;
     uint32_t bad = 0;
 #pragma omp simd reduction(+ : s) reduction(| : bad)
     for (int64_t i = 0; i < n; i++) {
         bad |= (u[i] & 0x7f800000u) == 0x7f800000u;
-        s += x[i] * x[i];
+        s += (double)x[i] * x[i];
     }
     *sum += s;
     return bad != 0;

@@ -9,7 +9,8 @@ import struct
 
 import torch
 
-INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+            torch.bfloat16: torch.int16}
 
 # magnitude bits of +inf, and the value the first step past the largest finite number
 # would have if the exponent range went on (the "upper neighbour" of values beyond max)
@@ -22,10 +23,18 @@ def bits(t):
     return t.view(INT_VIEW[t.dtype])
 
 
+def f32(x):
+    """x rounded to the nearest fp32 value (to +-inf past the fp32 range)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
 def hex_bits(t, i):
     """Bit pattern of element i of the flattened tensor t, as hex text."""
     b = int(bits(t.reshape(-1)[i : i + 1])[0])
-    width = 8 if t.dtype == torch.float32 else 4
+    width = 2 * t.element_size()
     return f"0x{b & ((1 << (4 * width)) - 1):0{width}x}"
 
 
@@ -52,29 +61,23 @@ def assert_same(got, expected, what, nan_payload=False):
 # ---- unscale and norm ----
 
 def unscale(x, inv_scale):
-    """x * inv_scale as one fp32 multiply, then rounded to x's dtype.
+    """x * inv_scale as one fp32 multiply, then rounded to x's dtype (inv_scale is first
+    rounded to fp32, as the 1-element fp32 tensor that carries it to the op holds it).
 
     A product of two values with at most 24 significant bits is exact in float64, so
     rounding it to fp32 gives exactly the fp32 multiply; 16-bit grads are rounded once
     more, from fp32 to their own dtype (this is what torch does too)."""
-    return (x.double() * float(inv_scale)).float().to(x.dtype)
+    return (x.double() * f32(float(inv_scale))).float().to(x.dtype)
 
 
 def norm(grads, inv_scale):
-    """Global L2 norm of the unscaled grads, |inv_scale| * sqrt(sum of squares), in float64."""
+    """Global L2 norm of the unscaled grads, |inv_scale| * sqrt(sum of squares), in
+    float64 (inv_scale taken as fp32)."""
     total = sum(float((g.double() ** 2).sum()) for g in grads)
-    return abs(float(inv_scale)) * math.sqrt(total)
+    return abs(f32(float(inv_scale))) * math.sqrt(total)
 
 
 # ---- dynamic loss scale ----
-
-def f32(x):
-    """x rounded to the nearest fp32 value (to +-inf past the fp32 range)."""
-    try:
-        return struct.unpack("<f", struct.pack("<f", x))[0]
-    except OverflowError:
-        return math.copysign(math.inf, x)
-
 
 def update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
                  backoff_factor, growth_interval, hysteresis=1, min_scale=0.0,
@@ -89,7 +92,8 @@ def update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, growth_fa
     backs off only once it is down to 0 or below; until then it only restarts the clean
     count. Every clean step sets the tracker back to `hysteresis`. With hysteresis = 1
     the tracker is not used.
-    Bounds: a backed-off scale is raised to min_scale, a grown one lowered to max_scale.
+    Bounds: a backed-off scale is raised to min_scale, a grown one lowered to max_scale
+    (also when the unbounded growth would overflow fp32).
     """
     if found_inf != 0:
         if hysteresis > 1:
@@ -99,9 +103,9 @@ def update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, growth_fa
         return max(f32(scale * backoff_factor), f32(min_scale)), 0, hysteresis_tracker
     growth_tracker += 1
     if growth_tracker == growth_interval:
-        grown = f32(scale * growth_factor)
+        grown = f32(min(scale * growth_factor, max_scale))
         if math.isfinite(grown):
-            scale = min(grown, f32(max_scale))
+            scale = grown
         growth_tracker = 0
     if hysteresis > 1:
         hysteresis_tracker = hysteresis

@@ -68,13 +68,13 @@ unscale_kernel(const __grid_constant__ struct mt_table tab, float *found_inf,
 
 template <ampc_dtype DT>
 __global__ void __launch_bounds__(MT_THREADS)
-norm_kernel(const __grid_constant__ struct mt_table tab, float *partial, float *found_inf)
+norm_kernel(const __grid_constant__ struct mt_table tab, double *partial, float *found_inf)
 {
     int64_t start;
     int len;
     int t = mt_chunk(&tab, &start, &len);
     const char *g = elem_ptr<DT>(tab.ptr[0][t], start);
-    float sum = 0.0f;
+    double sum = 0.0;     /* squares of large or tiny fp32 values fit only a double */
     bool bad = false;
     int tail = 0;
 
@@ -94,7 +94,7 @@ norm_kernel(const __grid_constant__ struct mt_table tab, float *partial, float *
                 for (int e = 0; e < 8; e++) {
                     float x = to_f32<DT>(v[j][e]);
                     bad |= non_finite(x);
-                    sum += x * x;
+                    sum += (double)x * x;
                 }
             }
         }
@@ -103,7 +103,7 @@ norm_kernel(const __grid_constant__ struct mt_table tab, float *partial, float *
     for (int i = tail + threadIdx.x; i < len; i += MT_THREADS) {
         float x = to_f32<DT>(load1<DT>(g, i));
         bad |= non_finite(x);
-        sum += x * x;
+        sum += (double)x * x;
     }
     if (bad)
         *found_inf = 1.0f;
@@ -113,7 +113,7 @@ norm_kernel(const __grid_constant__ struct mt_table tab, float *partial, float *
 }
 
 __global__ void __launch_bounds__(MT_THREADS)
-norm_finish_kernel(float *norm, const float *partial, int64_t n, const float *inv_scale)
+norm_finish_kernel(float *norm, const double *partial, int64_t n, const float *inv_scale)
 {
     double sum = 0.0;
 
@@ -127,7 +127,7 @@ norm_finish_kernel(float *norm, const float *partial, int64_t n, const float *in
 // ---- launchers ----
 
 typedef void (*grads_kernel_fn)(const struct mt_table, float *, const float *);
-typedef void (*norm_kernel_fn)(const struct mt_table, float *, float *);
+typedef void (*norm_kernel_fn)(const struct mt_table, double *, float *);
 
 static const grads_kernel_fn unscale_kernels[3] = {
     unscale_kernel<AMPC_F32>, unscale_kernel<AMPC_F16>, unscale_kernel<AMPC_BF16>,
@@ -140,7 +140,7 @@ struct grads_ctx {
     ampc_dtype dtype;
     float *found_inf;
     const float *inv_scale;     /* unscale_check */
-    float *partial;             /* check_norm */
+    double *partial;            /* check_norm */
     cudaStream_t stream;
 };
 
@@ -184,9 +184,9 @@ extern "C" ampc_status ampc_check_norm_cuda_impl(const struct ampc_list *grads,
 
     if (nchunks == 0)       /* nothing to read: the norm of an empty list is 0 */
         return ampc_cuda_status(cudaMemsetAsync(norm, 0, sizeof(*norm), c.stream));
-    if (aoti_torch_cuda_caching_allocator_raw_alloc(nchunks * sizeof(float), &scratch) != 0)
+    if (aoti_torch_cuda_caching_allocator_raw_alloc(nchunks * sizeof(double), &scratch) != 0)
         return ampc_cuda_fail(AMPC_ERR_NOMEM, "out of memory for the check_norm scratch");
-    c.partial = (float *)scratch;
+    c.partial = (double *)scratch;
     st = mt_apply(grads, NULL, norm_launch, &c);
     if (st == AMPC_OK) {
         norm_finish_kernel<<<1, MT_THREADS, 0, c.stream>>>(norm, c.partial, nchunks, inv_scale);
