@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: timing, the copy-bandwidth roofline, the header and the table."""
+"""Shared by the benchmarks: workloads, timing, the copy-bandwidth roofline, the header and the table."""
 import argparse
 import json
 import os
@@ -31,116 +31,141 @@ def gpt2_shapes() -> list:
 
 
 def workloads(bytes_per_elem: int, device: str) -> list:
-    """(case name, list of shapes): one large tensor moving >= 1 GiB (4 GiB on CUDA), 1,000 small ones, GPT-2."""
-    large = -(-GiB * (4 if device == "cuda" else 1) // bytes_per_elem)
-    large = -(-large // 4096) * 4096
-    g = torch.Generator().manual_seed(0)
-    small = [(int(n),) for n in torch.randint(1024, 16385, (1000,), generator=g)]
-    return [(f"large 1x{large / 1e6:.0f}M", [(large,)]),
-            ("1000 small 1k-16k", small),
+    """(case, shapes): one tensor moving >= 1 GiB (4 GiB on CUDA), 1,000 small ones (seeded), GPT-2's list."""
+    large = -(-GiB * (4 if device == "cuda" else 1) // bytes_per_elem // 4096) * 4096
+    small = torch.randint(1024, 16385, (1000,), generator=torch.Generator().manual_seed(0)).tolist()
+    return [(f"large 1x{large / 1e6:.0f}M", [(large,)]), ("1000 small 1k-16k", [(n,) for n in small]),
             ("gpt2-124M 148 tensors", gpt2_shapes())]
 
 
-def randn_list(shapes: list, dtype: torch.dtype, device: str, seed: int = 0) -> list:
-    g = torch.Generator().manual_seed(seed)
+def randn_list(shapes: list, dtype: torch.dtype, device: str) -> list:
+    g = torch.Generator().manual_seed(0)
     return [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes]
+
+
+def random_bits(dtype: torch.dtype, device: str, n: int = 1 << 16) -> torch.Tensor:
+    """Every bit pattern equally likely: all exponents, subnormals, ties, infs and NaNs with payloads."""
+    ints = {2: torch.int16, 4: torch.int32}[dtype.itemsize]
+    info = torch.iinfo(ints)
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(info.min, info.max + 1, (n,), dtype=ints, generator=g).view(dtype).to(device)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit equal, except that a NaN matches any NaN: torch's NaN bits depend on its code path
+    (on CPU fp32 -> bf16 writes 0xffff, fp16 -> bf16 writes 0x7fc0), so no payload is the right one."""
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.dtype == b.dtype and bool(((a.view(ints) == b.view(ints)) | (a.isnan() & b.isnan())).all())
 
 
 def common_args(doc: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--cache", choices=["cold", "warm"], default="cold",
+                   help="before each timed rep: flush the caches (cold) or run the same fn once (warm)")
     p.add_argument("--reps", type=int, default=0, help="timed rounds per case (0: about 4 s worth)")
-    p.add_argument("--peak-gbs", type=float, default=0.0, help="use this bandwidth instead of measuring it")
+    p.add_argument("--peak-gbs", type=float, default=0.0, help="use this copy bandwidth instead of measuring it")
     return p
 
 
-def time_ms(fns: dict, device: str, reps: int = 0, warmup: int = 2) -> dict:
-    """Median wall time in ms of each fn in {name: fn}, cold caches: every rep follows an untimed pass
-    over 512 MiB (more than the last-level cache; a read on CPU so that no dirty lines are left behind).
-    Reps are interleaved (a, b, c, a, b, c, ...) so that machine noise hits every fn alike.
-    CUDA: events and synchronize. CPU: perf_counter."""
+def time_ms(fns: dict, device: str, reps: int = 0, warm: bool = False) -> dict:
+    """Median ms of each fn in {name: fn}. Before each timed rep, untimed: a pass over 512 MiB to flush
+    the caches (a read on CPU, so no dirty lines are left to write back), or with warm=True the same fn.
+    Reps are interleaved (a, b, c, a, b, c, ...) so that machine noise hits every fn alike."""
     buf = torch.ones(512 << 20, dtype=torch.uint8, device=device)
     flush = buf.zero_ if device == "cuda" else buf.max
-    t0 = time.perf_counter()
-    for _ in range(warmup):
-        for fn in fns.values():
-            flush()
+
+    def one(fn) -> float:
+        (fn if warm else flush)()
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    if reps <= 0:  # about 4 s of timed rounds, 5..200 of them
-        reps = max(5, min(200, int(4.0 * warmup / max(time.perf_counter() - t0, 1e-6))))
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+    t0 = time.perf_counter()
+    for fn in fns.values():  # warm-up round
+        one(fn)
+    reps = reps or max(5, min(200, int(4.0 / max(time.perf_counter() - t0, 1e-6))))
     times = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
-            flush()
-            if device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end))
-            else:
-                t = time.perf_counter()
-                fn()
-                times[name].append((time.perf_counter() - t) * 1e3)
+            times[name].append(one(fn))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
 class Roofline:
-    """Copy bandwidth: a large same-dtype dst.copy_(src), counted as bytes read plus bytes written
-    (fp32, 1 GiB moved on CPU, 4 GiB on CUDA). Memory bandwidth on a shared machine drifts by 2x and
-    more within minutes, so measure() times the copy interleaved with the fns it is compared to."""
+    """Copy bandwidth: a large same-dtype dst.copy_(src) (fp32, 1 GiB read + written on CPU, 4 GiB on CUDA),
+    counted as bytes read plus bytes written. On a shared machine memory bandwidth drifts 2x within
+    minutes, so measure() times the copy interleaved with the fns it is compared to."""
 
     def __init__(self, args):
-        self.device, self.fixed = args.device, args.peak_gbs
+        self.device, self.warm, self.fixed = args.device, args.cache == "warm", args.peak_gbs
         if not self.fixed:
-            numel = GiB // 8 * (4 if args.device == "cuda" else 1)
-            self.src = torch.ones(numel, dtype=torch.float32, device=args.device)
+            self.src = torch.ones(GiB // 8 * (4 if args.device == "cuda" else 1), device=args.device)
             self.dst = torch.zeros_like(self.src)  # both touched already, so no page faults are timed
-            self.gb = 2 * self.src.nbytes / 1e9
-        self.start_gbs = self.measure({}, reps=10)[1]
+        self.start_gbs = self.fixed or self.measure({}, reps=10)[1]
 
     def measure(self, fns: dict, reps: int = 0):
-        """(median ms per fn, copy GB/s measured alongside them, or --peak-gbs if given)"""
-        ms = time_ms({**fns, "copy": lambda: self.dst.copy_(self.src)} if not self.fixed else fns,
-                     self.device, reps)
-        return ms, self.fixed or self.gb / ms.pop("copy") * 1e3
+        """(median ms per fn, copy GB/s measured alongside them or --peak-gbs)"""
+        copy = {} if self.fixed else {"copy": lambda: self.dst.copy_(self.src)}
+        ms = time_ms({**fns, **copy}, self.device, reps, self.warm)
+        return ms, self.fixed or 2 * self.src.nbytes / ms.pop("copy") / 1e6
 
 
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
+def row(case: str, ampc_ms: float, torch_ms: float, gb: float, copy_gbs: float, **extra) -> dict:
+    return {"case": case, "ampc ms": ampc_ms, "torch ms": torch_ms, "torch/ampc": torch_ms / ampc_ms,
+            "ampc GB/s": gb / ampc_ms * 1e3, "% copy": 100 * gb / ampc_ms * 1e3 / copy_gbs,
+            "copy GB/s": copy_gbs, **extra}
+
+
+def _cpu_busy_s() -> float:
+    """CPU seconds spent busy since boot, all CPUs and processes (Linux), else 0."""
     try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+        return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return 0.0
+
+
+_START = (time.monotonic(), _cpu_busy_s(), sum(os.times()[:2]))
 
 
 def header(args, roof: Roofline) -> dict:
-    return {"torch": torch.__version__, "device": f"{args.device} ({device_name(args.device)})",
-            "threads": torch.get_num_threads(), "load_1min": round(os.getloadavg()[0], 2),
-            "copy_gbs": round(roof.start_gbs, 1),
+    name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor()
+    if args.device == "cpu" and os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+    return {"torch": torch.__version__, "device": f"{args.device} ({name})", "threads": torch.get_num_threads(),
+            "cache": args.cache, "copy_gbs": round(roof.start_gbs, 1),
             "copy_gbs_source": "given" if roof.fixed else "measured at start"}
 
 
-def report(hdr: dict, rows: list, as_json: bool, notes=()) -> None:
-    """Prints the header, one table row per dict (columns = the first row's keys) and notes, or all as JSON."""
+def report(hdr: dict, rows: list, as_json: bool, notes: list) -> None:
+    """Prints the header, one table row per dict and the notes, or all of it as JSON."""
+    wall, busy, mine = time.monotonic() - _START[0], _cpu_busy_s() - _START[1], sum(os.times()[:2]) - _START[2]
+    hdr["other_procs_cpu_pct"] = round(max(0.0, 100 * (busy - mine) / (wall * os.cpu_count())), 1)
+    if hdr["other_procs_cpu_pct"] > 5:
+        notes.append(f"other processes used {hdr['other_procs_cpu_pct']}% of the CPUs during this run: "
+                     "the times are not trustworthy")
     if as_json:
-        print(json.dumps({"header": hdr, "rows": rows, "notes": list(notes)}, indent=1))
+        print(json.dumps({"header": hdr, "rows": rows, "notes": notes}, indent=1))
         return
-    print(f"torch {hdr['torch']} | {hdr['device']} | {hdr['threads']} threads | load {hdr['load_1min']} | "
-          f"copy {hdr['copy_gbs']} GB/s ({hdr['copy_gbs_source']})")
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) and abs(v) < 10 else (f"{v:.1f}" if isinstance(v, float) else str(v))
-    cols = list(rows[0])
-    cells = [[fmt(r[c]) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
-    print(" | ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    print("-+-".join("-" * w for w in widths))
-    for r in cells:
-        print(" | ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))))
+    print(" | ".join(f"{k} {v}" for k, v in hdr.items()))
+    fmt = lambda v: (f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}") if isinstance(v, float) else str(v)
+    cells = [list(rows[0])] + [[fmt(v) for v in r.values()] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    right = [isinstance(v, (int, float)) for v in rows[0].values()]  # numbers right-aligned, text left
+    for i, r in enumerate(cells):
+        print(" | ".join(v.rjust(w) if rj else v.ljust(w) for v, w, rj in zip(r, widths, right)))
+        if i == 0:
+            print("-+-".join("-" * w for w in widths))
     for n in notes:
         print(f"note: {n}")

@@ -8,6 +8,7 @@
  * scalar functions of dtype.h, which give the same bits for every non-NaN value.
  */
 #include <immintrin.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu.h"
@@ -18,17 +19,24 @@
 
 enum isa { ISA_UNKNOWN, ISA_SCALAR, ISA_AVX2, ISA_AVX512 };
 
+/* The best the CPU has; AMPC_CPU_ISA=avx2 or =scalar caps it, so the tests can check
+ * every path on one machine. */
 static enum isa cpu_isa(void)
 {
     static enum isa isa = ISA_UNKNOWN;      /* benign race: every thread computes the same */
     if (isa == ISA_UNKNOWN) {
+        const char *cap = getenv("AMPC_CPU_ISA");
+        enum isa best = ISA_SCALAR;
         __builtin_cpu_init();
         if (__builtin_cpu_supports("avx512f"))
-            isa = ISA_AVX512;
+            best = ISA_AVX512;
         else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
-            isa = ISA_AVX2;
-        else
-            isa = ISA_SCALAR;
+            best = ISA_AVX2;
+        if (cap && strcmp(cap, "scalar") == 0)
+            best = ISA_SCALAR;
+        else if (cap && strcmp(cap, "avx2") == 0 && best > ISA_AVX2)
+            best = ISA_AVX2;
+        isa = best;
     }
     return isa;
 }
