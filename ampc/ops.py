@@ -172,6 +172,39 @@ def update_scale(scale, growth_tracker, found_inf, growth_factor, backoff_factor
                                 float(max_scale))
 
 
+# ---- version counters ----
+# A kernel registered through the stable C ABI writes memory behind autograd's back, so
+# the version counters of the tensors it mutates would not move: a modified tensor saved
+# for backward would go unnoticed, and so would a stale cached cast of a weight. This
+# kernel, one dispatch key above the backends, bumps them and passes the call on.
+
+_lib = torch.library.Library("ampc", "IMPL")
+
+
+def _bump_versions_of_mutated_args(name):
+    overload = getattr(torch.ops.ampc, name).default
+    mutated = [(i, isinstance(a.type, torch.ListType))
+               for i, a in enumerate(overload._schema.arguments)
+               if a.alias_info is not None and a.alias_info.is_write]
+    lists = [i for i, is_list in mutated if is_list]
+    singles = [i for i, is_list in mutated if not is_list]
+    below = torch._C._after_ADInplaceOrView_keyset
+    bump = torch._C._increment_version       # takes a sequence of tensors
+
+    def kernel(keyset, *args):
+        for i in lists:
+            bump(args[i])
+        if singles:
+            bump([args[i] for i in singles])
+        return overload.redispatch(keyset & below, *args)
+
+    _lib.impl(name, kernel, "ADInplaceOrView", with_keyset=True)
+
+
+for _name in ("cast", "unscale_check", "check_norm", "update_scale"):
+    _bump_versions_of_mutated_args(_name)
+
+
 # ---- fake kernels: shapes only, for torch.compile and meta tensors ----
 # They check devices like the real kernels do: a meta tensor mixed into a call on real
 # tensors lands here, and must not pass silently.

@@ -259,3 +259,28 @@ def test_failed_call_leaks_no_tensor():
         torch.ops.ampc.cast([src.double()], [dst], False, 0)
     del dst
     assert ref() is None
+
+
+def test_mutated_tensors_get_new_versions():
+    # autograd and cached casts rely on version counters to see in-place writes
+    x = torch.randn(8)
+    dst = torch.empty(8, dtype=bf16)
+    found_inf, inv = torch.zeros(1), torch.ones(1)
+    scale, growth = torch.ones(1), torch.zeros(1, dtype=torch.int32)
+    ampc.ops.cast_([dst], [x])
+    assert (dst._version, x._version) == (1, 0)
+    ampc.ops.unscale_check([x], found_inf, inv)
+    assert (x._version, found_inf._version, inv._version) == (1, 1, 0)
+    ampc.ops.unscale_check([x], found_inf, inv, check_only=True)
+    assert (x._version, found_inf._version) == (1, 2)
+    ampc.ops.update_scale(scale, growth, found_inf, 2.0, 0.5, 1)
+    assert (scale._version, growth._version, found_inf._version) == (1, 1, 2)
+
+
+def test_in_place_write_to_a_tensor_saved_for_backward_is_caught():
+    w = torch.randn(4, requires_grad=True)
+    x = torch.randn(4)
+    y = (w * x).sum()          # saves x for the gradient of w
+    ampc.ops.unscale_check([x], torch.zeros(1), torch.full((1,), 2.0))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
