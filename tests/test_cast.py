@@ -72,6 +72,7 @@ def with_threads(n, fn):
 
 # ---- round to nearest: dtype pairs, sizes, bit patterns ----
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
 def test_sizes_all_pairs(pair):
     src_dt, dst_dt = pair
@@ -103,6 +104,7 @@ def f16_value(h):
     return sign * v
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dst", DTYPES, ids=NAMES.get)
 @pytest.mark.parametrize("src", [F16, BF16], ids=NAMES.get)
 def test_every_16bit_pattern(src, dst):
@@ -460,6 +462,7 @@ def test_stochastic_special_values(dst):
     assert_same(out, x.to(dst), f"cast stochastic inf/nan/zero fp32->{NAMES[dst]}")
 
 
+@pytest.mark.smoke
 def test_stochastic_seed():
     x = torch.randn(300000, generator=torch.Generator().manual_seed(0))
     cast = lambda seed: bits(ampc.ops.cast([x], BF16, stochastic=True, seed=seed)[0])  # noqa

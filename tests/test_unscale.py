@@ -83,6 +83,7 @@ def assert_close_norm(got, want, what):
 
 # ---- values, sizes, layouts ----
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dtype", DTYPES, ids=NAMES.get)
 def test_sizes_and_scales(dtype):
     grads = [grads_of(n, dtype, seed=n) for n in SIZES]
@@ -161,6 +162,7 @@ def test_inv_scale_one_keeps_values(dtype):
     assert float(f) == 1.0
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dtype", DTYPES, ids=NAMES.get)
 def test_check_only(dtype):
     grads = [grads_of(n, dtype, seed=n) for n in SIZES]

@@ -87,6 +87,7 @@ TORCH_SETTINGS = [
 
 @pytest.mark.parametrize("setting", TORCH_SETTINGS,
                          ids=lambda s: f"g{s[0]}-b{s[1]}-i{s[2]}-s{s[3]:g}")
+@pytest.mark.smoke
 def test_matches_torch(setting):
     growth, backoff, interval, init, p_skip = setting
     found = found_sequence(5000, seed=interval, p_skip=p_skip)
