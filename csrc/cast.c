@@ -18,15 +18,42 @@ struct cast_job {
     const struct ampc_cast_args *args;
 };
 
+/* Auto-vectorized clones of the stochastic-rounding loop. */
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+CLONES static void store_bf16_stochastic(uint16_t *dst, const float *src, int64_t n,
+                                         uint32_t key, uint32_t index_lo)
+{
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = ampc_f32_to_bf16_sr(src[i], ampc_random_bits_keyed(key, index_lo + (uint32_t)i));
+}
+
+/* fp16 rounding has too many cases to vectorize: scalar. */
+static void store_f16_stochastic(uint16_t *dst, const float *src, int64_t n, uint32_t key,
+                                 uint32_t index_lo)
+{
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = ampc_f32_to_f16_sr(src[i], ampc_random_bits_keyed(key, index_lo + (uint32_t)i));
+}
+
 /* Stochastic rounding of n fp32 values; element i uses the random bits of list-wide
- * element `index + i`. */
+ * element `index + i`. The run is split where the index's high half changes. */
 static void store_stochastic(uint16_t *dst, ampc_dtype dtype, const float *src, int64_t n,
                              uint64_t seed, int64_t index)
 {
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t r = ampc_random_bits(seed, (uint64_t)(index + i));
-        dst[i] = dtype == AMPC_F16 ? ampc_f32_to_f16_sr(src[i], r)
-                                   : ampc_f32_to_bf16_sr(src[i], r);
+    while (n > 0) {
+        uint64_t k = (uint64_t)index;
+        int64_t run = (int64_t)(((k >> 32) + 1) << 32) - index;  /* to the next 2^32 */
+        run = run < n ? run : n;
+        uint32_t key = ampc_random_key(seed, (uint32_t)(k >> 32));
+        if (dtype == AMPC_F16)
+            store_f16_stochastic(dst, src, run, key, (uint32_t)k);
+        else
+            store_bf16_stochastic(dst, src, run, key, (uint32_t)k);
+        dst += run;
+        src += run;
+        index += run;
+        n -= run;
     }
 }
 

@@ -101,11 +101,24 @@ AMPC_HD uint32_t ampc_mix32(uint32_t x)
     return x;
 }
 
-/* The random bits for element `index` of a list, see Note [stochastic rounding]. */
+/* The random bits for element `index` of a list, see Note [stochastic rounding], in two
+ * steps: a key from the seed and the index's high half, then 32-bit work per element
+ * (so a loop over consecutive indices vectorizes). */
+AMPC_HD uint32_t ampc_random_key(uint64_t seed, uint32_t index_hi)
+{
+    uint32_t key = ampc_mix32((uint32_t)(seed >> 32) ^ ampc_mix32(index_hi));
+    return ampc_mix32(key ^ (uint32_t)seed);
+}
+
+AMPC_HD uint32_t ampc_random_bits_keyed(uint32_t key, uint32_t index_lo)
+{
+    return ampc_mix32(index_lo ^ key);
+}
+
 AMPC_HD uint32_t ampc_random_bits(uint64_t seed, uint64_t index)
 {
-    uint32_t key = ampc_mix32((uint32_t)(seed >> 32) ^ ampc_mix32((uint32_t)(index >> 32)));
-    return ampc_mix32((uint32_t)index ^ ampc_mix32(key ^ (uint32_t)seed));
+    return ampc_random_bits_keyed(ampc_random_key(seed, (uint32_t)(index >> 32)),
+                                  (uint32_t)index);
 }
 
 /* bf16 keeps the top 16 bits: adding 16 random bits below them carries into the kept
