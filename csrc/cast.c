@@ -69,7 +69,7 @@ static void store_stochastic(uint16_t *dst, ampc_dtype dtype, const float *src, 
             for (int64_t i = 0; i < run; i += AMPC_BLOCK) {
                 int64_t m = run - i < AMPC_BLOCK ? run - i : AMPC_BLOCK;
                 f16_stochastic_values(buf, src + i, m, key, (uint32_t)k + (uint32_t)i);
-                ampc_store_block(dst + i, AMPC_F16, buf, m);
+                ampc_cast_block(dst + i, AMPC_F16, buf, AMPC_F32, m);
             }
         } else {
             store_bf16_stochastic(dst, src, run, key, (uint32_t)k);
@@ -89,23 +89,19 @@ static void cast_span(void *ctx, const struct ampc_span *s)
     const char *src = (const char *)job->src->ptr[s->tensor] + s->begin * ampc_dtype_size(sd);
     char *dst = (char *)job->dst->ptr[s->tensor] + s->begin * ampc_dtype_size(dd);
     int64_t n = s->end - s->begin;
-    if (sd == dd) {
-        memcpy(dst, src, (size_t)(n * ampc_dtype_size(sd)));
+    if (!job->args->stochastic || dd == AMPC_F32 || sd == dd) {    /* nothing random */
+        ampc_cast_block(dst, dd, src, sd, n);
         return;
     }
-    int stochastic = job->args->stochastic && dd != AMPC_F32;  /* widening is exact */
     float buf[AMPC_BLOCK];
     for (int64_t i = 0; i < n; i += AMPC_BLOCK) {
         int64_t m = n - i < AMPC_BLOCK ? n - i : AMPC_BLOCK;
-        if (dd == AMPC_F32) {   /* widen straight into dst */
-            ampc_load_block((float *)dst + i, src + i * ampc_dtype_size(sd), sd, m);
-            continue;
+        const float *f = (const float *)src + i;
+        if (sd != AMPC_F32) {
+            ampc_cast_block(buf, AMPC_F32, src + i * ampc_dtype_size(sd), sd, m);
+            f = buf;
         }
-        const float *f = ampc_load_block(buf, src + i * ampc_dtype_size(sd), sd, m);
-        if (stochastic)
-            store_stochastic((uint16_t *)dst + i, dd, f, m, job->args->seed, s->index + i);
-        else
-            ampc_store_block(dst + i * ampc_dtype_size(dd), dd, f, m);
+        store_stochastic((uint16_t *)dst + i, dd, f, m, job->args->seed, s->index + i);
     }
 }
 

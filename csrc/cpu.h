@@ -8,10 +8,9 @@
  * 1,000 calls. Chunk numbers are fixed by the list alone, so per-chunk partial
  * results (a norm) combine in the same order whatever the thread count.
  *
- * Within a chunk, elements are processed in blocks of AMPC_BLOCK fp32 values that
- * stay in L1: load_block widens 16-bit inputs to fp32, store_block narrows them back
- * (round to nearest even), each with AVX-512, AVX2+F16C or scalar code chosen at run
- * time.
+ * Within a chunk, the SIMD loops of simd.c do the work: each loads, widens, computes,
+ * narrows and stores in registers, with AVX-512, AVX2+F16C or scalar code chosen at run
+ * time. Stochastic rounding goes through an L1 buffer of AMPC_BLOCK fp32 values.
  */
 #ifndef AMPC_CPU_H
 #define AMPC_CPU_H
@@ -42,11 +41,15 @@ ampc_status ampc_for_each_chunk(const struct ampc_list *list, ampc_span_fn fn, v
 /* Size of one element of a dtype in bytes. */
 int64_t ampc_dtype_size(ampc_dtype dtype);
 
-/* Returns n (<= AMPC_BLOCK) elements of src as fp32: src itself when it is fp32,
- * otherwise `buf` filled with the widened values. */
-const float *ampc_load_block(float *buf, const void *src, ampc_dtype dtype, int64_t n);
+// ---- the SIMD inner loops (simd.c) ----
 
-/* Writes n fp32 values to dst in its dtype, rounding to nearest even. */
-void ampc_store_block(void *dst, ampc_dtype dtype, const float *src, int64_t n);
+/* dst[0..n) = src[0..n) converted from st to dt, rounding to nearest even. */
+void ampc_cast_block(void *dst, ampc_dtype dt, const void *src, ampc_dtype st, int64_t n);
+
+/* g[0..n) *= s in place (in fp32); nonzero when any input was inf or nan. */
+int ampc_unscale_block(void *g, ampc_dtype dtype, float s, int64_t n);
+
+/* *sum += the sum of g[0..n)^2, in double; nonzero when any was inf or nan. */
+int ampc_square_sum_block(const void *g, ampc_dtype dtype, int64_t n, double *sum);
 
 #endif /* AMPC_CPU_H */
