@@ -31,8 +31,9 @@ enum isa { ISA_UNKNOWN, ISA_SCALAR, ISA_AVX2, ISA_AVX512 };
  * every path on one machine. */
 static enum isa cpu_isa(void)
 {
-    static enum isa isa = ISA_UNKNOWN;      /* benign race: every thread computes the same */
-    if (isa == ISA_UNKNOWN) {
+    static int isa = ISA_UNKNOWN;       /* threads may race to set it: all set the same */
+    enum isa seen = __atomic_load_n(&isa, __ATOMIC_RELAXED);
+    if (seen == ISA_UNKNOWN) {
         const char *cap = getenv("AMPC_CPU_ISA");
         enum isa best = ISA_SCALAR;
         __builtin_cpu_init();
@@ -45,9 +46,10 @@ static enum isa cpu_isa(void)
             best = ISA_SCALAR;
         else if (cap && strcmp(cap, "avx2") == 0 && best > ISA_AVX2)
             best = ISA_AVX2;
-        isa = best;
+        __atomic_store_n(&isa, best, __ATOMIC_RELAXED);
+        seen = best;
     }
-    return isa;
+    return seen;
 }
 
 // ---- scalar: the reference, and the tails of the vector loops ----
