@@ -23,6 +23,25 @@ def bits(t):
     return t.view(INT_VIEW[t.dtype])
 
 
+def assert_periodic(got, want, what, rows=256):
+    """Checks every element of a huge 1-D tensor against ``want`` repeated (bits, NaN by
+    position), a block of ``rows`` periods at a time, so memory stays small."""
+    period = want.numel()
+    full = got.numel() // period
+    want_bits, want_nan = bits(want), torch.isnan(want)
+    nan_cols = torch.nonzero(want_nan)[:, 0]
+    ok = torch.empty(rows, period, dtype=torch.bool)
+    for r in range(0, full, rows):
+        blk = got[r * period : min(r + rows, full) * period].view(-1, period)
+        buf = ok[: blk.shape[0]]
+        torch.eq(bits(blk), want_bits, out=buf)
+        buf.logical_or_(want_nan)
+        if not (bool(buf.all()) and bool(torch.isnan(blk[:, nan_cols]).all())):
+            assert_same(blk, want.expand_as(blk), f"{what} elements from {r * period}")
+    assert_same(got[full * period :], want[: got.numel() - full * period],
+                f"{what} last elements")
+
+
 def f32(x):
     """x rounded to the nearest fp32 value (to +-inf past the fp32 range)."""
     try:
