@@ -188,26 +188,61 @@ AVX512 INLINE void square_add16(__m512 f, __m512d *lo_sum, __m512d *hi_sum)
     *hi_sum = _mm512_fmadd_pd(hi, hi, *hi_sum);
 }
 
-AVX512 INLINE int square_sum_loop16(const void *g, ampc_dtype t, int64_t n, double *sum)
+/* The sum of squares of g[i..end), end - i a multiple of 16, in double. */
+AVX512 INLINE double square_sum_double16(const void *g, ampc_dtype t, int64_t i, int64_t end)
 {
     __m512d acc[4] = { _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(),
                        _mm512_setzero_pd() };
-    __mmask16 bad = 0;
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        __m512 a = load16(g, t, i);
-        __m512 b = load16(g, t, i + 16);
-        bad |= nonfinite16(a) | nonfinite16(b);
-        square_add16(a, &acc[0], &acc[1]);
-        square_add16(b, &acc[2], &acc[3]);
+    for (; i + 32 <= end; i += 32) {
+        square_add16(load16(g, t, i), &acc[0], &acc[1]);
+        square_add16(load16(g, t, i + 16), &acc[2], &acc[3]);
     }
-    for (; i + 16 <= n; i += 16) {
-        __m512 a = load16(g, t, i);
-        bad |= nonfinite16(a);
-        square_add16(a, &acc[0], &acc[1]);
-    }
+    if (i < end)
+        square_add16(load16(g, t, i), &acc[0], &acc[1]);
     __m512d total = _mm512_add_pd(_mm512_add_pd(acc[0], acc[1]), _mm512_add_pd(acc[2], acc[3]));
-    *sum += _mm512_reduce_add_pd(total);
+    return _mm512_reduce_add_pd(total);
+}
+
+/*
+ * Note [fp32 squares when safe]: widening to double costs more than the memory read of
+ * a 16-bit grad, so runs of SQUARE_RUN elements are summed in fp32 (16 elements per
+ * lane, relative error below 2^-19) while the largest |g| of the run is checked: below
+ * 2^58 no square nor the run's sum can overflow, and from 2^-40 up any square that
+ * underflows is below 2^-46 of the largest one. A run outside those bounds (including
+ * any inf or nan) is summed again in double.
+ */
+#define SQUARE_RUN 512
+#define SQUARE_SAFE_MAX 0x5c800000u     /* 2^58 */
+#define SQUARE_SAFE_MIN 0x2b800000u     /* 2^-40 */
+
+AVX512 INLINE int square_sum_loop16(const void *g, ampc_dtype t, int64_t n, double *sum)
+{
+    __m512i abs_bits = _mm512_set1_epi32(0x7fffffff);
+    __mmask16 bad = 0;
+    double total = 0;
+    int64_t i = 0;
+    while (i + 16 <= n) {
+        int64_t end = n - i >= SQUARE_RUN ? i + SQUARE_RUN : n - (n - i) % 16;
+        __m512 s0 = _mm512_setzero_ps();
+        __m512 s1 = _mm512_setzero_ps();
+        __m512i top = _mm512_setzero_si512();
+        for (int64_t j = i; j < end; j += 16) {
+            __m512 f = load16(g, t, j);
+            bad |= nonfinite16(f);
+            top = _mm512_max_epu32(top, _mm512_and_si512(_mm512_castps_si512(f), abs_bits));
+            if ((j - i) & 16)
+                s1 = _mm512_fmadd_ps(f, f, s1);
+            else
+                s0 = _mm512_fmadd_ps(f, f, s0);
+        }
+        uint32_t m = (uint32_t)_mm512_reduce_max_epu32(top);
+        if (m < SQUARE_SAFE_MAX && (m >= SQUARE_SAFE_MIN || m == 0))
+            total += _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+        else
+            total += square_sum_double16(g, t, i, end);
+        i = end;
+    }
+    *sum += total;
     return (bad != 0) | square_sum_scalar(g, t, i, n, sum);
 }
 

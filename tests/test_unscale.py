@@ -374,3 +374,29 @@ def test_more_than_2_31_elements():
     around = torch.arange(2 ** 31 - 70000, n)
     assert_same(g[around], want[around % period], "unscale_check elements around 2^31")
     assert_periodic(g, want, "unscale_check")
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=NAMES.get)
+@pytest.mark.parametrize("odd", ["huge", "tiny", "at_max", "below_max", "at_min", "below_min"])
+def test_check_only_norm_runs_with_outliers(dtype, odd):
+    """The norm sums runs of elements in fp32 when that is safe and in double when a run
+    holds a value too large or only values too small (Note [fp32 squares when safe]);
+    an outlier in one run, among ordinary runs, must not change the accuracy."""
+    value = {"huge": 2.0 ** 100, "tiny": 2.0 ** -100, "at_max": 2.0 ** 58,
+             "below_max": 2.0 ** 58 * (1 - 2.0 ** -7), "at_min": 2.0 ** -40,
+             "below_min": 2.0 ** -40 * (1 - 2.0 ** -7)}[odd]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(10_000, generator=g, dtype=torch.float64)
+    if odd in ("tiny", "at_min", "below_min"):
+        x[1024:1536] *= value           # one whole run of small values
+    else:
+        x[1500] = value                 # one large value in an ordinary run
+    x = x.to(dtype)
+    f = scalar(0.0)
+    norm = ampc.ops.unscale_check([x], f, scalar(1.0), check_only=True)
+    assert float(f) == 0.0
+    assert_close_norm(float(norm), float(x.double().norm()), f"check_only {odd}")
+    small = x[1024:1536].double().norm()
+    if odd in ("tiny", "at_min", "below_min"):  # the small run alone is summed right too
+        run = ampc.ops.unscale_check([x[1024:1536].contiguous()], f, scalar(1.0), check_only=True)
+        assert_close_norm(float(run), float(small), f"check_only {odd} run alone")
