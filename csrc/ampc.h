@@ -70,8 +70,10 @@ ampc_status ampc_unscale_check_cpu(const struct ampc_list *grads, float *found_i
 /*
  * Read-only twin of unscale_check: sets *found_inf like it (sticky), leaves grads
  * untouched and writes *norm = |inv_scale| * sqrt(sum of grads^2), the global L2 norm
- * of the unscaled grads. Squares are summed in double (the square of a finite fp32
- * can overflow fp32), in a fixed order, so the result does not depend on the thread count.
+ * of the unscaled grads. Squares never overflow or underflow unnoticed (runs of them
+ * are summed in fp32 only where that is safe, in double otherwise: Note [fp32 squares
+ * when safe] in simd.c), in a fixed order, so the result does not depend on the thread
+ * count.
  */
 ampc_status ampc_check_norm_cpu(const struct ampc_list *grads, float *found_inf,
                                 float *norm, const float *inv_scale);

@@ -7,8 +7,9 @@
  * rounded back to nearest even. One pass: each element is read and written once.
  *
  * check_norm: the same check without writing, plus the global L2 norm of the
- * unscaled grads, |inv_scale| * sqrt(sum g^2). Squares are summed in double (SIMD lanes
- * within a chunk), and the chunks' sums in chunk order (deterministic, see cpu.h).
+ * unscaled grads, |inv_scale| * sqrt(sum g^2). A chunk's squares are summed without
+ * overflow (Note [fp32 squares when safe] in simd.c) and the chunks' sums in double, in
+ * chunk order (deterministic, see cpu.h).
  */
 #include <math.h>
 #include <stdlib.h>
