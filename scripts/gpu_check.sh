@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # gpu_check.sh: every check that needs a GPU, in one run on a machine with a CUDA device.
 #
-# Sets up (.venv and the build, scripts/setup.sh), runs the CUDA tests, runs the CUDA
-# benchmarks, and prints a short table last: test counts, then one row per benchmark case
-# (ampc ms, torch ms, ratio torch/ampc, ampc GB/s, % of the device's copy bandwidth).
+# Sets up (the machine's own CUDA torch if it has one, else .venv by scripts/setup.sh) and
+# builds ampc, runs the CUDA tests, runs the CUDA benchmarks, and prints a short table
+# last: test counts, then one row per benchmark case (ampc ms, torch ms, ratio
+# torch/ampc, ampc GB/s, % of the device's copy bandwidth).
 # The whole run stays under 8 minutes: each stage gets a capped slice of the budget.
 #
 # The benchmarks' --json output: {"header": {"copy_gbs", ...}, "rows": [{"case", "ampc ms",
@@ -32,7 +33,16 @@ stage() {
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
-stage 240 bash scripts/setup.sh || echo "setup failed or timed out (rc $?)"
+# A GPU machine that already has a CUDA torch (>= 2.10) in its python3 uses it as is,
+# which also checks the build against one more torch release; otherwise set up .venv.
+if python3 -c "import torch, pytest, numpy; assert torch.cuda.is_available()" 2>/dev/null; then
+    py=python3
+    python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+    stage 240 python3 -m pip install -q --no-build-isolation --no-deps -e . ||
+        echo "build failed or timed out (rc $?)"
+else
+    stage 240 bash scripts/setup.sh || echo "setup failed or timed out (rc $?)"
+fi
 stage 240 "$py" -m pytest -q -m cuda --tb=short --junitxml="$work/junit.xml" tests/ 2>&1 |
     tail -n 60
 for b in cast unscale; do
