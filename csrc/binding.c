@@ -395,7 +395,6 @@ static void start(struct call *c, const char *op, int on_cuda)
     c->on_cuda = on_cuda;
 }
 
-
 // ---- cast(Tensor[] src, Tensor(a!)[] dst, bool stochastic, int seed) ----
 
 struct cast_job {
