@@ -173,25 +173,41 @@ def update_scale(scale, growth_tracker, found_inf, growth_factor, backoff_factor
 
 
 # ---- version counters ----
-# A kernel registered through the stable C ABI writes memory behind autograd's back, so
-# the version counters of the tensors it mutates would not move: a modified tensor saved
-# for backward would go unnoticed, and so would a stale cached cast of a weight. This
-# kernel, one dispatch key above the backends, bumps them and passes the call on.
+# A kernel registered through the stable C ABI writes memory behind autograd's back:
+# - the version counters of the tensors it mutates would not move, so a modified tensor
+#   saved for backward would go unnoticed, and so would a stale cached cast of a weight;
+# - autograd would record nothing, so a tensor that requires grad would silently get
+#   wrong (or no) gradients through the op.
+# This kernel, one dispatch key above the backends, refuses tensors that require grad
+# while grad mode is on (the ops are not differentiable), bumps the versions of the
+# tensors the op writes, and passes the call on.
 
 _lib = torch.library.Library("ampc", "IMPL")
 
 
-def _bump_versions_of_mutated_args(name):
+def _guard_autograd(name):
     overload = getattr(torch.ops.ampc, name).default
-    mutated = [(i, isinstance(a.type, torch.ListType))
+    tensors = [(i, a.name, isinstance(a.type, torch.ListType), a.alias_info is not None
+                and a.alias_info.is_write)
                for i, a in enumerate(overload._schema.arguments)
-               if a.alias_info is not None and a.alias_info.is_write]
-    lists = [i for i, is_list in mutated if is_list]
-    singles = [i for i, is_list in mutated if not is_list]
+               if isinstance(a.type, (torch.TensorType, torch.ListType))]
+    lists = [i for i, _, is_list, written in tensors if is_list and written]
+    singles = [i for i, _, is_list, written in tensors if written and not is_list]
     below = torch._C._after_ADInplaceOrView_keyset
     bump = torch._C._increment_version       # takes a sequence of tensors
 
+    def refuse_grad(args):
+        for i, arg, is_list, _ in tensors:
+            for k, t in enumerate(args[i] if is_list else (args[i],)):
+                if t.requires_grad:
+                    where = f"{arg}[{k}]" if is_list else arg
+                    raise RuntimeError(
+                        f"ampc.{name}: {where} requires grad, and ampc's ops are not "
+                        f"differentiable; call them under torch.no_grad()")
+
     def kernel(keyset, *args):
+        if torch.is_grad_enabled():
+            refuse_grad(args)
         for i in lists:
             bump(args[i])
         if singles:
@@ -202,7 +218,7 @@ def _bump_versions_of_mutated_args(name):
 
 
 for _name in ("cast", "unscale_check", "check_norm", "update_scale"):
-    _bump_versions_of_mutated_args(_name)
+    _guard_autograd(_name)
 
 
 # ---- fake kernels: shapes only, for torch.compile and meta tensors ----

@@ -284,3 +284,22 @@ def test_in_place_write_to_a_tensor_saved_for_backward_is_caught():
     ampc.ops.unscale_check([x], torch.zeros(1), torch.full((1,), 2.0))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward()
+
+
+def test_tensors_that_require_grad_are_refused_in_grad_mode():
+    # the ops record nothing for autograd: gradients through them would be silently wrong
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    before = y.detach().clone()
+    with pytest.raises(RuntimeError, match=r"^ampc\.unscale_check: grads\[0\] requires grad"):
+        ampc.ops.unscale_check([y], torch.zeros(1), torch.full((1,), 2.0))
+    assert torch.equal(y.detach(), before) and y._version == 0
+    with pytest.raises(RuntimeError, match=r"^ampc\.cast: src\[1\] requires grad"):
+        ampc.ops.cast([torch.randn(3), x], bf16)
+    with pytest.raises(RuntimeError, match=r"^ampc\.cast: dst\[0\] requires grad"):
+        ampc.ops.cast_([torch.zeros(3, requires_grad=True)], [torch.randn(3)])
+    # under no_grad, as optimizers and scalers run, they work on such tensors
+    with torch.no_grad():
+        ampc.ops.unscale_check([x], torch.zeros(1), torch.full((1,), 2.0))
+        (low,) = ampc.ops.cast([x], bf16)
+    assert torch.equal(low, (x.detach()).to(bf16))
