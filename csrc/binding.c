@@ -249,7 +249,7 @@ static struct ampc_list float_list(struct call *c, const struct list *ls)
     struct ampc_list out = { ls->ptr, ls->numel, ls->count, AMPC_F32 };
     for (int64_t i = 0; i < ls->count; i++) {
         const struct tensor *t = &ls->t[i];
-        ampc_dtype d;
+        ampc_dtype d = AMPC_F32;
         if (!to_ampc_dtype(t->dtype, &d))
             fail(c, "%s must be torch.float32, torch.float16 or torch.bfloat16, got %s",
                  tensor_name(t, a, sizeof(a)), dtype_name(t->dtype));

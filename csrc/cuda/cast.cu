@@ -5,10 +5,9 @@
  * Tensor.to) or stochastically with the random bits ampc_random_bits(seed, k) of list
  * element k (Note [stochastic rounding] in ampc.h), so CPU and GPU results match exactly.
  *
- * Launch shape: multi_tensor.cuh (one 512-thread block per 65536-element chunk). When both
- * chunk starts are 16-byte aligned, each thread moves MT_ILP vectors of 8 elements at once
- * (all loads issued before the first store, to keep enough bytes in flight); a storage
- * offset that breaks alignment sends the chunk down a plain element-per-thread loop.
+ * Launch shape: multi_tensor.cuh (one 512-thread block per 65536-element chunk, walked by
+ * mt_visit: 16-byte vectors when both chunk starts are aligned, one element a thread when
+ * a storage offset breaks the alignment).
  */
 #include "common.cuh"
 #include "multi_tensor.cuh"
@@ -36,31 +35,10 @@ cast_kernel(const __grid_constant__ struct mt_table tab, int stochastic, uint64_
     char *dst = elem_ptr<D>(tab.ptr[0][t], start);
     const char *src = elem_ptr<S>(tab.ptr[1][t], start);
     uint64_t k0 = (uint64_t)(tab.first[t] + start);   /* list index of the chunk's element 0 */
-    int tail = 0;
 
-    if (vec_ok(dst) && vec_ok(src)) {
-        int nvec = len / 8;
-        for (int u0 = threadIdx.x; u0 < nvec; u0 += MT_THREADS * MT_ILP) {
-            uint32_t v[MT_ILP][8];
-#pragma unroll
-            for (int j = 0; j < MT_ILP; j++)
-                if (u0 + j * MT_THREADS < nvec)
-                    load8<S>(v[j], src, u0 + j * MT_THREADS);
-#pragma unroll
-            for (int j = 0; j < MT_ILP; j++) {
-                int u = u0 + j * MT_THREADS;
-                if (u >= nvec)
-                    break;
-#pragma unroll
-                for (int e = 0; e < 8; e++)
-                    v[j][e] = cast1<S, D>(v[j][e], stochastic, seed, k0 + 8 * u + e);
-                store8<D>(dst, u, v[j]);
-            }
-        }
-        tail = nvec * 8;
-    }
-    for (int i = tail + threadIdx.x; i < len; i += MT_THREADS)
-        store1<D>(dst, i, cast1<S, D>(load1<S>(src, i), stochastic, seed, k0 + i));
+    mt_visit<S, D>(src, dst, len, [&](uint32_t x, int i) {
+        return cast1<S, D>(x, stochastic, seed, k0 + i);
+    });
 }
 
 typedef void (*cast_kernel_fn)(const struct mt_table, int, uint64_t);

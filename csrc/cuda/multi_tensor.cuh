@@ -62,6 +62,47 @@ __device__ __forceinline__ int mt_chunk(const struct mt_table *tab, int64_t *sta
     return lo;
 }
 
+/*
+ * Visits elements [0, len) of the calling block's chunk: x = op(x, i) on the raw bits x of
+ * element i, read as dtype S from `in` and, unless `out` is NULL (a read-only visit),
+ * written as dtype D to `out`. When both pointers allow it, each thread moves 16-byte
+ * vectors of 8 elements, MT_ILP of them loaded before the first is used, to keep enough
+ * bytes in flight; otherwise (a storage offset that breaks alignment) one element a thread.
+ */
+template <ampc_dtype S, ampc_dtype D, typename Op>
+__device__ __forceinline__ void mt_visit(const char *in, char *out, int len, Op op)
+{
+    int tail = 0;
+
+    if (vec_ok(in) && (out == NULL || vec_ok(out))) {
+        int nvec = len / 8;
+        for (int u0 = threadIdx.x; u0 < nvec; u0 += MT_THREADS * MT_ILP) {
+            uint32_t v[MT_ILP][8];
+#pragma unroll
+            for (int j = 0; j < MT_ILP; j++)
+                if (u0 + j * MT_THREADS < nvec)
+                    load8<S>(v[j], in, u0 + j * MT_THREADS);
+#pragma unroll
+            for (int j = 0; j < MT_ILP; j++) {
+                int u = u0 + j * MT_THREADS;
+                if (u >= nvec)
+                    break;
+#pragma unroll
+                for (int e = 0; e < 8; e++)
+                    v[j][e] = op(v[j][e], 8 * u + e);
+                if (out)
+                    store8<D>(out, u, v[j]);
+            }
+        }
+        tail = nvec * 8;
+    }
+    for (int i = tail + threadIdx.x; i < len; i += MT_THREADS) {
+        uint32_t x = op(load1<S>(in, i), i);
+        if (out)
+            store1<D>(out, i, x);
+    }
+}
+
 static inline int64_t mt_chunks(int64_t numel)
 {
     return CEIL_DIV(numel, (int64_t)MT_CHUNK);

@@ -7,11 +7,11 @@
  * Both set *found_inf = 1 when an input element is inf or nan (checked before the multiply;
  * Note [found_inf is sticky]). inv_scale and found_inf are read on the device: no host sync.
  *
- * Launch shape: multi_tensor.cuh (one 512-thread block per 65536-element chunk, 16-byte
- * vectors when aligned). check_norm is deterministic: each block writes the fp32 sum of its
- * chunk (per-thread sums, then a fixed tree) to slot (launch offset + block) of a scratch
- * array from torch's caching allocator, then one 512-thread block adds the slots in double,
- * again in a fixed order, and writes the norm.
+ * Launch shape: multi_tensor.cuh (one 512-thread block per 65536-element chunk, walked by
+ * mt_visit). check_norm is deterministic: each block writes the double sum of its chunk's
+ * squares (per-thread sums, then a fixed tree) to slot (launch offset + block) of a scratch
+ * array from torch's caching allocator, then one 512-thread block adds the slots in a
+ * fixed order and writes the norm.
  */
 #include "common.cuh"
 #include "multi_tensor.cuh"
@@ -36,31 +36,8 @@ unscale_kernel(const __grid_constant__ struct mt_table tab, float *found_inf,
     char *g = elem_ptr<DT>(tab.ptr[0][t], start);
     float inv = *inv_scale;
     bool bad = false;
-    int tail = 0;
 
-    if (vec_ok(g)) {
-        int nvec = len / 8;
-        for (int u0 = threadIdx.x; u0 < nvec; u0 += MT_THREADS * MT_ILP) {
-            uint32_t v[MT_ILP][8];
-#pragma unroll
-            for (int j = 0; j < MT_ILP; j++)
-                if (u0 + j * MT_THREADS < nvec)
-                    load8<DT>(v[j], g, u0 + j * MT_THREADS);
-#pragma unroll
-            for (int j = 0; j < MT_ILP; j++) {
-                int u = u0 + j * MT_THREADS;
-                if (u >= nvec)
-                    break;
-#pragma unroll
-                for (int e = 0; e < 8; e++)
-                    v[j][e] = unscale1<DT>(v[j][e], inv, &bad);
-                store8<DT>(g, u, v[j]);
-            }
-        }
-        tail = nvec * 8;
-    }
-    for (int i = tail + threadIdx.x; i < len; i += MT_THREADS)
-        store1<DT>(g, i, unscale1<DT>(load1<DT>(g, i), inv, &bad));
+    mt_visit<DT, DT>(g, g, len, [&](uint32_t x, int) { return unscale1<DT>(x, inv, &bad); });
     /* Racing threads all store the same 1.0f, so the race is harmless. */
     if (bad)
         *found_inf = 1.0f;
@@ -76,35 +53,13 @@ norm_kernel(const __grid_constant__ struct mt_table tab, double *partial, float 
     const char *g = elem_ptr<DT>(tab.ptr[0][t], start);
     double sum = 0.0;     /* squares of large or tiny fp32 values fit only a double */
     bool bad = false;
-    int tail = 0;
 
-    if (vec_ok(g)) {
-        int nvec = len / 8;
-        for (int u0 = threadIdx.x; u0 < nvec; u0 += MT_THREADS * MT_ILP) {
-            uint32_t v[MT_ILP][8];
-#pragma unroll
-            for (int j = 0; j < MT_ILP; j++)
-                if (u0 + j * MT_THREADS < nvec)
-                    load8<DT>(v[j], g, u0 + j * MT_THREADS);
-#pragma unroll
-            for (int j = 0; j < MT_ILP; j++) {
-                if (u0 + j * MT_THREADS >= nvec)
-                    break;
-#pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    float x = to_f32<DT>(v[j][e]);
-                    bad |= non_finite(x);
-                    sum += (double)x * x;
-                }
-            }
-        }
-        tail = nvec * 8;
-    }
-    for (int i = tail + threadIdx.x; i < len; i += MT_THREADS) {
-        float x = to_f32<DT>(load1<DT>(g, i));
-        bad |= non_finite(x);
-        sum += (double)x * x;
-    }
+    mt_visit<DT, DT>(g, NULL, len, [&](uint32_t x, int) {
+        float f = to_f32<DT>(x);
+        bad |= non_finite(f);
+        sum += (double)f * f;
+        return x;
+    });
     if (bad)
         *found_inf = 1.0f;
     sum = block_sum(sum);
