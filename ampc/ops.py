@@ -86,9 +86,10 @@ def cast(tensors, dtype, *, stochastic=False, seed=0):
 def cast_(dst, src, *, stochastic=False, seed=0):
     """Copies each ``src[i]`` into ``dst[i]``, converting to ``dst[i]``'s dtype, in place.
 
-    The fast path of :func:`cast` for preallocated outputs: every tensor of ``src``
-    shares one dtype and device, every tensor of ``dst`` shares one dtype, all are
-    contiguous, ``dst[i]`` has ``src[i]``'s shape and no output overlaps an input.
+    The fast path of :func:`cast` for preallocated outputs: all tensors are on one
+    device and contiguous, ``dst[i]`` has ``src[i]``'s shape, and no output overlaps an
+    input or another output. One kernel call when each list has one dtype; lists that
+    mix dtypes are split by dtype pair.
 
     Args:
         dst (list of Tensor): the outputs, written in place.
@@ -96,7 +97,7 @@ def cast_(dst, src, *, stochastic=False, seed=0):
         stochastic (bool): stochastic rounding instead of round to nearest. Default: False.
         seed (int): the seed of the stochastic rounding. Default: 0.
     """
-    if len(src) == 0 and len(dst) == 0:
+    if isinstance(src, (list, tuple)) and isinstance(dst, (list, tuple)) and not src and not dst:
         return      # nothing to do, and no tensor for the dispatcher to pick a device from
     _per_dtype("cast", {"src": src, "dst": dst},
                lambda s, d: torch.ops.ampc.cast(s, d, bool(stochastic), int(seed)))
