@@ -45,3 +45,12 @@ def test_each_cpu_path_matches_torch(isa):
     out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+def test_fuzz_on_each_cpu_path(isa):
+    env = dict(os.environ, AMPC_CPU_ISA=isa)
+    fuzz = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_fuzz.py")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", fuzz],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:]
