@@ -16,6 +16,7 @@ struct cast_job {
     const struct ampc_list *dst;
     const struct ampc_list *src;
     const struct ampc_cast_args *args;
+    int stream;             /* Note [streaming stores] */
 };
 
 /* Auto-vectorized clones of the stochastic-rounding loop. */
@@ -69,7 +70,7 @@ static void store_stochastic(uint16_t *dst, ampc_dtype dtype, const float *src, 
             for (int64_t i = 0; i < run; i += AMPC_BLOCK) {
                 int64_t m = run - i < AMPC_BLOCK ? run - i : AMPC_BLOCK;
                 f16_stochastic_values(buf, src + i, m, key, (uint32_t)k + (uint32_t)i);
-                ampc_cast_block(dst + i, AMPC_F16, buf, AMPC_F32, m);
+                ampc_cast_block(dst + i, AMPC_F16, buf, AMPC_F32, m, 0);
             }
         } else {
             store_bf16_stochastic(dst, src, run, key, (uint32_t)k);
@@ -90,7 +91,7 @@ static void cast_span(void *ctx, const struct ampc_span *s)
     char *dst = (char *)job->dst->ptr[s->tensor] + s->begin * ampc_dtype_size(dd);
     int64_t n = s->end - s->begin;
     if (!job->args->stochastic || dd == AMPC_F32 || sd == dd) {    /* nothing random */
-        ampc_cast_block(dst, dd, src, sd, n);
+        ampc_cast_block(dst, dd, src, sd, n, job->stream);
         return;
     }
     float buf[AMPC_BLOCK];
@@ -98,7 +99,7 @@ static void cast_span(void *ctx, const struct ampc_span *s)
         int64_t m = n - i < AMPC_BLOCK ? n - i : AMPC_BLOCK;
         const float *f = (const float *)src + i;
         if (sd != AMPC_F32) {
-            ampc_cast_block(buf, AMPC_F32, src + i * ampc_dtype_size(sd), sd, m);
+            ampc_cast_block(buf, AMPC_F32, src + i * ampc_dtype_size(sd), sd, m, 0);
             f = buf;
         }
         store_stochastic((uint16_t *)dst + i, dd, f, m, job->args->seed, s->index + i);
@@ -108,6 +109,9 @@ static void cast_span(void *ctx, const struct ampc_span *s)
 ampc_status ampc_cast_cpu(const struct ampc_list *dst, const struct ampc_list *src,
                           const struct ampc_cast_args *args)
 {
-    struct cast_job job = { dst, src, args };
+    int64_t out_bytes = 0;
+    for (int64_t i = 0; i < dst->count; i++)
+        out_bytes += dst->numel[i] * ampc_dtype_size(dst->dtype);
+    struct cast_job job = { dst, src, args, out_bytes > ampc_cache_bytes() };
     return ampc_for_each_chunk(src, cast_span, &job);
 }

@@ -2,6 +2,7 @@
  * cpu.c: the chunked, threaded walk over a list of tensors (see cpu.h).
  */
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "cpu.h"
 #include "torch_shim.h"
@@ -16,6 +17,23 @@ struct walk {
     ampc_span_fn fn;
     void *ctx;
 };
+
+/* The last-level cache, as the C library reports it (32 MB when it cannot tell);
+ * AMPC_STREAM_BYTES overrides it, so the tests can reach the streaming path. */
+int64_t ampc_cache_bytes(void)
+{
+    static int64_t bytes = -1;  /* threads may race to set it: all set the same */
+    int64_t seen = __atomic_load_n(&bytes, __ATOMIC_RELAXED);
+    if (seen < 0) {
+        const char *env = getenv("AMPC_STREAM_BYTES");
+        long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+        seen = l3 > 0 ? l3 : (int64_t)32 << 20;
+        if (env && *env)
+            seen = strtoll(env, NULL, 10);
+        __atomic_store_n(&bytes, seen, __ATOMIC_RELAXED);
+    }
+    return seen;
+}
 
 int64_t ampc_dtype_size(ampc_dtype dtype)
 {

@@ -38,13 +38,24 @@ int64_t ampc_chunk_count(const struct ampc_list *list);
 /* Calls fn once per chunk, in parallel. fn must not throw or fail. */
 ampc_status ampc_for_each_chunk(const struct ampc_list *list, ampc_span_fn fn, void *ctx);
 
+/*
+ * Note [streaming stores]: an output larger than the last-level cache cannot stay in it,
+ * so writing it through the cache only costs an extra read of every line (the cache
+ * fetches a line before it takes a write). Such outputs are written with streaming
+ * stores, as memcpy does for large copies; smaller ones stay in the cache for the
+ * reader that usually comes next.
+ */
+int64_t ampc_cache_bytes(void);
+
 /* Size of one element of a dtype in bytes. */
 int64_t ampc_dtype_size(ampc_dtype dtype);
 
 // ---- the SIMD inner loops (simd.c) ----
 
-/* dst[0..n) = src[0..n) converted from st to dt, rounding to nearest even. */
-void ampc_cast_block(void *dst, ampc_dtype dt, const void *src, ampc_dtype st, int64_t n);
+/* dst[0..n) = src[0..n) converted from st to dt, rounding to nearest even; with
+ * `stream`, through streaming stores where the CPU path has them. */
+void ampc_cast_block(void *dst, ampc_dtype dt, const void *src, ampc_dtype st, int64_t n,
+                     int stream);
 
 /* g[0..n) *= s in place (in fp32); nonzero when any input was inf or nan. */
 int ampc_unscale_block(void *g, ampc_dtype dtype, float s, int64_t n);

@@ -132,15 +132,28 @@ AVX512 INLINE __m256i bf16_from16(__m512 f)
     return _mm512_cvtepi32_epi16(r);
 }
 
-AVX512 INLINE void store16(void *p, ampc_dtype t, int64_t i, __m512 f)
+/* Stores 16 values at element i of p. A streaming store (p 64-byte aligned) skips
+ * reading the line first and keeps it out of the caches: see Note [streaming stores]. */
+AVX512 INLINE void store16_to(void *p, ampc_dtype t, int64_t i, __m512 f, int stream)
 {
     if (t == AMPC_F32) {
-        _mm512_storeu_ps((float *)p + i, f);
+        if (stream)
+            _mm512_stream_ps((float *)p + i, f);
+        else
+            _mm512_storeu_ps((float *)p + i, f);
         return;
     }
     __m256i h = t == AMPC_F16 ? _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
                               : bf16_from16(f);
-    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), h);
+    if (stream)
+        _mm256_stream_si256((__m256i *)((uint16_t *)p + i), h);
+    else
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), h);
+}
+
+AVX512 INLINE void store16(void *p, ampc_dtype t, int64_t i, __m512 f)
+{
+    store16_to(p, t, i, f, 0);
 }
 
 AVX512 INLINE __mmask16 nonfinite16(__m512 f)
@@ -150,10 +163,19 @@ AVX512 INLINE __mmask16 nonfinite16(__m512 f)
 }
 
 AVX512 INLINE void cast_loop16(void *dst, ampc_dtype dt, const void *src, ampc_dtype st,
-                               int64_t n)
+                               int64_t n, int stream)
 {
     int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {      /* two vectors: whole 64-byte lines of 16-bit out */
+    if (stream && ((uintptr_t)dst & 63) == 0) {
+        for (; i + 32 <= n; i += 32) {  /* two vectors: whole 64-byte lines of 16-bit out */
+            __m512 a = load16(src, st, i);
+            __m512 b = load16(src, st, i + 16);
+            store16_to(dst, dt, i, a, 1);
+            store16_to(dst, dt, i + 16, b, 1);
+        }
+        _mm_sfence();                   /* streamed lines are visible before we return */
+    }
+    for (; i + 32 <= n; i += 32) {
         __m512 a = load16(src, st, i);
         __m512 b = load16(src, st, i + 16);
         store16(dst, dt, i, a);
@@ -271,15 +293,27 @@ AVX2 INLINE __m128i bf16_from8(__m256 f)
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-AVX2 INLINE void store8(void *p, ampc_dtype t, int64_t i, __m256 f)
+/* As store16_to, 8 values (p 32-byte aligned for a streaming store). */
+AVX2 INLINE void store8_to(void *p, ampc_dtype t, int64_t i, __m256 f, int stream)
 {
     if (t == AMPC_F32) {
-        _mm256_storeu_ps((float *)p + i, f);
+        if (stream)
+            _mm256_stream_ps((float *)p + i, f);
+        else
+            _mm256_storeu_ps((float *)p + i, f);
         return;
     }
     __m128i h = t == AMPC_F16 ? _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
                               : bf16_from8(f);
-    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), h);
+    if (stream)
+        _mm_stream_si128((__m128i *)((uint16_t *)p + i), h);
+    else
+        _mm_storeu_si128((__m128i *)((uint16_t *)p + i), h);
+}
+
+AVX2 INLINE void store8(void *p, ampc_dtype t, int64_t i, __m256 f)
+{
+    store8_to(p, t, i, f, 0);
 }
 
 AVX2 INLINE int nonfinite8(__m256 f)
@@ -289,9 +323,15 @@ AVX2 INLINE int nonfinite8(__m256 f)
     return _mm256_movemask_epi8(hit);
 }
 
-AVX2 INLINE void cast_loop8(void *dst, ampc_dtype dt, const void *src, ampc_dtype st, int64_t n)
+AVX2 INLINE void cast_loop8(void *dst, ampc_dtype dt, const void *src, ampc_dtype st, int64_t n,
+                            int stream)
 {
     int64_t i = 0;
+    if (stream && ((uintptr_t)dst & 63) == 0) {
+        for (; i + 8 <= n; i += 8)
+            store8_to(dst, dt, i, load8(src, st, i), 1);
+        _mm_sfence();
+    }
     for (; i + 8 <= n; i += 8)
         store8(dst, dt, i, load8(src, st, i));
     cast_scalar(dst, dt, src, st, i, n);
@@ -348,28 +388,29 @@ AVX2 INLINE int square_sum_loop8(const void *g, ampc_dtype t, int64_t n, double 
 #define PAIR(s, d) ((s) * 3 + (d))
 
 AVX512 static void cast_avx512(void *dst, ampc_dtype dt, const void *src, ampc_dtype st,
-                               int64_t n)
+                               int64_t n, int stream)
 {
     switch (PAIR(st, dt)) {
-    case PAIR(AMPC_F32, AMPC_F16): cast_loop16(dst, AMPC_F16, src, AMPC_F32, n); break;
-    case PAIR(AMPC_F32, AMPC_BF16): cast_loop16(dst, AMPC_BF16, src, AMPC_F32, n); break;
-    case PAIR(AMPC_F16, AMPC_F32): cast_loop16(dst, AMPC_F32, src, AMPC_F16, n); break;
-    case PAIR(AMPC_F16, AMPC_BF16): cast_loop16(dst, AMPC_BF16, src, AMPC_F16, n); break;
-    case PAIR(AMPC_BF16, AMPC_F32): cast_loop16(dst, AMPC_F32, src, AMPC_BF16, n); break;
-    case PAIR(AMPC_BF16, AMPC_F16): cast_loop16(dst, AMPC_F16, src, AMPC_BF16, n); break;
+    case PAIR(AMPC_F32, AMPC_F16): cast_loop16(dst, AMPC_F16, src, AMPC_F32, n, stream); break;
+    case PAIR(AMPC_F32, AMPC_BF16): cast_loop16(dst, AMPC_BF16, src, AMPC_F32, n, stream); break;
+    case PAIR(AMPC_F16, AMPC_F32): cast_loop16(dst, AMPC_F32, src, AMPC_F16, n, stream); break;
+    case PAIR(AMPC_F16, AMPC_BF16): cast_loop16(dst, AMPC_BF16, src, AMPC_F16, n, stream); break;
+    case PAIR(AMPC_BF16, AMPC_F32): cast_loop16(dst, AMPC_F32, src, AMPC_BF16, n, stream); break;
+    case PAIR(AMPC_BF16, AMPC_F16): cast_loop16(dst, AMPC_F16, src, AMPC_BF16, n, stream); break;
     default: cast_scalar(dst, dt, src, st, 0, n);
     }
 }
 
-AVX2 static void cast_avx2(void *dst, ampc_dtype dt, const void *src, ampc_dtype st, int64_t n)
+AVX2 static void cast_avx2(void *dst, ampc_dtype dt, const void *src, ampc_dtype st, int64_t n,
+                           int stream)
 {
     switch (PAIR(st, dt)) {
-    case PAIR(AMPC_F32, AMPC_F16): cast_loop8(dst, AMPC_F16, src, AMPC_F32, n); break;
-    case PAIR(AMPC_F32, AMPC_BF16): cast_loop8(dst, AMPC_BF16, src, AMPC_F32, n); break;
-    case PAIR(AMPC_F16, AMPC_F32): cast_loop8(dst, AMPC_F32, src, AMPC_F16, n); break;
-    case PAIR(AMPC_F16, AMPC_BF16): cast_loop8(dst, AMPC_BF16, src, AMPC_F16, n); break;
-    case PAIR(AMPC_BF16, AMPC_F32): cast_loop8(dst, AMPC_F32, src, AMPC_BF16, n); break;
-    case PAIR(AMPC_BF16, AMPC_F16): cast_loop8(dst, AMPC_F16, src, AMPC_BF16, n); break;
+    case PAIR(AMPC_F32, AMPC_F16): cast_loop8(dst, AMPC_F16, src, AMPC_F32, n, stream); break;
+    case PAIR(AMPC_F32, AMPC_BF16): cast_loop8(dst, AMPC_BF16, src, AMPC_F32, n, stream); break;
+    case PAIR(AMPC_F16, AMPC_F32): cast_loop8(dst, AMPC_F32, src, AMPC_F16, n, stream); break;
+    case PAIR(AMPC_F16, AMPC_BF16): cast_loop8(dst, AMPC_BF16, src, AMPC_F16, n, stream); break;
+    case PAIR(AMPC_BF16, AMPC_F32): cast_loop8(dst, AMPC_F32, src, AMPC_BF16, n, stream); break;
+    case PAIR(AMPC_BF16, AMPC_F16): cast_loop8(dst, AMPC_F16, src, AMPC_BF16, n, stream); break;
     default: cast_scalar(dst, dt, src, st, 0, n);
     }
 }
@@ -412,15 +453,16 @@ AVX2 static int square_sum_avx2(const void *g, ampc_dtype t, int64_t n, double *
 
 // ---- entry points (cpu.h) ----
 
-void ampc_cast_block(void *dst, ampc_dtype dt, const void *src, ampc_dtype st, int64_t n)
+void ampc_cast_block(void *dst, ampc_dtype dt, const void *src, ampc_dtype st, int64_t n,
+                     int stream)
 {
     if (st == dt) {
         memcpy(dst, src, (size_t)(n * ampc_dtype_size(st)));
         return;
     }
     switch (cpu_isa()) {
-    case ISA_AVX512: cast_avx512(dst, dt, src, st, n); break;
-    case ISA_AVX2: cast_avx2(dst, dt, src, st, n); break;
+    case ISA_AVX512: cast_avx512(dst, dt, src, st, n, stream); break;
+    case ISA_AVX2: cast_avx2(dst, dt, src, st, n, stream); break;
     default: cast_scalar(dst, dt, src, st, 0, n);
     }
 }

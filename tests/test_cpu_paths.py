@@ -36,20 +36,25 @@ print("ok")
 """
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["cached", "streaming"])
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "best"])
-def test_each_cpu_path_matches_torch(isa):
+def test_each_cpu_path_matches_torch(isa, stream):
     env = dict(os.environ)
     env.pop("AMPC_CPU_ISA", None)
+    env.pop("AMPC_STREAM_BYTES", None)
     if isa != "best":
         env["AMPC_CPU_ISA"] = isa
+    if stream:      # every output counts as larger than the cache (Note [streaming stores])
+        env["AMPC_STREAM_BYTES"] = "0"
     out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 def test_fuzz_on_each_cpu_path(isa):
-    env = dict(os.environ, AMPC_CPU_ISA=isa)
+    # streaming stores everywhere, with the offsets that make some outputs unaligned
+    env = dict(os.environ, AMPC_CPU_ISA=isa, AMPC_STREAM_BYTES="0")
     fuzz = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_fuzz.py")
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", fuzz],
                          env=env, capture_output=True, text=True, timeout=600)
