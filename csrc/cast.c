@@ -109,9 +109,9 @@ static void cast_span(void *ctx, const struct ampc_span *s)
 ampc_status ampc_cast_cpu(const struct ampc_list *dst, const struct ampc_list *src,
                           const struct ampc_cast_args *args)
 {
-    int64_t out_bytes = 0;
+    int64_t moved = 0;      /* bytes read plus written */
     for (int64_t i = 0; i < dst->count; i++)
-        out_bytes += dst->numel[i] * ampc_dtype_size(dst->dtype);
-    struct cast_job job = { dst, src, args, out_bytes > ampc_cache_bytes() };
+        moved += dst->numel[i] * (ampc_dtype_size(dst->dtype) + ampc_dtype_size(src->dtype));
+    struct cast_job job = { dst, src, args, moved > ampc_cache_bytes() };
     return ampc_for_each_chunk(src, cast_span, &job);
 }

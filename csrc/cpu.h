@@ -39,11 +39,11 @@ int64_t ampc_chunk_count(const struct ampc_list *list);
 ampc_status ampc_for_each_chunk(const struct ampc_list *list, ampc_span_fn fn, void *ctx);
 
 /*
- * Note [streaming stores]: an output larger than the last-level cache cannot stay in it,
- * so writing it through the cache only costs an extra read of every line (the cache
- * fetches a line before it takes a write). Such outputs are written with streaming
- * stores, as memcpy does for large copies; smaller ones stay in the cache for the
- * reader that usually comes next.
+ * Note [streaming stores]: when a call moves more bytes (read plus written) than the
+ * last-level cache holds, its output cannot stay in the cache, so writing it through
+ * the cache only costs an extra read of every line (the cache fetches a line before it
+ * takes a write). Such outputs are written with streaming stores, as memcpy does for
+ * large copies; smaller ones stay in the cache for the reader that usually comes next.
  */
 int64_t ampc_cache_bytes(void);
 
