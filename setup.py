@@ -11,7 +11,6 @@ import glob
 import os
 import shutil
 import subprocess
-import sysconfig
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext

@@ -22,7 +22,12 @@ extern "C" {
 
 typedef enum { AMPC_F32 = 0, AMPC_F16 = 1, AMPC_BF16 = 2 } ampc_dtype;
 
-typedef enum { AMPC_OK = 0, AMPC_ERR_NOMEM = 1, AMPC_ERR_CUDA = 2 } ampc_status;
+typedef enum {
+    AMPC_OK = 0,
+    AMPC_ERR_NOMEM = 1,
+    AMPC_ERR_CUDA = 2,
+    AMPC_ERR_THREADS = 3,   /* torch's parallel_for failed */
+} ampc_status;
 
 /* A list of contiguous tensors that share one dtype. numel may be 0 and may exceed 2^31. */
 struct ampc_list {

@@ -384,6 +384,8 @@ static void run(struct call *c, ampc_status (*cpu)(void *job),
         if (st == AMPC_ERR_CUDA)
             why = g_cuda->last_error();
     }
+    if (st == AMPC_ERR_THREADS)
+        why = "torch's parallel_for failed";
     if (st != AMPC_OK)
         fail(c, "%s", why);
 }

@@ -7,8 +7,6 @@
  * default, bit-identical to Tensor.to(); stochastic rounding on request (see Note
  * [stochastic rounding] in ampc.h).
  */
-#include <string.h>
-
 #include "cpu.h"
 #include "dtype.h"
 

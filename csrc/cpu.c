@@ -40,11 +40,16 @@ int64_t ampc_dtype_size(ampc_dtype dtype)
     return dtype == AMPC_F32 ? 4 : 2;
 }
 
+static int64_t chunks_of(int64_t numel)
+{
+    return (numel + AMPC_CHUNK - 1) / AMPC_CHUNK;
+}
+
 int64_t ampc_chunk_count(const struct ampc_list *list)
 {
     int64_t n = 0;
     for (int64_t i = 0; i < list->count; i++)
-        n += (list->numel[i] + AMPC_CHUNK - 1) / AMPC_CHUNK;
+        n += chunks_of(list->numel[i]);
     return n;
 }
 
@@ -87,7 +92,7 @@ ampc_status ampc_for_each_chunk(const struct ampc_list *list, ampc_span_fn fn, v
     for (int64_t i = 0; i < count; i++) {
         index[i] = total;
         total += list->numel[i];
-        first[i + 1] = first[i] + (list->numel[i] + AMPC_CHUNK - 1) / AMPC_CHUNK;
+        first[i + 1] = first[i] + chunks_of(list->numel[i]);
     }
     struct walk w = { list, first, index, fn, ctx };
     int64_t chunks = first[count];
@@ -95,7 +100,7 @@ ampc_status ampc_for_each_chunk(const struct ampc_list *list, ampc_span_fn fn, v
     if (chunks > 0 && total < SERIAL_ELEMS)
         walk_range(0, chunks, &w);
     else if (chunks > 0 && torch_parallel_for(0, chunks, 1, walk_range, &w) != 0)
-        st = AMPC_ERR_NOMEM;
+        st = AMPC_ERR_THREADS;
     free(first);
     return st;
 }

@@ -60,7 +60,8 @@ void ampc_cast_block(void *dst, ampc_dtype dt, const void *src, ampc_dtype st, i
 /* g[0..n) *= s in place (in fp32); nonzero when any input was inf or nan. */
 int ampc_unscale_block(void *g, ampc_dtype dtype, float s, int64_t n);
 
-/* *sum += the sum of g[0..n)^2, in double; nonzero when any was inf or nan. */
+/* *sum += the sum of g[0..n)^2, never overflowing (Note [fp32 squares when safe] in
+ * simd.c); nonzero when any was inf or nan. */
 int ampc_square_sum_block(const void *g, ampc_dtype dtype, int64_t n, double *sum);
 
 #endif /* AMPC_CPU_H */
