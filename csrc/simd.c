@@ -1,41 +1,28 @@
 /*
- * simd.c: the inner loops of the CPU kernels, with the best SIMD the CPU has, picked
- * once at run time (the build uses no -march flag): AVX-512 (16 lanes), AVX2 + F16C
- * (8 lanes) or scalar.
+ * simd.c: the inner loops of cast, unscale_check and check_norm, with the best SIMD the
+ * CPU has, picked once at run time (the build uses no -march flag): AVX-512 (16 lanes),
+ * AVX2 + F16C (8 lanes) or scalar. The loads, stores and conversions are in simd.h.
  *
  * Each loop is fused: an element is loaded, widened to fp32, worked on and narrowed
- * back in registers, so every byte crosses the core once. fp16 uses the hardware
- * conversions (vcvtph2ps, vcvtps2ph with round to nearest even). bf16 uses integer
- * arithmetic: the AVX-512 BF16 instruction vcvtneps2bf16 flushes subnormals to zero,
- * which Tensor.to() does not. Tails and old CPUs use the scalar functions of dtype.h,
- * which give the same bits for every non-NaN value.
+ * back in registers, so every byte crosses the core once. Tails and old CPUs use the
+ * scalar functions, which give the same bits for every non-NaN value.
  *
  * The loop bodies take the dtype as an argument and are always inlined into a switch
  * over constant dtypes, so each (ISA, dtype) pair gets its own branch-free loop.
  */
-#include <immintrin.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu.h"
-#include "dtype.h"
+#include "simd.h"
 
-#define AVX512 __attribute__((target("avx512f")))
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-#define INLINE static inline __attribute__((always_inline))
-#define EXP_BITS 0x7f800000u
-
-enum isa { ISA_UNKNOWN, ISA_SCALAR, ISA_AVX2, ISA_AVX512 };
-
-/* The best the CPU has; AMPC_CPU_ISA=avx2 or =scalar caps it, so the tests can check
- * every path on one machine. */
-static enum isa cpu_isa(void)
+/* AMPC_CPU_ISA caps the choice, so the tests can check every path on one machine. */
+enum ampc_isa ampc_cpu_isa(void)
 {
     static int isa = ISA_UNKNOWN;       /* threads may race to set it: all set the same */
-    enum isa seen = __atomic_load_n(&isa, __ATOMIC_RELAXED);
+    enum ampc_isa seen = __atomic_load_n(&isa, __ATOMIC_RELAXED);
     if (seen == ISA_UNKNOWN) {
         const char *cap = getenv("AMPC_CPU_ISA");
-        enum isa best = ISA_SCALAR;
+        enum ampc_isa best = ISA_SCALAR;
         __builtin_cpu_init();
         if (__builtin_cpu_supports("avx512f"))
             best = ISA_AVX512;
@@ -53,27 +40,6 @@ static enum isa cpu_isa(void)
 }
 
 // ---- scalar: the reference, and the tails of the vector loops ----
-
-INLINE float load1(const void *p, ampc_dtype t, int64_t i)
-{
-    if (t == AMPC_F32)
-        return ((const float *)p)[i];
-    uint16_t h = ((const uint16_t *)p)[i];
-    return t == AMPC_F16 ? ampc_f16_to_f32(h) : ampc_bf16_to_f32(h);
-}
-
-INLINE void store1(void *p, ampc_dtype t, int64_t i, float f)
-{
-    if (t == AMPC_F32)
-        ((float *)p)[i] = f;
-    else
-        ((uint16_t *)p)[i] = t == AMPC_F16 ? ampc_f32_to_f16(f) : ampc_f32_to_bf16(f);
-}
-
-INLINE int nonfinite1(float f)
-{
-    return (ampc_f32_bits(f) & EXP_BITS) == EXP_BITS;
-}
 
 static void cast_scalar(void *dst, ampc_dtype dt, const void *src, ampc_dtype st, int64_t i,
                         int64_t n)
@@ -108,59 +74,6 @@ static int square_sum_scalar(const void *g, ampc_dtype t, int64_t i, int64_t n, 
 
 // ---- AVX-512: 16 lanes ----
 
-AVX512 INLINE __m512 load16(const void *p, ampc_dtype t, int64_t i)
-{
-    if (t == AMPC_F32)
-        return _mm512_loadu_ps((const float *)p + i);
-    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
-    if (t == AMPC_F16)
-        return _mm512_cvtph_ps(h);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* bf16 round to nearest even: add 0x7fff plus the lowest kept bit, keep the top half.
- * NaNs get their quiet bit set instead, so no NaN can round into an inf. */
-AVX512 INLINE __m256i bf16_from16(__m512 f)
-{
-    __m512i u = _mm512_castps_si512(f);
-    __m512i top = _mm512_srli_epi32(u, 16);
-    __m512i odd = _mm512_and_si512(top, _mm512_set1_epi32(1));
-    __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(top, _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
-}
-
-/* Stores 16 values at element i of p. A streaming store (p 64-byte aligned) skips
- * reading the line first and keeps it out of the caches: see Note [streaming stores]. */
-AVX512 INLINE void store16_to(void *p, ampc_dtype t, int64_t i, __m512 f, int stream)
-{
-    if (t == AMPC_F32) {
-        if (stream)
-            _mm512_stream_ps((float *)p + i, f);
-        else
-            _mm512_storeu_ps((float *)p + i, f);
-        return;
-    }
-    __m256i h = t == AMPC_F16 ? _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-                              : bf16_from16(f);
-    if (stream)
-        _mm256_stream_si256((__m256i *)((uint16_t *)p + i), h);
-    else
-        _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), h);
-}
-
-AVX512 INLINE void store16(void *p, ampc_dtype t, int64_t i, __m512 f)
-{
-    store16_to(p, t, i, f, 0);
-}
-
-AVX512 INLINE __mmask16 nonfinite16(__m512 f)
-{
-    __m512i e = _mm512_set1_epi32((int)EXP_BITS);
-    return _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(f), e), e);
-}
 
 AVX512 INLINE void cast_loop16(void *dst, ampc_dtype dt, const void *src, ampc_dtype st,
                                int64_t n, int stream)
@@ -269,59 +182,6 @@ AVX512 INLINE int square_sum_loop16(const void *g, ampc_dtype t, int64_t n, doub
 }
 
 // ---- AVX2 + F16C: 8 lanes ----
-
-AVX2 INLINE __m256 load8(const void *p, ampc_dtype t, int64_t i)
-{
-    if (t == AMPC_F32)
-        return _mm256_loadu_ps((const float *)p + i);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
-    if (t == AMPC_F16)
-        return _mm256_cvtph_ps(h);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-AVX2 INLINE __m128i bf16_from8(__m256 f)
-{
-    __m256i u = _mm256_castps_si256(f);
-    __m256i top = _mm256_srli_epi32(u, 16);
-    __m256i odd = _mm256_and_si256(top, _mm256_set1_epi32(1));
-    __m256i bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
-    /* pack 8 x 32 -> 8 x 16: values are < 2^16, so unsigned saturation keeps them */
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
-/* As store16_to, 8 values (p 32-byte aligned for a streaming store). */
-AVX2 INLINE void store8_to(void *p, ampc_dtype t, int64_t i, __m256 f, int stream)
-{
-    if (t == AMPC_F32) {
-        if (stream)
-            _mm256_stream_ps((float *)p + i, f);
-        else
-            _mm256_storeu_ps((float *)p + i, f);
-        return;
-    }
-    __m128i h = t == AMPC_F16 ? _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-                              : bf16_from8(f);
-    if (stream)
-        _mm_stream_si128((__m128i *)((uint16_t *)p + i), h);
-    else
-        _mm_storeu_si128((__m128i *)((uint16_t *)p + i), h);
-}
-
-AVX2 INLINE void store8(void *p, ampc_dtype t, int64_t i, __m256 f)
-{
-    store8_to(p, t, i, f, 0);
-}
-
-AVX2 INLINE int nonfinite8(__m256 f)
-{
-    __m256i e = _mm256_set1_epi32((int)EXP_BITS);
-    __m256i hit = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(f), e), e);
-    return _mm256_movemask_epi8(hit);
-}
 
 AVX2 INLINE void cast_loop8(void *dst, ampc_dtype dt, const void *src, ampc_dtype st, int64_t n,
                             int stream)
@@ -460,7 +320,7 @@ void ampc_cast_block(void *dst, ampc_dtype dt, const void *src, ampc_dtype st, i
         memcpy(dst, src, (size_t)(n * ampc_dtype_size(st)));
         return;
     }
-    switch (cpu_isa()) {
+    switch (ampc_cpu_isa()) {
     case ISA_AVX512: cast_avx512(dst, dt, src, st, n, stream); break;
     case ISA_AVX2: cast_avx2(dst, dt, src, st, n, stream); break;
     default: cast_scalar(dst, dt, src, st, 0, n);
@@ -469,7 +329,7 @@ void ampc_cast_block(void *dst, ampc_dtype dt, const void *src, ampc_dtype st, i
 
 int ampc_unscale_block(void *g, ampc_dtype dtype, float s, int64_t n)
 {
-    switch (cpu_isa()) {
+    switch (ampc_cpu_isa()) {
     case ISA_AVX512: return unscale_avx512(g, dtype, s, n);
     case ISA_AVX2: return unscale_avx2(g, dtype, s, n);
     default: return unscale_scalar(g, dtype, s, 0, n);
@@ -478,7 +338,7 @@ int ampc_unscale_block(void *g, ampc_dtype dtype, float s, int64_t n)
 
 int ampc_square_sum_block(const void *g, ampc_dtype dtype, int64_t n, double *sum)
 {
-    switch (cpu_isa()) {
+    switch (ampc_cpu_isa()) {
     case ISA_AVX512: return square_sum_avx512(g, dtype, n, sum);
     case ISA_AVX2: return square_sum_avx2(g, dtype, n, sum);
     default: return square_sum_scalar(g, dtype, 0, n, sum);
