@@ -173,6 +173,69 @@ def update_scale(scale, growth_tracker, found_inf, growth_factor, backoff_factor
                                 float(max_scale))
 
 
+def _optional(op, name, t):
+    """A device value as the kernel takes it: a list of zero or one tensor."""
+    if t is None:
+        return []
+    _check_tensor(op, name, t)
+    return [t]
+
+
+def adam_master(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, masters=None,
+                max_exp_avg_sqs=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                decoupled=True, maximize=False, inv_scale=None, clip_coef=None,
+                found_inf=None, stochastic=False, seed=0):
+    """One Adam (``decoupled=False``) or AdamW step over many parameters, in one pass.
+
+    Computes torch.optim.AdamW's update in fp32, in the order of torch's fused kernel:
+    on fp32 params without masters the result is bit-identical to
+    ``torch.optim.AdamW(fused=True)`` (or ``Adam``). With ``masters`` (fp32 copies of
+    fp16/bf16 params) the master weights are updated and the params receive them rounded
+    to their dtype (to nearest even, or stochastically with ``stochastic=True``), in the
+    same pass: 28 bytes of memory traffic per parameter. Grads are only read, in any
+    float dtype; a 16-bit grad is widened in registers, never in memory.
+
+    Everything the step depends on at run time may live on the device, so a training
+    step needs no host sync: ``lr`` (a float or a 1-element tensor), ``inv_scale`` (the
+    grads are multiplied by it: the loss-scale unscale), ``clip_coef`` (then by it:
+    gradient clipping) and ``found_inf`` (any nonzero value skips the whole step, moments
+    and step counts included). Each param's step count is a 1-element float32 tensor
+    that advances by one on a step that is not skipped.
+
+    Args:
+        params (list of Tensor): the weights, updated in place (fp32, fp16 or bf16).
+        grads (list of Tensor): their gradients (fp32, fp16 or bf16), read only.
+        exp_avgs, exp_avg_sqs (list of Tensor): fp32 first and second moments.
+        steps (list of Tensor): 1-element float32 step counts, one per param.
+        lr (float or Tensor): learning rate.
+        masters (list of Tensor, optional): fp32 master weights of the params.
+        max_exp_avg_sqs (list of Tensor, optional): fp32 state of amsgrad; amsgrad is on
+            when given.
+        beta1, beta2, eps, weight_decay (float): as torch.optim.AdamW.
+        decoupled (bool): AdamW's weight decay (True) or Adam's L2 term (False).
+        maximize (bool): ascend instead of descend.
+        inv_scale, clip_coef, found_inf (Tensor, optional): 1-element float32 tensors.
+        stochastic (bool): stochastic rounding of 16-bit params. seed (int): its seed.
+    """
+    op = "adam_master"
+    for name, value in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
+                        ("exp_avg_sqs", exp_avg_sqs), ("steps", steps)):
+        _check_list(op, name, value)
+    if len(params) == 0 and not any((grads, exp_avgs, exp_avg_sqs, steps, masters,
+                                     max_exp_avg_sqs)):
+        return
+    lr_tensor = []
+    if isinstance(lr, torch.Tensor):
+        lr_tensor = [lr if lr.dtype == torch.float32 else lr.to(torch.float32)]
+        lr = 0.0
+    torch.ops.ampc.adam_master(
+        params, grads, masters or [], exp_avgs, exp_avg_sqs, max_exp_avg_sqs or [], steps,
+        lr_tensor, _optional(op, "inv_scale", inv_scale),
+        _optional(op, "clip_coef", clip_coef), _optional(op, "found_inf", found_inf),
+        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+        bool(decoupled), bool(maximize), bool(stochastic), int(seed))
+
+
 # ---- version counters ----
 # A kernel registered through the stable C ABI writes memory behind autograd's back:
 # - the version counters of the tensors it mutates would not move, so a modified tensor
@@ -218,7 +281,7 @@ def _guard_autograd(name):
     _lib.impl(name, kernel, "ADInplaceOrView", with_keyset=True)
 
 
-for _name in ("cast", "unscale_check", "check_norm", "update_scale"):
+for _name in ("cast", "unscale_check", "check_norm", "update_scale", "adam_master"):
     _guard_autograd(_name)
 
 
@@ -260,3 +323,13 @@ def _update_scale_fake(scale, growth_tracker, hysteresis_tracker, found_inf, gro
                        backoff_factor, growth_interval, hysteresis, min_scale, max_scale):
     _same_device("update_scale", scale=scale, growth_tracker=growth_tracker,
                  hysteresis_tracker=hysteresis_tracker, found_inf=found_inf)
+
+
+@torch.library.register_fake("ampc::adam_master")
+def _adam_master_fake(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+                      lr_tensor, inv_scale, clip_coef, found_inf, lr, beta1, beta2, eps,
+                      weight_decay, decoupled, maximize, stochastic=False, seed=0):
+    _same_device("adam_master", params=params, grads=grads, masters=masters,
+                 exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, max_exp_avg_sqs=max_exp_avg_sqs,
+                 steps=steps, lr_tensor=lr_tensor, inv_scale=inv_scale, clip_coef=clip_coef,
+                 found_inf=found_inf)

@@ -89,6 +89,54 @@ ampc_status ampc_update_scale_cpu(float *scale, int32_t *growth_tracker,
                                   const struct ampc_scale_args *args);
 
 /*
+ * Adam and AdamW (torch.optim's rule, computed in fp32 in the order of torch's fused
+ * kernel: adam.h) over lists whose i-th entries belong to one parameter.
+ */
+struct ampc_adam_args {
+    double lr;              /* used when ampc_adam_control.lr is NULL */
+    double beta1;
+    double beta2;
+    double eps;
+    double weight_decay;
+    int decoupled;          /* 1: AdamW, p *= 1 - lr * wd; 0: Adam, g += wd * p */
+    int maximize;           /* g = -g */
+    int stochastic;         /* 16-bit params written with stochastic rounding */
+    uint64_t seed;          /* Note [stochastic rounding], counting elements of params */
+};
+
+/* Values that live on the device, read there (no host sync); each NULL when absent. */
+struct ampc_adam_control {
+    const float *lr;        /* replaces args.lr, so a schedule can live on the device */
+    const float *inv_scale; /* the grad is multiplied by it, */
+    const float *clip_coef; /* then by it (unscale, then clip, as torch does them) */
+    const float *found_inf; /* nonzero: skip the whole step, step counts included */
+};
+
+/*
+ * params: written. Without masters they are the weights updated (any float dtype);
+ *     with masters they receive the updated master weight, rounded to their dtype.
+ * grads: read only, any float dtype (16-bit grads are never widened in memory).
+ * masters: fp32 master weights, or count 0 for none.
+ * exp_avgs, exp_avg_sqs: fp32 moments. max_exp_avg_sqs: fp32, or count 0 without amsgrad.
+ * steps: 1-element fp32 step counts, one per param; step k + 1 is taken with bias
+ *     corrections for k + 1, and the count becomes k + 1 only when the step is not skipped.
+ * master-weight traffic: grad 2 + master 8 + moments 16 + param 2 = 28 bytes a parameter.
+ */
+struct ampc_adam_lists {
+    struct ampc_list params;
+    struct ampc_list grads;
+    struct ampc_list masters;
+    struct ampc_list exp_avgs;
+    struct ampc_list exp_avg_sqs;
+    struct ampc_list max_exp_avg_sqs;
+    struct ampc_list steps;
+};
+
+ampc_status ampc_adam_cpu(const struct ampc_adam_lists *lists,
+                          const struct ampc_adam_control *control,
+                          const struct ampc_adam_args *args);
+
+/*
  * The CUDA library fills this table (ampc_cuda_get_api in csrc/cuda/api.cu). Every
  * launcher runs on `stream`, on the device made current by begin(), reads control
  * values (inv_scale, found_inf, scale) on the device and never synchronizes.
@@ -106,6 +154,9 @@ struct ampc_cuda_api {
     ampc_status (*update_scale)(float *scale, int32_t *growth_tracker,
                                 int32_t *hysteresis_tracker, const float *found_inf,
                                 const struct ampc_scale_args *args, void *stream);
+    ampc_status (*adam)(const struct ampc_adam_lists *lists,
+                        const struct ampc_adam_control *control,
+                        const struct ampc_adam_args *args, void *stream);
     /* Text of the last CUDA error seen by a launcher of this thread. */
     const char *(*last_error)(void);
 };

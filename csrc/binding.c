@@ -19,7 +19,7 @@
 #include "torch_shim.h"
 
 #define EXPORT __attribute__((visibility("default")))
-#define MAX_LISTS 2
+#define MAX_LISTS 11
 #define MAX_SINGLES 4
 
 static const struct ampc_cuda_api *g_cuda;
@@ -566,6 +566,127 @@ static void scale_kernel(StableIValue *stack, int on_cuda)
     call_free(&c);
 }
 
+// ---- adam_master(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters,
+//                  Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs,
+//                  Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] steps, Tensor[] lr_tensor,
+//                  Tensor[] inv_scale, Tensor[] clip_coef, Tensor[] found_inf, float lr,
+//                  float beta1, float beta2, float eps, float weight_decay, bool decoupled,
+//                  bool maximize, bool stochastic, int seed) ----
+// The four device values are lists of zero or one tensor: an optional argument would
+// need C++ to free on torch < 2.13 (Note in stable_abi: optionals).
+
+struct adam_job {
+    struct ampc_adam_lists lists;
+    struct ampc_adam_control control;
+    struct ampc_adam_args args;
+};
+
+static ampc_status adam_on_cpu(void *j)
+{
+    struct adam_job *job = j;
+    return ampc_adam_cpu(&job->lists, &job->control, &job->args);
+}
+
+static ampc_status adam_on_cuda(void *j, void *stream)
+{
+    struct adam_job *job = j;
+    if (!g_cuda->adam)
+        return AMPC_ERR_CUDA;
+    return g_cuda->adam(&job->lists, &job->control, &job->args, stream);
+}
+
+/* A list of fp32 tensors with the shapes of `like` (or, when `optional`, no tensor). */
+static struct ampc_list f32_list(struct call *c, const struct list *ls, const char *name,
+                                 const struct list *like, const char *like_name, int optional)
+{
+    char a[64];
+    struct ampc_list out = { ls->ptr, ls->numel, ls->count, AMPC_F32 };
+    if (optional && ls->count == 0)
+        return out;
+    for (int64_t i = 0; i < ls->count; i++)
+        if (ls->t[i].dtype != aoti_torch_dtype_float32())
+            fail(c, "%s must be torch.float32, got %s", tensor_name(&ls->t[i], a, sizeof(a)),
+                 dtype_name(ls->t[i].dtype));
+    check_same_shapes(c, ls, name, like, like_name);
+    return out;
+}
+
+/* A list of zero or one 1-element fp32 tensor: its data, or NULL. */
+static const float *f32_option(struct call *c, const struct list *ls, const char *name)
+{
+    if (ls->count == 0)
+        return NULL;
+    if (ls->count > 1)
+        fail(c, "%s must hold at most one tensor, got %lld", name, (long long)ls->count);
+    check_scalar(c, &ls->t[0], aoti_torch_dtype_float32(), 0);
+    return ls->t[0].data;
+}
+
+static void check_adam_args(struct call *c, const struct ampc_adam_args *a, int lr_on_device)
+{
+    if (!lr_on_device && !(a->lr >= 0 && isfinite(a->lr)))
+        fail(c, "lr must be a finite number >= 0, got %g", a->lr);
+    if (!(a->beta1 >= 0 && a->beta1 < 1))
+        fail(c, "beta1 must be in [0, 1), got %g", a->beta1);
+    if (!(a->beta2 >= 0 && a->beta2 < 1))
+        fail(c, "beta2 must be in [0, 1), got %g", a->beta2);
+    if (!(a->eps >= 0 && isfinite(a->eps)))
+        fail(c, "eps must be a finite number >= 0, got %g", a->eps);
+    if (!(a->weight_decay >= 0 && isfinite(a->weight_decay)))
+        fail(c, "weight_decay must be a finite number >= 0, got %g", a->weight_decay);
+}
+
+static void adam_kernel(StableIValue *stack, int on_cuda)
+{
+    static const char *names[] = { "params", "grads", "masters", "exp_avgs", "exp_avg_sqs",
+                                   "max_exp_avg_sqs", "steps", "lr_tensor", "inv_scale",
+                                   "clip_coef", "found_inf" };
+    static const int written[] = { 1, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0 };
+    struct call c;
+    struct list *ls[11];
+    start(&c, "ampc.adam_master", on_cuda);
+    for (int i = 0; i < 11; i++)
+        ls[i] = take_list(&c, stack[i], names[i], written[i]);
+    describe_all(&c);
+    struct adam_job job;
+    struct ampc_adam_lists *l = &job.lists;
+    l->params = float_list(&c, ls[0]);
+    l->grads = float_list(&c, ls[1]);
+    check_same_shapes(&c, ls[1], "grads", ls[0], "params");
+    l->masters = f32_list(&c, ls[2], "masters", ls[0], "params", 1);
+    l->exp_avgs = f32_list(&c, ls[3], "exp_avgs", ls[0], "params", 0);
+    l->exp_avg_sqs = f32_list(&c, ls[4], "exp_avg_sqs", ls[0], "params", 0);
+    l->max_exp_avg_sqs = f32_list(&c, ls[5], "max_exp_avg_sqs", ls[0], "params", 1);
+    l->steps = (struct ampc_list){ ls[6]->ptr, ls[6]->numel, ls[6]->count, AMPC_F32 };
+    if (ls[6]->count != ls[0]->count)
+        fail(&c, "steps must have as many tensors as params (%lld), got %lld",
+             (long long)ls[0]->count, (long long)ls[6]->count);
+    for (int64_t i = 0; i < ls[6]->count; i++) {
+        char a[64];
+        const struct tensor *t = &ls[6]->t[i];
+        if (t->dtype != aoti_torch_dtype_float32() || t->numel != 1)
+            fail(&c, "%s must be a 1-element torch.float32 tensor, got %s with %lld elements",
+                 tensor_name(t, a, sizeof(a)), dtype_name(t->dtype), (long long)t->numel);
+    }
+    job.control.lr = f32_option(&c, ls[7], "lr_tensor");
+    job.control.inv_scale = f32_option(&c, ls[8], "inv_scale");
+    job.control.clip_coef = f32_option(&c, ls[9], "clip_coef");
+    job.control.found_inf = f32_option(&c, ls[10], "found_inf");
+    job.args.lr = take_double(stack[11]);
+    job.args.beta1 = take_double(stack[12]);
+    job.args.beta2 = take_double(stack[13]);
+    job.args.eps = take_double(stack[14]);
+    job.args.weight_decay = take_double(stack[15]);
+    job.args.decoupled = (stack[16] & 0xff) != 0;
+    job.args.maximize = (stack[17] & 0xff) != 0;
+    job.args.stochastic = (stack[18] & 0xff) != 0;
+    job.args.seed = (uint64_t)stack[19];
+    check_adam_args(&c, &job.args, job.control.lr != NULL);
+    check_overlap(&c);
+    run(&c, adam_on_cpu, adam_on_cuda, &job);
+    call_free(&c);
+}
+
 // ---- boxed entry points ----
 
 static void cast_cpu(StableIValue *s, uint64_t n, uint64_t o) { cast_kernel(s, 0); }
@@ -576,6 +697,8 @@ static void norm_cpu(StableIValue *s, uint64_t n, uint64_t o) { unscale_kernel(s
 static void norm_cuda(StableIValue *s, uint64_t n, uint64_t o) { unscale_kernel(s, 1, 1); }
 static void scale_cpu(StableIValue *s, uint64_t n, uint64_t o) { scale_kernel(s, 0); }
 static void scale_cuda(StableIValue *s, uint64_t n, uint64_t o) { scale_kernel(s, 1); }
+static void adam_cpu(StableIValue *s, uint64_t n, uint64_t o) { adam_kernel(s, 0); }
+static void adam_cuda(StableIValue *s, uint64_t n, uint64_t o) { adam_kernel(s, 1); }
 
 struct op {
     const char *schema;
@@ -596,6 +719,13 @@ static const struct op ops[] = {
       "float backoff_factor, int growth_interval, int hysteresis, float min_scale, "
       "float max_scale) -> ()",
       "update_scale", scale_cpu, scale_cuda },
+    { "adam_master(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, "
+      "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, "
+      "Tensor(f!)[] steps, Tensor[] lr_tensor, Tensor[] inv_scale, Tensor[] clip_coef, "
+      "Tensor[] found_inf, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay, bool decoupled, bool maximize, bool stochastic=False, "
+      "int seed=0) -> ()",
+      "adam_master", adam_cpu, adam_cuda },
 };
 
 #define N_OPS ((int)(sizeof(ops) / sizeof(ops[0])))

@@ -52,9 +52,8 @@ CLONES static void f16_stochastic_values(float *out, const float *src, int64_t n
     }
 }
 
-/* Stochastic rounding of n fp32 values; element i uses the random bits of list-wide
- * element `index + i`. The run is split where the index's high half changes. */
-static void store_stochastic(uint16_t *dst, ampc_dtype dtype, const float *src, int64_t n,
+/* The run is split where the index's high half changes (a new key). */
+void ampc_store_stochastic(uint16_t *dst, ampc_dtype dtype, const float *src, int64_t n,
                              uint64_t seed, int64_t index)
 {
     while (n > 0) {
@@ -100,7 +99,7 @@ static void cast_span(void *ctx, const struct ampc_span *s)
             ampc_cast_block(buf, AMPC_F32, src + i * ampc_dtype_size(sd), sd, m, 0);
             f = buf;
         }
-        store_stochastic((uint16_t *)dst + i, dd, f, m, job->args->seed, s->index + i);
+        ampc_store_stochastic((uint16_t *)dst + i, dd, f, m, job->args->seed, s->index + i);
     }
 }
 

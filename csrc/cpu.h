@@ -50,6 +50,11 @@ int64_t ampc_cache_bytes(void);
 /* Size of one element of a dtype in bytes. */
 int64_t ampc_dtype_size(ampc_dtype dtype);
 
+/* Stochastic rounding of n fp32 values to 16-bit dtype (cast.c); element i uses the
+ * random bits of list-wide element `index + i` (Note [stochastic rounding]). */
+void ampc_store_stochastic(uint16_t *dst, ampc_dtype dtype, const float *src, int64_t n,
+                           uint64_t seed, int64_t index);
+
 // ---- the SIMD inner loops (simd.c) ----
 
 /* dst[0..n) = src[0..n) converted from st to dt, rounding to nearest even; with

@@ -1,0 +1,275 @@
+/*
+ * adam.c: the CPU Adam/AdamW step over lists of tensors (ampc.h), with master weights
+ * or without, in one pass over memory.
+ *
+ * Each tensor's fp32 constants are computed once from its step count (adam.h); the
+ * chunks of all tensors then run on torch's thread pool (cpu.h). The SIMD loops do
+ * adam.h's operations lane by lane in the same order, with the same roundings, so
+ * every path (AVX-512, AVX2, scalar) gives the same bits. A 16-bit param is written
+ * from the new fp32 value in the same pass; with stochastic rounding the new values go
+ * through an L1 buffer to the rounding loop of cast.c.
+ */
+#include <stdlib.h>
+
+#include "adam.h"
+#include "simd.h"
+
+/* A chunk's pointers, at its first element. */
+struct adam_ptrs {
+    void *param;
+    const void *grad;
+    float *master;          /* NULL: the param is the weight */
+    float *m;
+    float *v;
+    float *vmax;            /* NULL without amsgrad */
+    float *out;             /* stochastic rounding: new weights go here, not to param */
+};
+
+static float *f32_at(const struct ampc_list *l, int64_t t, int64_t i)
+{
+    return l->count ? (float *)l->ptr[t] + i : NULL;
+}
+
+static struct adam_ptrs ptrs_at(const struct ampc_adam_lists *l, int64_t t, int64_t i)
+{
+    struct adam_ptrs q;
+    q.param = (char *)l->params.ptr[t] + i * ampc_dtype_size(l->params.dtype);
+    q.grad = (const char *)l->grads.ptr[t] + i * ampc_dtype_size(l->grads.dtype);
+    q.master = f32_at(&l->masters, t, i);
+    q.m = f32_at(&l->exp_avgs, t, i);
+    q.v = f32_at(&l->exp_avg_sqs, t, i);
+    q.vmax = f32_at(&l->max_exp_avg_sqs, t, i);
+    q.out = NULL;
+    return q;
+}
+
+// ---- scalar: the reference, and the tails ----
+
+INLINE void adam_scalar(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype gt, int64_t i,
+                        int64_t n, const struct ampc_adam_coef *c)
+{
+    for (; i < n; i++) {
+        float w = q->master ? q->master[i] : load1(q->param, pt, i);
+        ampc_adam_element(load1(q->grad, gt, i), &w, &q->m[i], &q->v[i],
+                          q->vmax ? &q->vmax[i] : NULL, c);
+        if (q->master)
+            q->master[i] = w;
+        if (q->out)
+            q->out[i] = w;
+        else
+            store1(q->param, pt, i, w);
+    }
+}
+
+static void adam_scalar_any(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype gt, int64_t n,
+                            const struct ampc_adam_coef *c)
+{
+    adam_scalar(q, pt, gt, 0, n, c);
+}
+
+// ---- AVX-512: 16 lanes ----
+
+AVX512 INLINE __m512 max_nan16(__m512 a, __m512 b)
+{
+    __mmask16 nan = _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);
+    return _mm512_mask_add_ps(_mm512_max_ps(a, b), nan, a, b);
+}
+
+AVX512 INLINE void adam_loop16(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype gt,
+                               int64_t n, const struct ampc_adam_coef *c)
+{
+    const __m512 inv_scale = _mm512_set1_ps(c->inv_scale);
+    const __m512 clip = _mm512_set1_ps(c->clip_coef);
+    const __m512 wd = _mm512_set1_ps(c->wd);
+    const __m512 decay = _mm512_set1_ps(c->decay);
+    const int small = c->w1 < 0.5f;         /* torch's lerp: which end it starts from */
+    const __m512 w1 = _mm512_set1_ps(small ? c->w1 : c->w1 - 1.0f);
+    const __m512 beta2 = _mm512_set1_ps(c->beta2);
+    const __m512 w2 = _mm512_set1_ps(c->w2);
+    const __m512 bc2_sqrt = _mm512_set1_ps(c->bc2_sqrt);
+    const __m512 eps = _mm512_set1_ps(c->eps);
+    const __m512 neg_step_size = _mm512_set1_ps(c->neg_step_size);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 g = _mm512_mul_ps(_mm512_mul_ps(load16(q->grad, gt, i), inv_scale), clip);
+        if (c->flags & AMPC_ADAM_MAXIMIZE)
+            g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
+        __m512 w = q->master ? _mm512_loadu_ps(q->master + i) : load16(q->param, pt, i);
+        if (c->flags & AMPC_ADAM_L2)
+            g = _mm512_add_ps(g, _mm512_mul_ps(w, wd));
+        if (c->flags & AMPC_ADAM_DECAY)
+            w = _mm512_mul_ps(w, decay);
+        __m512 m = _mm512_loadu_ps(q->m + i);
+        m = _mm512_fmadd_ps(w1, _mm512_sub_ps(g, m), small ? m : g);
+        __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(w2, g), g,
+                                   _mm512_mul_ps(_mm512_loadu_ps(q->v + i), beta2));
+        _mm512_storeu_ps(q->m + i, m);
+        _mm512_storeu_ps(q->v + i, v);
+        if (c->flags & AMPC_ADAM_AMSGRAD) {
+            v = max_nan16(_mm512_loadu_ps(q->vmax + i), v);
+            _mm512_storeu_ps(q->vmax + i, v);
+        }
+        __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2_sqrt), eps);
+        w = _mm512_add_ps(w, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), d));
+        if (q->master)
+            _mm512_storeu_ps(q->master + i, w);
+        if (q->out)
+            _mm512_storeu_ps(q->out + i, w);
+        else
+            store16(q->param, pt, i, w);
+    }
+    adam_scalar(q, pt, gt, i, n, c);
+}
+
+// ---- AVX2 + F16C: 8 lanes ----
+
+AVX2 INLINE __m256 max_nan8(__m256 a, __m256 b)
+{
+    __m256 nan = _mm256_cmp_ps(a, b, _CMP_UNORD_Q);
+    return _mm256_blendv_ps(_mm256_max_ps(a, b), _mm256_add_ps(a, b), nan);
+}
+
+AVX2 INLINE void adam_loop8(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype gt,
+                            int64_t n, const struct ampc_adam_coef *c)
+{
+    const __m256 inv_scale = _mm256_set1_ps(c->inv_scale);
+    const __m256 clip = _mm256_set1_ps(c->clip_coef);
+    const __m256 wd = _mm256_set1_ps(c->wd);
+    const __m256 decay = _mm256_set1_ps(c->decay);
+    const int small = c->w1 < 0.5f;
+    const __m256 w1 = _mm256_set1_ps(small ? c->w1 : c->w1 - 1.0f);
+    const __m256 beta2 = _mm256_set1_ps(c->beta2);
+    const __m256 w2 = _mm256_set1_ps(c->w2);
+    const __m256 bc2_sqrt = _mm256_set1_ps(c->bc2_sqrt);
+    const __m256 eps = _mm256_set1_ps(c->eps);
+    const __m256 neg_step_size = _mm256_set1_ps(c->neg_step_size);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 g = _mm256_mul_ps(_mm256_mul_ps(load8(q->grad, gt, i), inv_scale), clip);
+        if (c->flags & AMPC_ADAM_MAXIMIZE)
+            g = _mm256_xor_ps(g, sign);
+        __m256 w = q->master ? _mm256_loadu_ps(q->master + i) : load8(q->param, pt, i);
+        if (c->flags & AMPC_ADAM_L2)
+            g = _mm256_add_ps(g, _mm256_mul_ps(w, wd));
+        if (c->flags & AMPC_ADAM_DECAY)
+            w = _mm256_mul_ps(w, decay);
+        __m256 m = _mm256_loadu_ps(q->m + i);
+        m = _mm256_fmadd_ps(w1, _mm256_sub_ps(g, m), small ? m : g);
+        __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(w2, g), g,
+                                   _mm256_mul_ps(_mm256_loadu_ps(q->v + i), beta2));
+        _mm256_storeu_ps(q->m + i, m);
+        _mm256_storeu_ps(q->v + i, v);
+        if (c->flags & AMPC_ADAM_AMSGRAD) {
+            v = max_nan8(_mm256_loadu_ps(q->vmax + i), v);
+            _mm256_storeu_ps(q->vmax + i, v);
+        }
+        __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
+        w = _mm256_add_ps(w, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), d));
+        if (q->master)
+            _mm256_storeu_ps(q->master + i, w);
+        if (q->out)
+            _mm256_storeu_ps(q->out + i, w);
+        else
+            store8(q->param, pt, i, w);
+    }
+    adam_scalar(q, pt, gt, i, n, c);
+}
+
+// ---- one specialised loop per (ISA, grad dtype, param dtype) ----
+
+#define PAIR(g, p) ((g) * 3 + (p))
+#define CASE(loop, g, p) case PAIR(g, p): loop(q, p, g, n, c); break
+#define ALL_PAIRS(loop)                                                               \
+    CASE(loop, AMPC_F32, AMPC_F32); CASE(loop, AMPC_F32, AMPC_F16);                   \
+    CASE(loop, AMPC_F32, AMPC_BF16); CASE(loop, AMPC_F16, AMPC_F32);                  \
+    CASE(loop, AMPC_F16, AMPC_F16); CASE(loop, AMPC_F16, AMPC_BF16);                  \
+    CASE(loop, AMPC_BF16, AMPC_F32); CASE(loop, AMPC_BF16, AMPC_F16);                 \
+    CASE(loop, AMPC_BF16, AMPC_BF16)
+
+AVX512 static void adam_avx512(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype gt,
+                               int64_t n, const struct ampc_adam_coef *c)
+{
+    switch (PAIR(gt, pt)) {
+    ALL_PAIRS(adam_loop16);
+    default: adam_scalar_any(q, pt, gt, n, c);
+    }
+}
+
+AVX2 static void adam_avx2(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype gt, int64_t n,
+                           const struct ampc_adam_coef *c)
+{
+    switch (PAIR(gt, pt)) {
+    ALL_PAIRS(adam_loop8);
+    default: adam_scalar_any(q, pt, gt, n, c);
+    }
+}
+
+static void adam_block(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype gt, int64_t n,
+                       const struct ampc_adam_coef *c)
+{
+    switch (ampc_cpu_isa()) {
+    case ISA_AVX512: adam_avx512(q, pt, gt, n, c); break;
+    case ISA_AVX2: adam_avx2(q, pt, gt, n, c); break;
+    default: adam_scalar_any(q, pt, gt, n, c);
+    }
+}
+
+// ---- the walk over all chunks ----
+
+struct adam_job {
+    const struct ampc_adam_lists *lists;
+    const struct ampc_adam_coef *coef;      /* one per tensor */
+    const struct ampc_adam_args *args;
+};
+
+static void adam_span(void *ctx, const struct ampc_span *s)
+{
+    const struct adam_job *job = ctx;
+    const struct ampc_adam_lists *l = job->lists;
+    const struct ampc_adam_coef *c = &job->coef[s->tensor];
+    ampc_dtype pt = l->params.dtype;
+    ampc_dtype gt = l->grads.dtype;
+    int64_t n = s->end - s->begin;
+    if (!job->args->stochastic || pt == AMPC_F32) {
+        struct adam_ptrs q = ptrs_at(l, s->tensor, s->begin);
+        adam_block(&q, pt, gt, n, c);
+        return;
+    }
+    float buf[AMPC_BLOCK];
+    for (int64_t i = 0; i < n; i += AMPC_BLOCK) {
+        int64_t k = n - i < AMPC_BLOCK ? n - i : AMPC_BLOCK;
+        struct adam_ptrs q = ptrs_at(l, s->tensor, s->begin + i);
+        q.out = buf;
+        adam_block(&q, pt, gt, k, c);
+        ampc_store_stochastic(q.param, pt, buf, k, job->args->seed, s->index + i);
+    }
+}
+
+ampc_status ampc_adam_cpu(const struct ampc_adam_lists *lists,
+                          const struct ampc_adam_control *control,
+                          const struct ampc_adam_args *args)
+{
+    if (control->found_inf && *control->found_inf != 0.0f)
+        return AMPC_OK;     /* skipped: nothing moves, the step counts included */
+    int64_t count = lists->params.count;
+    struct ampc_adam_coef *coef = malloc(sizeof(*coef) * (size_t)(count ? count : 1));
+    if (!coef)
+        return AMPC_ERR_NOMEM;
+    double lr = control->lr ? (double)*control->lr : args->lr;
+    float inv_scale = control->inv_scale ? *control->inv_scale : 1.0f;
+    float clip = control->clip_coef ? *control->clip_coef : 1.0f;
+    int amsgrad = lists->max_exp_avg_sqs.count > 0;
+    for (int64_t t = 0; t < count; t++) {
+        float step = *(const float *)lists->steps.ptr[t] + 1.0f;   /* fp32, as stored */
+        coef[t] = ampc_adam_coef(args, lr, (double)step, inv_scale, clip, amsgrad);
+    }
+    struct adam_job job = { lists, coef, args };
+    ampc_status st = ampc_for_each_chunk(&lists->params, adam_span, &job);
+    if (st == AMPC_OK)
+        for (int64_t t = 0; t < count; t++)
+            *(float *)lists->steps.ptr[t] += 1.0f;
+    free(coef);
+    return st;
+}
