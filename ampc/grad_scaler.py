@@ -1,0 +1,607 @@
+"""ampc.GradScaler: dynamic loss scaling with torch.amp.GradScaler's contract, on ampc's kernels.
+
+Loss scaling: the loss is multiplied by a scale S before backward so that small fp16
+gradients do not flush to zero; before the optimizer uses them the gradients are
+multiplied by inv_scale = float32(1 / double(S)). A step whose gradients hold an inf or
+a nan is skipped and S shrinks (S *= backoff_factor); after growth_interval clean steps
+in a row S grows (S *= growth_factor). Checking and unscaling are one pass of
+ampc.ops.unscale_check, the scale update is ampc.ops.update_scale.
+
+What differs from torch (https://pytorch.org/docs/stable/amp.html#gradient-scaling):
+- with an optimizer that unscales inside its own step (_step_supports_amp_scaling:
+  ampc.optim and torch's fused optimizers) nothing here waits for the device;
+- with ampc's optimizers, fp16/bf16 gradients and clipping are folded into the step;
+- skipped steps are counted on the device; optional hysteresis, min and max scale.
+"""
+import math
+import struct
+import warnings
+from collections import abc, defaultdict
+from enum import Enum
+
+import torch
+
+from . import ops
+
+__all__ = ["GradScaler", "OptState"]
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Created on the first scale(), dropped when pickling:
+# _skipped counts update()s whose steps found an inf/nan; _skips_at_min counts overflowing
+# steps in a row at min_scale, _host_skips is its copy on the host, _host_event says it landed.
+_DEVICE_STATE = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_skipped",
+                 "_last_found_inf", "_skips_at_min", "_host_skips", "_host_event")
+
+
+class OptState(Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+def _fresh_state():
+    # "folded": clip_grad_norm_ left the grads scaled and the optimizer will unscale and
+    # clip them in its step (grad_scale and grad_clip_coef)
+    return {"stage": OptState.READY, "found_inf_per_device": {}, "folded": False,
+            "clip_coef": None}
+
+
+def _f32(x):
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def _unscale_check(grads, found_inf, inv_scale, check_only):
+    """ampc.ops.unscale_check over grads of any layout. float64 grads (which the kernels do
+    not take) go through torch's op; the norm is returned only when there are none."""
+    ours = [g for g in grads if g.dtype in _KERNEL_DTYPES]
+    rest = [g for g in grads if g.dtype not in _KERNEL_DTYPES]
+    if rest:
+        # multiplying by 1.0 leaves the values as they are: a check that writes
+        factor = torch.ones_like(inv_scale) if check_only else inv_scale
+        torch._amp_foreach_non_finite_check_and_unscale_(rest, found_inf, factor)
+    dense = [g if g.is_contiguous() else g.contiguous() for g in ours]
+    norm = ops.unscale_check(dense, found_inf, inv_scale, check_only=check_only)
+    if not check_only:
+        for g, d in zip(ours, dense):
+            if d is not g:
+                g.copy_(d)
+    return None if rest else norm
+
+
+class GradScaler:
+    """Scales the loss and unscales the gradients for fp16 mixed precision: a drop-in for
+    ``torch.amp.GradScaler`` (and the older ``torch.cuda.amp.GradScaler``).
+
+    Methods, state machine, errors and ``state_dict`` are torch's: a checkpoint of either
+    scaler loads into the other. On top of that:
+
+    - With an optimizer that unscales inside its own step (``ampc.optim.AdamW``/``Adam``,
+      torch's ``fused=True`` optimizers), ``step`` and ``update`` never wait for the
+      device: the inf check, the skip decision and the scale update stay there. With any
+      other optimizer ``step`` reads one flag from the device, as torch does.
+    - fp16 and bf16 gradients (fp16/bf16 weights, fp32 master weights in the optimizer)
+      work with ampc's optimizers, which unscale in fp32. ``unscale_`` still refuses fp16
+      gradients with torch's error: unscaling them in fp16 would flush the small values
+      that loss scaling exists to keep.
+    - :meth:`clip_grad_norm_` clips without a pass that unscales the gradients.
+    - :meth:`skipped_steps` and :meth:`last_step_skipped` report skips as device tensors.
+    - Optional ``hysteresis``, ``min_scale`` and ``max_scale``; with ``min_scale`` set, a
+      scale stuck at the minimum with overflowing gradients raises instead of skipping
+      every step forever.
+
+    bf16 needs no loss scaling: it has fp32's exponent range, so gradients do not
+    underflow. ``enabled="auto"`` turns the scaler on only when ``dtype`` (by default
+    ``torch.get_autocast_dtype(device)``: float16 on cuda, bfloat16 on cpu) is float16.
+
+    Args:
+        device (str): "cuda" or "cpu". Default: "cuda". A number here is read as
+            ``init_scale`` (the legacy ``torch.cuda.amp.GradScaler(init_scale)`` form).
+        init_scale (float): the first scale. Default: 2.0**16.
+        growth_factor (float): factor (> 1) of a growth. Default: 2.0.
+        backoff_factor (float): factor (< 1) of a backoff. Default: 0.5.
+        growth_interval (int): clean steps in a row before a growth. Default: 2000.
+        enabled (bool or "auto"): False makes every method a pass-through. Default: True.
+        dtype (torch.dtype, optional): the low-precision dtype ``enabled="auto"`` decides by.
+        hysteresis (int): back off only after this many non-finite steps in a row
+            (Megatron's hysteresis). Default: 1 (at once, as torch).
+        min_scale (float, optional): the scale never backs off below this.
+        max_scale (float, optional): the scale never grows above this.
+        min_scale_patience (int, optional): with ``min_scale`` set, ``update`` raises once
+            this many steps in a row overflowed at the minimum scale (seen one or two
+            steps late on CUDA, to avoid waiting for the device). None never raises.
+            Default: 10.
+
+    Example::
+
+        >>> scaler = ampc.GradScaler("cpu")
+        >>> loss = model(x).square().mean()
+        >>> scaler.scale(loss).backward()
+        >>> norm = scaler.clip_grad_norm_(optimizer, max_norm=1.0)
+        >>> scaler.step(optimizer)
+        >>> scaler.update()
+    """
+
+    def __init__(self, device="cuda", init_scale=2.0 ** 16, growth_factor=2.0,
+                 backoff_factor=0.5, growth_interval=2000, enabled=True, *, dtype=None,
+                 hysteresis=1, min_scale=None, max_scale=None, min_scale_patience=10):
+        if isinstance(device, (int, float)) and not isinstance(device, bool):
+            if init_scale != 2.0 ** 16:
+                raise TypeError("ampc.GradScaler: in the legacy form without a device, pass "
+                                "the arguments after init_scale by keyword")
+            device, init_scale = "cuda", device
+        self._device = device.type if isinstance(device, torch.device) else device
+        if isinstance(enabled, str):
+            if enabled != "auto":
+                raise ValueError(f"ampc.GradScaler: enabled must be a bool or 'auto', "
+                                 f"got {enabled!r}")
+            dtype = torch.get_autocast_dtype(self._device) if dtype is None else dtype
+            enabled = dtype == torch.float16
+        self._enabled = bool(enabled)
+        if self._device == "cuda" and self._enabled and not torch.cuda.is_available():
+            warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  "
+                          "Disabling.", stacklevel=2)
+            self._enabled = False
+        self._init_scale = init_scale
+        self._growth_factor = growth_factor
+        self._backoff_factor = backoff_factor
+        self._growth_interval = growth_interval
+        self._init_growth_tracker = 0
+        self._hysteresis = hysteresis
+        self._init_hysteresis_tracker = hysteresis
+        self._min_scale = min_scale
+        self._max_scale = max_scale
+        self._patience = min_scale_patience
+        self.__dict__.update(dict.fromkeys(_DEVICE_STATE))
+        self._per_optimizer_states = defaultdict(_fresh_state)
+        if not self._enabled:
+            return
+        if growth_factor <= 1.0:
+            raise AssertionError("The growth factor must be > 1.0.")
+        if backoff_factor >= 1.0:
+            raise AssertionError("The backoff factor must be < 1.0.")
+        self._check_extras(hysteresis, min_scale, max_scale, min_scale_patience)
+
+    @staticmethod
+    def _check_extras(hysteresis, min_scale, max_scale, patience):
+        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
+            raise ValueError(f"ampc.GradScaler: hysteresis must be an int >= 1, "
+                             f"got {hysteresis!r}")
+        lo = 0.0 if min_scale is None else min_scale
+        hi = math.inf if max_scale is None else max_scale
+        if not 0.0 <= lo <= hi or not hi > 0.0:
+            raise ValueError(f"ampc.GradScaler: need 0 <= min_scale <= max_scale and "
+                             f"max_scale > 0, got min_scale={min_scale}, max_scale={max_scale}")
+        if patience is not None and (not isinstance(patience, int) or patience < 1):
+            raise ValueError(f"ampc.GradScaler: min_scale_patience must be None or an int "
+                             f">= 1, got {patience!r}")
+
+    # ---- the scale, lazily on the device of the first scale() ----
+
+    def _check_scale_growth_tracker(self, funcname):
+        fix = ("This may indicate your script did not use scaler.scale(loss or outputs) "
+               "earlier in the iteration.")
+        if self._scale is None:
+            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
+        return self._scale, self._growth_tracker
+
+    def _lazy_init_scale_growth_tracker(self, dev):
+        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
+        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32,
+                                          device=dev)
+        self._skipped = torch.zeros((), dtype=torch.int64, device=dev)
+        self._init_extras()
+
+    def _init_extras(self):
+        """The device state of hysteresis and of the min_scale watch, as configured now."""
+        dev = self._scale.device
+        self._hysteresis_tracker = None
+        if self._hysteresis > 1:
+            self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker,
+                                                  dtype=torch.int32, device=dev)
+        self._skips_at_min = self._host_skips = self._host_event = None
+        if self._min_scale is not None and self._patience is not None:
+            self._skips_at_min = torch.zeros((), dtype=torch.int32, device=dev)
+            self._host_skips = torch.zeros((), dtype=torch.int32, pin_memory=dev.type == "cuda")
+
+    def scale(self, outputs):
+        """Multiplies a tensor, or each tensor of nested lists/tuples/iterables, by the scale.
+
+        The scale is created on the device of the first tensor it sees.
+        """
+        if not self._enabled:
+            return outputs
+        copies = {}
+
+        def scale_on(device):
+            if self._scale is None:
+                self._lazy_init_scale_growth_tracker(device)
+            if device not in copies:
+                copies[device] = self._scale.to(device=device, non_blocking=True)
+            return copies[device]
+
+        def apply(value):
+            if isinstance(value, torch.Tensor):
+                return value * scale_on(value.device)
+            if isinstance(value, abc.Iterable) and not isinstance(value, (str, bytes)):
+                mapped = map(apply, value)
+                if hasattr(value, "_fields"):           # a namedtuple
+                    return type(value)(*mapped)
+                return type(value)(mapped) if isinstance(value, (list, tuple)) else mapped
+            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+        return apply(outputs)
+
+    # ---- checking and unscaling the grads ----
+
+    def _grads_by_device(self, optimizer, allow_fp16):
+        grads = defaultdict(list)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if not allow_fp16 and param.grad.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                grad = param.grad
+                if grad.is_sparse:
+                    if grad.dtype is torch.float16:
+                        # repeated indices sum on coalescing and may overflow fp16: check sums
+                        param.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                grads[grad.device].append(grad)
+        return grads
+
+    def _unscale_grads_(self, optimizer, inv_scale, allow_fp16, check_only):
+        """found_inf per device after checking (and unless check_only, unscaling) the grads."""
+        found = {}
+        with torch.no_grad():
+            for device, grads in self._grads_by_device(optimizer, allow_fp16).items():
+                found[device] = torch.zeros((), dtype=torch.float32, device=device)
+                _unscale_check(grads, found[device],
+                               inv_scale.to(device=device, non_blocking=True), check_only)
+        return found
+
+    def _inv_scale(self):
+        # the reciprocal in double, rounded once: exactly torch's inv_scale
+        return self._scale.double().reciprocal().float()
+
+    def unscale_(self, optimizer):
+        """Divides the optimizer's gradients by the scale in place and records any inf/nan.
+
+        Optional: call it between backward and step to work on true gradients (clip them
+        with :meth:`clip_grad_norm_` instead to save a pass). At most once per optimizer
+        per update(). Refuses fp16 gradients, like torch.
+        """
+        if not self._enabled:
+            return
+        state = self._unstepped_state(optimizer, "unscale_")
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since "
+                               "the last update().")
+        state["found_inf_per_device"] = self._unscale_grads_(optimizer, self._inv_scale(),
+                                                             False, False)
+        state["stage"] = OptState.UNSCALED
+
+    def _unstepped_state(self, optimizer, funcname):
+        self._check_scale_growth_tracker(funcname)
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["folded"]:
+            raise RuntimeError(f"{funcname}() cannot follow clip_grad_norm_() on this optimizer "
+                               f"since the last update(): its step unscales and clips.")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError(f"{funcname}() is being called after step().")
+        return state
+
+    def _check_inf_per_device(self, optimizer):
+        """Checks the optimizer's still-scaled gradients for inf/nan, reading them only."""
+        self._check_scale_growth_tracker("_check_inf_per_device")
+        one = torch.ones((), dtype=torch.float32, device=self._scale.device)
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = self._unscale_grads_(optimizer, one, True, True)
+        return state["found_inf_per_device"]
+
+    def _found_inf_per_device(self, optimizer):
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    def _found_inf_sum(self, found, device):
+        flags = [f.to(device=device, non_blocking=True) for f in found]
+        if not flags:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return flags[0] if len(flags) == 1 else torch.stack(flags).sum()
+
+    # ---- clipping ----
+
+    def clip_grad_norm_(self, optimizer, max_norm, norm_type=2.0):
+        """Clips the optimizer's gradients like ``torch.nn.utils.clip_grad_norm_`` after
+        ``unscale_``, and returns the total norm of the unscaled gradients.
+
+        With an ampc optimizer (``_ampc_supports_clip_coef``) and the 2-norm, the gradients
+        are only read, once: that pass measures the norm and checks for inf/nan, and the
+        optimizer applies the unscale and the clip factor in its own fp32 math (so fp16 and
+        bf16 gradients are clipped too). Otherwise this is ``unscale_`` followed by
+        ``torch.nn.utils.clip_grad_norm_``. Call it where you would call ``unscale_``.
+
+        Args:
+            optimizer (torch.optim.Optimizer): whose parameters' gradients to clip.
+            max_norm (float): the largest total norm kept.
+            norm_type (float): the norm's p. Default: 2.0.
+        """
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not self._enabled:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        state = self._unstepped_state(optimizer, "clip_grad_norm_")
+        grads = [p.grad for p in params if p.grad is not None]
+        if state["stage"] is OptState.READY and self._can_fold_clip(optimizer, grads,
+                                                                      norm_type):
+            return self._fold_clip(state, grads, float(max_norm))
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+    @staticmethod
+    def _can_fold_clip(optimizer, grads, norm_type):
+        return (getattr(optimizer, "_step_supports_amp_scaling", False)
+                and getattr(optimizer, "_ampc_supports_clip_coef", False)
+                and float(norm_type) == 2.0 and len(grads) > 0
+                and len({g.device for g in grads}) == 1
+                and all(not g.is_sparse and g.dtype in _KERNEL_DTYPES for g in grads))
+
+    def _fold_clip(self, state, grads, max_norm):
+        device = grads[0].device
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        inv_scale = self._inv_scale().to(device=device, non_blocking=True)
+        with torch.no_grad():
+            total_norm = _unscale_check(grads, found, inv_scale, check_only=True)
+            # torch.nn.utils.clip_grad_norm_'s factor, in fp32 on the device
+            clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        state.update(stage=OptState.UNSCALED, folded=True, clip_coef=clip_coef,
+                     found_inf_per_device={device: found})
+        return total_norm
+
+    # ---- step and update ----
+
+    def step(self, optimizer, *args, **kwargs):
+        """Runs ``optimizer.step(*args, **kwargs)`` unless the gradients hold an inf or a nan.
+
+        Unscales first if ``unscale_`` was not called. Returns what ``optimizer.step``
+        returned, or None when the step is skipped. With an optimizer that supports fused
+        scaling (``_step_supports_amp_scaling``) the optimizer gets ``grad_scale`` and
+        ``found_inf`` (and ``grad_clip_coef`` for ampc's) and skips on the device, so
+        nothing waits; its return value is returned even for a skipped step.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is "
+                               "enabled.")
+        self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            retval = self._fused_step(optimizer, state, args, kwargs)
+        else:
+            if state["stage"] is OptState.READY:
+                self.unscale_(optimizer)
+            found = list(state["found_inf_per_device"].values())
+            if not found:
+                raise AssertionError("No inf checks were recorded for this optimizer.")
+            retval = None
+            # the one host sync of a step with an optimizer that cannot skip by itself
+            if not self._found_inf_sum(found, found[0].device).item():
+                retval = optimizer.step(*args, **kwargs)
+        state["stage"] = OptState.STEPPED
+        return retval
+
+    def _fused_step(self, optimizer, state, args, kwargs):
+        if state["stage"] is OptState.READY:
+            self._check_inf_per_device(optimizer)
+        unscaled = state["stage"] is OptState.UNSCALED and not state["folded"]
+        optimizer.grad_scale = None if unscaled else self._scale
+        optimizer.found_inf = self._found_inf_sum(state["found_inf_per_device"].values(),
+                                                  self._scale.device)
+        clip = getattr(optimizer, "_ampc_supports_clip_coef", False)
+        if clip:
+            optimizer.grad_clip_coef = state["clip_coef"]
+        try:
+            return optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale
+            del optimizer.found_inf
+            if clip:
+                del optimizer.grad_clip_coef
+
+    def update(self, new_scale=None):
+        """Updates the scale once per iteration, after every optimizer's step.
+
+        Without ``new_scale``: backs off if any optimizer's step found an inf or a nan,
+        otherwise counts towards a growth; on the device, no wait. With ``new_scale`` (a
+        number, or a 1-element tensor on the scaler's device type): sets the scale to it.
+        """
+        if not self._enabled:
+            return
+        scale, tracker = self._check_scale_growth_tracker("update")
+        found = [f for st in self._per_optimizer_states.values()
+                 for f in st["found_inf_per_device"].values()]
+        found_inf = self._found_inf_sum(found, scale.device) if found else None
+        if new_scale is not None:
+            self._set_scale(new_scale)
+        elif found_inf is None:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        else:
+            self._watch_min_scale(found_inf)
+            ops.update_scale(scale, tracker, found_inf, self._growth_factor,
+                             self._backoff_factor, self._growth_interval,
+                             hysteresis=self._hysteresis,
+                             hysteresis_tracker=self._hysteresis_tracker,
+                             min_scale=self._min_scale or 0.0,
+                             max_scale=math.inf if self._max_scale is None else self._max_scale)
+        if found_inf is not None:
+            self._last_found_inf = found_inf != 0
+            self._skipped += self._last_found_inf
+        self._per_optimizer_states = defaultdict(_fresh_state)
+        self._raise_if_stuck_at_min()
+
+    def _set_scale(self, new_scale):
+        if isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
+            self._scale.fill_(new_scale)
+            return
+        reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                  "torch.FloatTensor with requires_grad=False.")
+        if not isinstance(new_scale, torch.Tensor):
+            raise AssertionError(reason)
+        if new_scale.device.type != self._device or new_scale.numel() != 1 \
+                or new_scale.requires_grad:
+            raise AssertionError(reason)
+        self._scale.copy_(new_scale.reshape(()))
+
+    def _watch_min_scale(self, found_inf):
+        # counts, on the device, overflowing steps in a row taken at min_scale
+        if self._skips_at_min is None:
+            return
+        overflow = found_inf != 0
+        at_min = self._scale <= _f32(self._min_scale)
+        self._skips_at_min.add_(overflow & at_min).mul_(overflow)
+
+    def _raise_if_stuck_at_min(self):
+        # Reads a host copy of the device counter, and on CUDA only once the copy has
+        # landed (an event says so): the check never waits, and runs a step or two late.
+        if self._skips_at_min is None:
+            return
+        if self._host_event is not None:
+            if not self._host_event.query():
+                return
+            self._check_stuck(int(self._host_skips.numpy()))
+        self._host_skips.copy_(self._skips_at_min, non_blocking=True)
+        if self._skips_at_min.is_cuda:
+            self._host_event = torch.cuda.Event()
+            self._host_event.record()
+        else:
+            self._check_stuck(int(self._host_skips.numpy()))
+
+    def _check_stuck(self, count):
+        if count >= self._patience:
+            raise RuntimeError(
+                f"ampc.GradScaler: {count} steps in a row had inf or nan gradients with the "
+                f"loss scale already at min_scale={self._min_scale}, and were skipped: "
+                f"training is not progressing. Look for the op that overflows in float16 "
+                f"(often a loss, a softmax or an attention mask), or train in bfloat16.")
+
+    # ---- skipped steps ----
+
+    def skipped_steps(self):
+        """The number of iterations (update() calls) in which a step found an inf or a nan
+        and was skipped, as a 0-dim int64 tensor on the scale's device. Reading its value
+        (``int(...)``) waits for the device; keeping the tensor does not."""
+        if not self._enabled or self._skipped is None:
+            return torch.zeros((), dtype=torch.int64)
+        return self._skipped.clone()
+
+    def last_step_skipped(self):
+        """Whether a step of the last update()'s iteration was skipped, as a 0-dim bool
+        tensor on the scale's device (``bool(...)`` waits for the device)."""
+        if not self._enabled or self._last_found_inf is None:
+            return torch.zeros((), dtype=torch.bool)
+        return self._last_found_inf
+
+    # ---- getters, setters, persistence ----
+
+    def _get_scale_async(self):
+        return self._scale
+
+    def get_scale(self):
+        """The current scale as a float (waits for the device); 1.0 when disabled."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._scale is None else self._scale.item()
+
+    def get_growth_factor(self):
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor):
+        self._growth_factor = new_factor
+
+    def get_backoff_factor(self):
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor):
+        self._backoff_factor = new_factor
+
+    def get_growth_interval(self):
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval):
+        self._growth_interval = new_interval
+
+    def _get_growth_tracker(self):
+        if not self._enabled:
+            return 0
+        if self._growth_tracker is None:
+            return self._init_growth_tracker
+        return self._growth_tracker.item()
+
+    def _get_hysteresis_tracker(self):
+        if self._hysteresis_tracker is None:
+            return self._init_hysteresis_tracker
+        return self._hysteresis_tracker.item()
+
+    def is_enabled(self):
+        return self._enabled
+
+    def state_dict(self):
+        """torch's keys (scale, growth_factor, backoff_factor, growth_interval,
+        _growth_tracker), plus ampc's settings only where they differ from torch's
+        behaviour; {} when disabled. Take it after update()."""
+        if not self._enabled:
+            return {}
+        sd = {"scale": self.get_scale(), "growth_factor": self._growth_factor,
+              "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
+              "_growth_tracker": self._get_growth_tracker()}
+        if self._hysteresis > 1:
+            sd.update(hysteresis=self._hysteresis,
+                      _hysteresis_tracker=self._get_hysteresis_tracker())
+        if self._min_scale is not None:
+            sd["min_scale"] = self._min_scale
+        if self._max_scale is not None:
+            sd["max_scale"] = self._max_scale
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Loads a state dict of this class or of torch.amp.GradScaler."""
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved "
+                               "from a disabled instance of GradScaler.")
+        self._init_scale = state_dict["scale"]
+        self._growth_factor = state_dict["growth_factor"]
+        self._backoff_factor = state_dict["backoff_factor"]
+        self._growth_interval = state_dict["growth_interval"]
+        self._init_growth_tracker = state_dict["_growth_tracker"]
+        hysteresis = state_dict.get("hysteresis", self._hysteresis)
+        self._check_extras(hysteresis, state_dict.get("min_scale", self._min_scale),
+                           state_dict.get("max_scale", self._max_scale), self._patience)
+        self._min_scale = state_dict.get("min_scale", self._min_scale)
+        self._max_scale = state_dict.get("max_scale", self._max_scale)
+        self._hysteresis = hysteresis
+        self._init_hysteresis_tracker = state_dict.get("_hysteresis_tracker", hysteresis)
+        if self._scale is not None:
+            self._scale.fill_(self._init_scale)
+            self._growth_tracker.fill_(self._init_growth_tracker)
+            self._init_extras()
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        if self._enabled:
+            if len(self._per_optimizer_states) != 0:
+                raise AssertionError("A GradScaler instance may only be pickled at the "
+                                     "beginning of an iteration, or at the end after "
+                                     "scaler.update().")
+            # device tensors are re-created on the next scale(); counters start again
+            state["_init_scale"] = self.get_scale()
+            state["_init_growth_tracker"] = self._get_growth_tracker()
+            state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
+            state.update(dict.fromkeys(_DEVICE_STATE))
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
