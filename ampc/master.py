@@ -1,0 +1,163 @@
+"""Master-weight training in one call, and the fp32 export of its weights.
+
+``prepare`` turns an fp32 model and an optimizer recipe into master-weight training:
+the model's weights become fp16 or bf16 (one fused cast for all of them), normalization
+layers stay fp32, and the optimizer keeps fp32 master weights that start from the
+original fp32 values, not from their rounded copies. ``fp32_state_dict`` writes those
+master weights back out as a plain fp32 ``state_dict`` for the original model.
+"""
+from collections import OrderedDict, defaultdict
+
+import torch
+from torch import nn
+
+from . import ops
+from .optim import Adam
+
+__all__ = ["prepare", "fp32_state_dict", "NORM_LAYERS"]
+
+NORM_LAYERS = tuple(t for t in (
+    nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm,
+    getattr(nn, "RMSNorm", None)) if t is not None)
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _cast_floating(value, dtype):
+    """Casts the floating tensors in a (nested) argument to dtype; float64 is left alone."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and value.dtype != torch.float64 and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+    if isinstance(value, (list, tuple)):
+        cast = [_cast_floating(v, dtype) for v in value]
+        return type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _cast_inputs(dtype):
+    def hook(module, args, kwargs):
+        return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
+    return hook
+
+
+def _cast_outputs(dtype):
+    def hook(module, args, output):
+        return _cast_floating(output, dtype)
+    return hook
+
+
+def prepare(model, optimizer, dtype=torch.bfloat16, *, keep_fp32=NORM_LAYERS,
+            cast_inputs=True, **optimizer_kwargs):
+    """Turns an fp32 ``model`` into a ``dtype`` model trained with fp32 master weights.
+
+    Every floating parameter and buffer of the model is cast to ``dtype`` in one fused
+    call, except those of modules that are instances of ``keep_fp32`` (normalization
+    layers by default), which stay fp32 and run in fp32: their inputs are cast up and
+    their outputs back down. With ``cast_inputs`` the model's floating inputs are cast
+    to ``dtype`` as well, so an fp32 data pipeline needs no change.
+
+    The fp32 tensors the weights were cast from become the optimizer's master weights
+    (no copy, no rounding): training starts exactly where the fp32 model was.
+
+    Args:
+        model (nn.Module): an fp32 model; changed in place and returned.
+        optimizer: an ``ampc.optim.Adam``/``AdamW`` class, or any callable that takes the
+            params and ``**optimizer_kwargs`` and returns an ampc optimizer, or an ampc
+            optimizer already made over ``model.parameters()`` that has taken no step.
+        dtype (torch.dtype): torch.bfloat16 (default) or torch.float16.
+        keep_fp32 (tuple of module types): modules left in fp32. Default: NORM_LAYERS.
+        cast_inputs (bool): cast the model's floating inputs to ``dtype``. Default: True.
+
+    Returns:
+        (model, optimizer)
+
+    Example::
+
+        >>> model, opt = ampc.prepare(model, ampc.optim.AdamW, torch.bfloat16, lr=1e-3)
+        >>> for x, y in data:
+        ...     opt.zero_grad(); loss_fn(model(x).float(), y).backward(); opt.step()
+    """
+    if dtype not in _LOW:
+        raise ValueError(f"ampc.prepare: dtype must be torch.float16 or torch.bfloat16, "
+                         f"got {dtype}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"ampc.prepare: model must be an nn.Module, got {type(model).__name__}")
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype != torch.float32:
+            raise ValueError(f"ampc.prepare: parameter {name} is {p.dtype}; prepare takes "
+                             "an fp32 model")
+    kept = [m for m in model.modules() if isinstance(m, keep_fp32)]
+    kept_ids = {id(t) for m in kept for t in _own_tensors(m)}
+    params = [p for p in model.parameters() if p.is_floating_point() and id(p) not in kept_ids]
+    buffers = [(m, name, b) for m in model.modules() for name, b in m.named_buffers(recurse=False)
+               if b is not None and b.dtype == torch.float32 and id(b) not in kept_ids]
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        opt = optimizer
+        if any(opt.state[p] for g in opt.param_groups for p in g["params"]):
+            raise ValueError("ampc.prepare: the optimizer has state already; pass it before "
+                             "its first step")
+    else:
+        opt = optimizer(model.parameters(), **optimizer_kwargs)
+    if not isinstance(opt, Adam):
+        raise TypeError(f"ampc.prepare: optimizer must be an ampc.optim optimizer, got "
+                        f"{type(opt).__name__}")
+    groups = {id(p): g for g in opt.param_groups for p in g["params"]}
+
+    # one fused cast per device for all weights and buffers
+    by_device = defaultdict(list)
+    for t in [p.data for p in params] + [b for _, _, b in buffers]:
+        by_device[t.device].append(t)
+    low = {}
+    for tensors in by_device.values():
+        src = [t.contiguous() for t in tensors]
+        for t, out in zip(tensors, ops.cast(src, dtype)):
+            low[id(t)] = out
+    for p in params:
+        master = p.data
+        p.data = low[id(master)]
+        p.grad = None
+        if id(p) in groups:
+            opt._init_state(groups[id(p)], p, master=master)
+    for module, name, b in buffers:
+        module._buffers[name] = low[id(b)]
+
+    for m in kept:
+        m.register_forward_pre_hook(_cast_inputs(torch.float32), with_kwargs=True)
+        m.register_forward_hook(_cast_outputs(dtype))
+    if cast_inputs:
+        model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
+    return model, opt
+
+
+def _own_tensors(module):
+    """The parameters and buffers a module holds itself (not its children's)."""
+    return list(module.parameters(recurse=False)) + [
+        b for b in module.buffers(recurse=False) if b is not None]
+
+
+def fp32_state_dict(model, optimizer):
+    """The model's ``state_dict`` in fp32, with the master weights as its parameters.
+
+    Every parameter that has a master weight in ``optimizer`` is replaced by a copy of
+    it; other fp16/bf16 tensors are widened to fp32. The result loads into the original
+    fp32 model with ``load_state_dict`` (for inference, export, or fine-tuning without
+    ampc).
+    """
+    masters = {id(p): optimizer.state[p]["master"]
+               for g in optimizer.param_groups for p in g["params"]
+               if "master" in optimizer.state.get(p, {})}
+    out = OrderedDict()
+    for key, value in model.state_dict(keep_vars=True).items():
+        if id(value) in masters:
+            out[key] = masters[id(value)].detach().clone()
+        elif isinstance(value, torch.Tensor) and value.dtype in _LOW:
+            out[key] = value.detach().to(torch.float32)
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().clone()
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,247 @@
+"""Adam and AdamW with a fused C step and optional fp32 master weights.
+
+``ampc.optim.AdamW`` is a drop-in for ``torch.optim.AdamW`` (same arguments, same state
+keys, same results: bit-identical to ``AdamW(fused=True)`` on fp32 params). On fp16 or
+bf16 params it keeps fp32 master weights in its state and runs the whole update (grad
+widening, unscale, clipping, Adam, the cast back to the model's dtype) as one pass over
+memory, 28 bytes per parameter.
+
+Master weights and moments live in ``optimizer.state[p]`` (keys ``master``,
+``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``step``), so ``state_dict()`` carries
+them, and ``load_state_dict()`` keeps them fp32 (torch's default would cast them to the
+param's dtype).
+
+Loss scaling: the optimizers take part in torch's fused-scaling protocol
+(``_step_supports_amp_scaling``): a GradScaler sets ``grad_scale`` and ``found_inf`` on
+the optimizer before ``step()``, the grads are unscaled inside the update and a step
+with inf/nan grads is skipped on the device, with no host sync. ``grad_clip_coef`` (a
+1-element tensor set the same way) folds gradient clipping into the update too.
+"""
+from collections import defaultdict
+from itertools import chain
+
+import torch
+
+from . import ops
+
+__all__ = ["Adam", "AdamW"]
+
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+_SEED_STRIDE = 0x9E3779B97F4A7C15     # odd: successive steps get distinct seeds
+
+
+class Adam(torch.optim.Optimizer):
+    """Adam with a fused C step (see the module docstring); ``AdamW`` is the same with
+    decoupled weight decay.
+
+    Args:
+        params: parameters or param groups, as for any torch optimizer.
+        lr (float or Tensor): learning rate; a 1-element tensor lets a schedule live
+            on the device. Default: 1e-3.
+        betas (Tuple[float, float]), eps (float), weight_decay (float), amsgrad (bool),
+        maximize (bool): as torch.optim.Adam.
+        foreach, fused, capturable: accepted for compatibility; every step is fused, and
+            needs no host sync, so it can be captured in a CUDA graph.
+        master_weights (bool or None): keep fp32 master weights. None (default): for
+            fp16 and bf16 params, not for fp32 ones.
+        stochastic_rounding (bool): write fp16/bf16 params from the masters with
+            stochastic rounding instead of round to nearest. Default: False.
+        seed (int): seed of the stochastic rounding. Default: 0.
+    """
+
+    _step_supports_amp_scaling = True
+    _ampc_supports_clip_coef = True
+    _decoupled = False
+    _default_weight_decay = 0.0
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, master_weights=None,
+                 stochastic_rounding=False, seed=0):
+        if weight_decay is None:
+            weight_decay = self._default_weight_decay
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if differentiable:
+            raise ValueError(f"ampc.optim.{type(self).__name__} does not support "
+                             "differentiable=True; use torch.optim for that")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        amsgrad=amsgrad, maximize=maximize, foreach=foreach,
+                        capturable=capturable, differentiable=False, fused=fused,
+                        master_weights=master_weights,
+                        stochastic_rounding=stochastic_rounding, seed=seed)
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("master_weights", None)
+            group.setdefault("stochastic_rounding", False)
+            group.setdefault("seed", 0)
+
+    # ---- state ----
+
+    def _wants_master(self, group, p):
+        if group["master_weights"] is None:
+            return p.dtype in (torch.float16, torch.bfloat16)
+        return bool(group["master_weights"])
+
+    def _init_state(self, group, p, master=None):
+        """Creates a param's state; ``master`` (fp32) seeds its master weight, so a
+        master can start from the fp32 value a 16-bit param was rounded from."""
+        state = self.state[p]
+        zeros = lambda: torch.zeros(p.shape, dtype=torch.float32, device=p.device)  # noqa: E731
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state["exp_avg"] = zeros()
+        state["exp_avg_sq"] = zeros()
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = zeros()
+        if master is not None:
+            state["master"] = master.detach().to(device=p.device, dtype=torch.float32,
+                                                 memory_format=torch.contiguous_format)
+        elif self._wants_master(group, p):
+            state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format,
+                                            copy=True)
+        return state
+
+    def _checked_state(self, group, p, index):
+        state = self.state[p]
+        if "step" not in state or "exp_avg" not in state:
+            return self._init_state(group, p, state.get("master"))
+        needed = ["exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+        for key in needed:
+            if key not in state:
+                raise RuntimeError(f"ampc.optim.{type(self).__name__}: the state of param "
+                                   f"{index} has no '{key}' (a checkpoint of another "
+                                   f"optimizer or of amsgrad=False?)")
+        return state
+
+    # ---- the step ----
+
+    def _control(self, device, cache):
+        """inv_scale, clip_coef and found_inf on `device` (moved without a host sync)."""
+        if device not in cache:
+            scale = getattr(self, "grad_scale", None)
+            clip = getattr(self, "grad_clip_coef", None)
+            found = getattr(self, "found_inf", None)
+            inv = None
+            if scale is not None:
+                # torch's unscale_ uses this very value, so folding it in gives the same grads
+                inv = scale.double().reciprocal().float()
+            cache[device] = tuple(None if t is None else
+                                  t.to(device=device, dtype=torch.float32, non_blocking=True)
+                                  .reshape(1)
+                                  for t in (inv, clip, found))
+        return cache[device]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs one optimization step; returns the closure's loss, if any."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        control = {}
+        index = 0
+        for group in self.param_groups:
+            buckets = defaultdict(lambda: defaultdict(list))
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"ampc.optim.{type(self).__name__} does not support "
+                                       "sparse gradients")
+                state = self._checked_state(group, p, index - 1)
+                key = (p.device, p.dtype, p.grad.dtype, "master" in state)
+                b = buckets[key]
+                b["params"].append(p)
+                b["grads"].append(p.grad if p.grad.is_contiguous() else p.grad.contiguous())
+                for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"):
+                    if name in state:
+                        b[name].append(state[name])
+                b["step"].append(state["step"])
+            if buckets:
+                self._step_group(group, buckets, control)
+        return loss
+
+    def _step_group(self, group, buckets, control):
+        beta1, beta2 = (float(b) for b in group["betas"])
+        seed = 0
+        if group["stochastic_rounding"]:
+            calls = group.get("rounding_calls", 0)
+            group["rounding_calls"] = calls + 1
+            seed = (int(group["seed"]) + calls * _SEED_STRIDE) % (1 << 63)
+        for (device, _, _, has_master), b in buckets.items():
+            inv_scale, clip, found_inf = self._control(device, control)
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor) and lr.device != device:
+                lr = lr.to(device, non_blocking=True)
+            params = b["params"]
+            targets = [p if p.is_contiguous() else p.detach().contiguous() for p in params]
+            ops.adam_master(
+                targets, b["grads"], b["exp_avg"], b["exp_avg_sq"], b["step"], lr=lr,
+                masters=b["master"] if has_master else None,
+                max_exp_avg_sqs=b["max_exp_avg_sq"] if group["amsgrad"] else None,
+                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                decoupled=self._decoupled, maximize=group["maximize"], inv_scale=inv_scale,
+                clip_coef=clip, found_inf=found_inf,
+                stochastic=group["stochastic_rounding"], seed=seed)
+            for p, t in zip(params, targets):
+                if t is not p:
+                    p.copy_(t)
+
+    # ---- checkpoints ----
+
+    def load_state_dict(self, state_dict):
+        """As torch's, but master weights, moments and steps stay fp32 on the param's
+        device instead of being cast to the param's dtype, and a checkpoint whose master
+        weights do not fit this optimizer's params raises."""
+        name = f"ampc.optim.{type(self).__name__}.load_state_dict"
+        saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+        saved_state = state_dict["state"]
+        super().load_state_dict(state_dict)
+        params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        groups = {id(p): g for g in self.param_groups for p in g["params"]}
+        for i, (sid, p) in enumerate(zip(saved_ids, params)):
+            saved = saved_state.get(sid)
+            if saved is None:
+                continue
+            state = self.state[p]
+            for key in _MOMENTS:
+                if key not in saved:
+                    continue
+                value = saved[key]
+                if not isinstance(value, torch.Tensor) or value.shape != p.shape:
+                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                    raise ValueError(f"{name}: '{key}' of param {i} has shape {got}, but the "
+                                     f"param has shape {tuple(p.shape)}: the checkpoint is "
+                                     "of another model or optimizer")
+                state[key] = value.to(device=p.device, dtype=torch.float32,
+                                      memory_format=torch.contiguous_format)
+            if "master" in saved and groups[id(p)]["master_weights"] is False:
+                raise ValueError(f"{name}: param {i} has a master weight in the checkpoint, "
+                                 "but this optimizer was made with master_weights=False")
+            if "step" in saved:
+                step = saved["step"]
+                step = step if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+                state["step"] = step.to(device=p.device, dtype=torch.float32).reshape(())
+
+
+class AdamW(Adam):
+    __doc__ = Adam.__doc__.replace("Adam with a fused C step (see the module docstring); "
+                                   "``AdamW`` is the same with\n    decoupled weight decay.",
+                                   "AdamW (decoupled weight decay, default 0.01) with a "
+                                   "fused C step (see the module\n    docstring).")
+    _decoupled = True
+    _default_weight_decay = 1e-2
