@@ -1,0 +1,429 @@
+"""The cast-policy registry that ampc.autocast consults for every call it intercepts.
+
+A policy says what autocast does to an op's floating-point tensor arguments:
+
+    lower_precision_fp   cast them to the autocast dtype (fp16/bf16), run the op
+    fp32                 cast them to float32
+    fp32_set_opt_dtype   pass dtype=float32 to an op that takes one (softmax, sum, ...),
+                         unless the caller gave a dtype; inputs are not cast
+    fp32_append_dtype    the same for norm, whose dtype-taking form is another overload
+    promote              cast them all to the widest dtype among them (fp32 wins)
+    banned               raise: the op is unsafe under autocast (binary_cross_entropy on CUDA)
+    fp32_keep_dtype      compute in float32, return outputs in the first input's dtype
+                         (offered for norms: an fp32 norm otherwise doubles the memory of
+                         the activations after it; not a default)
+    passthrough          leave the op alone (useful to undo a default)
+
+Only "eligible" tensors are touched: floating point, not float64, on the autocast device.
+The defaults are PyTorch's own lists (aten/src/ATen/autocast_mode.cpp, torch 2.12+) per
+device, keyed by the Python-level name of the op (overloads share one policy), plus a few
+C++ composite ops whose inner calls torch autocasts but a Python-level mode cannot see.
+
+Users can read the effective policy of any op (:func:`get_policy`), change it globally or
+per device (:func:`set_policy`), add their own functions and custom ops (:func:`register`),
+scope a policy to a region or a module and its children (:func:`scope`,
+:func:`module_scope`), and print the whole table (:func:`table`).
+"""
+import enum
+import functools
+import threading
+
+import torch
+from torch.overrides import handle_torch_function, has_torch_function
+
+DEVICES = ("cpu", "cuda")
+
+
+class CastPolicy(str, enum.Enum):
+    LOWER_PRECISION_FP = "lower_precision_fp"
+    FP32 = "fp32"
+    FP32_SET_OPT_DTYPE = "fp32_set_opt_dtype"
+    FP32_APPEND_DTYPE = "fp32_append_dtype"
+    PROMOTE = "promote"
+    BANNED = "banned"
+    FP32_KEEP_DTYPE = "fp32_keep_dtype"
+    PASSTHROUGH = "passthrough"
+
+    def __str__(self):
+        return self.value
+
+
+P = CastPolicy
+
+# ---- defaults: PyTorch's lists, one name per Python-level op ----
+
+_CUDA = {
+    P.LOWER_PRECISION_FP: """_convolution conv1d conv2d conv3d conv_tbc conv_transpose1d
+        conv_transpose2d conv_transpose3d convolution prelu addmm addmv addr matmul einsum mm mv
+        linalg_vecdot linear addbmm baddbmm bmm chain_matmul linalg_multi_dot
+        _thnn_fused_lstm_cell _thnn_fused_gru_cell lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
+        _scaled_dot_product_flash_attention scaled_dot_product_attention cudnn_convolution
+        cudnn_convolution_transpose""",
+    P.FP32: """acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow
+        softplus layer_norm native_layer_norm rms_norm group_norm frobenius_norm nuclear_norm
+        cosine_similarity poisson_nll_loss cosine_embedding_loss nll_loss nll_loss2d
+        hinge_embedding_loss kl_div l1_loss smooth_l1_loss huber_loss mse_loss margin_ranking_loss
+        multilabel_margin_loss soft_margin_loss triplet_margin_loss multi_margin_loss
+        binary_cross_entropy_with_logits dist pdist cdist renorm logsumexp upsample_nearest1d
+        _upsample_nearest_exact1d upsample_nearest2d _upsample_nearest_exact2d upsample_nearest3d
+        _upsample_nearest_exact3d upsample_linear1d upsample_bilinear2d _upsample_bilinear2d_aa
+        upsample_trilinear3d upsample_bicubic2d _upsample_bicubic2d_aa""",
+    P.FP32_SET_OPT_DTYPE: """prod softmax log_softmax cumprod cumsum linalg_vector_norm
+        linalg_matrix_norm sum""",
+    P.FP32_APPEND_DTYPE: "norm",
+    P.PROMOTE: """addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot
+        scatter_add""",
+    P.BANNED: "binary_cross_entropy",
+}
+
+_CPU = {
+    P.LOWER_PRECISION_FP: """conv1d conv2d conv3d bmm mm linalg_vecdot baddbmm addmm
+        _addmm_activation addbmm linear _convolution matmul conv_tbc mkldnn_rnn_layer
+        conv_transpose1d conv_transpose2d conv_transpose3d prelu scaled_dot_product_attention
+        _native_multi_head_attention""",
+    P.FP32: """avg_pool3d binary_cross_entropy grid_sampler polar prod quantile nanquantile stft
+        cdist grid_sampler_2d _grid_sampler_2d_cpu_fallback grid_sampler_3d trace view_as_complex
+        cholesky cholesky_inverse cholesky_solve inverse lu_solve orgqr ormqr pinverse max_pool3d
+        max_unpool2d max_unpool3d adaptive_avg_pool3d reflection_pad1d reflection_pad2d
+        replication_pad1d replication_pad2d replication_pad3d mse_loss cosine_embedding_loss
+        nll_loss nll_loss2d hinge_embedding_loss poisson_nll_loss smooth_l1_loss cross_entropy_loss
+        l1_loss huber_loss margin_ranking_loss soft_margin_loss triplet_margin_loss
+        multi_margin_loss ctc_loss kl_div multilabel_margin_loss binary_cross_entropy_with_logits
+        fft_fft fft_ifft fft_fft2 fft_ifft2 fft_fftn fft_ifftn fft_rfft fft_irfft fft_rfft2
+        fft_irfft2 fft_rfftn fft_irfftn fft_hfft fft_ihfft linalg_cond linalg_matrix_rank
+        linalg_solve linalg_cholesky linalg_svdvals linalg_eigvals linalg_eigvalsh linalg_inv
+        linalg_householder_product linalg_tensorinv linalg_tensorsolve
+        fake_quantize_per_tensor_affine geqrf _lu_with_info qr svd triangular_solve
+        fractional_max_pool2d fractional_max_pool3d adaptive_max_pool3d
+        multilabel_margin_loss_forward linalg_qr linalg_cholesky_ex linalg_svd linalg_eig
+        linalg_eigh linalg_lstsq linalg_inv_ex""",
+    P.PROMOTE: "stack cat index_copy",
+}
+
+# C++ composite ops: torch autocasts the listed ops they call inside, which a mode at the
+# Python level never sees, so ampc gives the composite the policy that yields the same dtype.
+_COMPOSITES = {
+    "cuda": {P.FP32: "cross_entropy_loss nll_loss_nd", P.FP32_SET_OPT_DTYPE: "linalg_norm"},
+    "cpu": {P.LOWER_PRECISION_FP: "einsum chain_matmul linalg_multi_dot tensordot",
+            P.FP32: "nll_loss_nd"},
+}
+
+# Python-level spellings whose name differs from the op's
+_ALIASES = {"cross_entropy": "cross_entropy_loss", "__matmul__": "matmul", "__pow__": "pow"}
+
+BCE_MESSAGE = (
+    "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+    "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+    "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+    "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+    "safe to autocast.")
+
+
+def _expand(lists):
+    return {name: policy for policy, names in lists.items() for name in names.split()}
+
+
+DEFAULTS = {"cuda": _expand(_CUDA), "cpu": _expand(_CPU)}
+_COMPOSITE_DEFAULTS = {dev: _expand(lists) for dev, lists in _COMPOSITES.items()}
+
+# ---- the registry ----
+
+_lock = threading.Lock()
+_overrides = {"*": {}, "cpu": {}, "cuda": {}}   # user changes: all devices, then per device
+EFFECTIVE = {}                                   # device -> {name: policy}, rebuilt on change
+FUNCS = {}                                       # callable -> op name (or None: not an op)
+_named = set()                                   # callables named by the registry itself
+
+
+def _rebuild():
+    for dev in DEVICES:
+        eff = {**_COMPOSITE_DEFAULTS[dev], **DEFAULTS[dev], **_overrides["*"], **_overrides[dev]}
+        EFFECTIVE[dev] = {k: v for k, v in eff.items() if v is not P.PASSTHROUGH}
+
+
+_NAMESPACES = (torch, torch.Tensor, torch._C._nn, torch._C._linalg, torch._C._fft,
+               torch._C._special, torch.nn.functional)
+
+
+def _index_names(names):
+    """Maps every Python-level callable spelled like an op name to that name."""
+    for name in names:
+        for ns in _NAMESPACES:
+            fn = getattr(ns, name, None)
+            if callable(fn) and fn not in _named:
+                FUNCS[fn] = name
+                _named.add(fn)
+
+
+def _all_names():
+    names = set(_ALIASES.values())
+    for table in (*DEFAULTS.values(), *_COMPOSITE_DEFAULTS.values(), *_overrides.values()):
+        names.update(table)
+    return names
+
+
+def _init():
+    _rebuild()
+    _index_names(_all_names())
+    for alias, name in _ALIASES.items():
+        for ns in _NAMESPACES:
+            fn = getattr(ns, alias, None)
+            if callable(fn):
+                FUNCS[fn] = name
+                _named.add(fn)
+
+
+def _check_device(fn, device_type):
+    if device_type is not None and device_type not in DEVICES:
+        raise ValueError(f"ampc.policy.{fn}: device_type must be one of {DEVICES} or None, "
+                         f"got {device_type!r}")
+
+
+def _check_policy(fn, policy):
+    try:
+        return CastPolicy(policy)
+    except ValueError:
+        raise ValueError(f"ampc.policy.{fn}: policy must be one of "
+                         f"{[p.value for p in CastPolicy]}, got {policy!r}") from None
+
+
+def op_name(op):
+    """The registry's name for ``op``: a name string (``"layer_norm"``, ``"aten::pow.Scalar"``),
+    a torch callable (``torch.mm``, ``F.layer_norm``, ``torch.Tensor.softmax``), a custom op
+    (``torch.ops.mylib.foo``) or a function given to :func:`register`."""
+    if isinstance(op, str):
+        name = op.split("::", 1)[1] if op.startswith("aten::") else op
+        return name.split(".", 1)[0] if "::" not in name else name
+    if isinstance(op, torch._ops.OpOverload):
+        op = op._overloadpacket
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        ns, name = op._qualified_op_name.split("::")
+        return name if ns == "aten" else f"{ns}::{name}"
+    name = FUNCS.get(op)
+    if name is None:
+        raise ValueError(f"ampc.policy: {op!r} is not an op the registry knows; pass its name, "
+                         "or register it with ampc.policy.register")
+    return name
+
+
+def get_policy(op, device_type="cuda"):
+    """The effective policy of ``op`` on ``device_type`` (outside any scope), or
+    ``CastPolicy.PASSTHROUGH`` when autocast leaves it alone."""
+    _check_device("get_policy", device_type)
+    return EFFECTIVE[device_type].get(op_name(op), P.PASSTHROUGH)
+
+
+def set_policy(op, policy, device_type=None):
+    """Sets the policy of ``op`` for every device (``device_type=None``) or for one.
+    ``policy=None`` removes the change and restores the default. Applies to autocast
+    regions entered from then on, in every thread."""
+    _check_device("set_policy", device_type)
+    name = op_name(op)
+    with _lock:
+        table = _overrides[device_type or "*"]
+        if policy is None:
+            table.pop(name, None)
+        else:
+            table[name] = _check_policy("set_policy", policy)
+        _index_names([name])
+        _rebuild()
+
+
+def reset():
+    """Removes every change made with :func:`set_policy` (registered functions keep their
+    names but lose their policies)."""
+    with _lock:
+        for table in _overrides.values():
+            table.clear()
+        _rebuild()
+
+
+def register(fn=None, *, policy, device_type=None, name=None):
+    """Puts a function or a custom op under autocast with ``policy``.
+
+    A ``torch.library`` custom op (``torch.ops.mylib.foo``) is registered as is and
+    returned. A plain Python function is wrapped so that autocast sees its calls; use the
+    returned function (or use ``register`` as a decorator)::
+
+        @ampc.policy.register(policy="fp32")
+        def my_loss(logits, target): ...
+
+    Inside the function, calls are not autocast again (as for torch's own ops).
+    """
+    if fn is None:
+        return functools.partial(register, policy=policy, device_type=device_type, name=name)
+    policy = _check_policy("register", policy)
+    if isinstance(fn, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+        label = name or op_name(fn)
+        packet = fn._overloadpacket if isinstance(fn, torch._ops.OpOverload) else fn
+        FUNCS[packet] = label
+        for overload in packet.overloads():
+            FUNCS[getattr(packet, overload)] = label
+        set_policy(label, policy, device_type)
+        return fn
+    if not callable(fn):
+        raise TypeError(f"ampc.policy.register: fn must be callable, got {type(fn).__name__}")
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if has_torch_function(tensors):
+            return handle_torch_function(wrapper, tensors, *args, **kwargs)
+        return fn(*args, **kwargs)
+
+    label = name or f"{fn.__module__}.{fn.__qualname__}"
+    FUNCS[wrapper] = label
+    set_policy(label, policy, device_type)
+    return wrapper
+
+
+# ---- scopes: a policy for a region or a module and its children ----
+
+class Scope:
+    """What a scope changes: the dtype of lower-precision ops (None: the region's),
+    per-op policies, or autocast as a whole (``enabled=False``)."""
+
+    __slots__ = ("dtype", "ops", "enabled")
+
+    def __init__(self, dtype=None, ops=None, enabled=None):
+        if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError("ampc.policy.scope: dtype must be torch.float32, torch.float16, "
+                             f"torch.bfloat16 or None, got {dtype}")
+        self.dtype, self.enabled = dtype, enabled    # enabled None: as the enclosing scope
+        self.ops = {op_name(k): _check_policy("scope", v) for k, v in (ops or {}).items()}
+
+    def merged(self, parent):
+        """This scope seen from inside ``parent``: unset fields come from the parent."""
+        out = Scope.__new__(Scope)
+        if parent is None:
+            out.dtype, out.ops = self.dtype, self.ops
+            out.enabled = self.enabled is not False
+            return out
+        out.dtype = self.dtype or parent.dtype
+        out.ops = {**parent.ops, **self.ops}
+        out.enabled = parent.enabled if self.enabled is None else self.enabled
+        return out
+
+
+class _ScopeState(threading.local):
+    scope = None      # the current merged Scope of this thread, or None
+
+
+_tls = _ScopeState()
+
+
+def current_scope():
+    return _tls.scope
+
+
+def _push(s):
+    """Enters scope ``s`` (merged into the current one); returns the scope to restore."""
+    prev = current_scope()
+    _tls.scope = s.merged(prev)
+    return prev
+
+
+def _pop(parent):
+    _tls.scope = parent
+
+
+class scope:
+    """A context manager that applies a policy to the autocast ops run inside it::
+
+        with ampc.autocast("cuda"), ampc.policy.scope(dtype=torch.float32):
+            y = block(x)           # lower-precision ops run in float32 here
+
+        with ampc.policy.scope(ops={"softmax": "fp32", "layer_norm": "fp32_keep_dtype"}):
+            ...
+
+    Args:
+        dtype (torch.dtype): the dtype of lower-precision ops inside (float32 keeps the
+            region in full precision). Default: the autocast region's.
+        ops (dict): op (name or callable) -> policy, overriding the registry inside.
+        enabled (bool): ``False`` turns autocast off inside, ``True`` back on inside an
+            enclosing scope that turned it off. Default: None (as the enclosing scope).
+    """
+
+    def __init__(self, dtype=None, ops=None, enabled=None):
+        self._scope = Scope(dtype, ops, enabled)
+        self._saved = []
+
+    def __enter__(self):
+        self._saved.append(_push(self._scope))
+        return self
+
+    def __exit__(self, *exc):
+        _pop(self._saved.pop())
+        return False
+
+
+def module_scope(module, *, dtype=None, ops=None, enabled=None, cast_inputs=True):
+    """Makes a scope a property of ``module``: it applies to every call of the module and
+    of its children. With ``dtype`` set and ``cast_inputs=True`` the module's floating
+    tensor arguments are also cast to ``dtype`` on entry (inside autocast regions only),
+    so that "keep this block in fp32" holds for its first op too. Returns a handle whose
+    ``remove()`` undoes it; ``ampc.policy.module_scope_of(module)`` reads it."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"ampc.policy.module_scope: module must be a torch.nn.Module, "
+                        f"got {type(module).__name__}")
+    s = Scope(dtype, ops, enabled)
+    saved = []
+
+    def pre(mod, args, kwargs):
+        saved.append(_push(s))
+        if s.dtype is not None and cast_inputs and _cast_inputs_hook is not None:
+            return _cast_inputs_hook(args, kwargs, s.dtype)
+        return None
+
+    def post(mod, args, out):
+        if saved:
+            _pop(saved.pop())
+
+    handles = [module.register_forward_pre_hook(pre, with_kwargs=True),
+               module.register_forward_hook(post, always_call=True)]
+    module._ampc_scope = s
+
+    class Handle:
+        def remove(self):
+            for h in handles:
+                h.remove()
+            if getattr(module, "_ampc_scope", None) is s:
+                del module._ampc_scope
+
+    return Handle()
+
+
+def module_scope_of(module):
+    """The :class:`Scope` attached to ``module`` by :func:`module_scope`, or None."""
+    return getattr(module, "_ampc_scope", None)
+
+
+_cast_inputs_hook = None   # set by ampc.autocast: casts a module's inputs inside regions
+
+
+# ---- the table ----
+
+def table(device_type=None):
+    """The effective policy table as text: one line per op that autocast changes, with its
+    policy on each device and a mark on entries changed from the defaults."""
+    _check_device("table", device_type)
+    devs = [device_type] if device_type else list(DEVICES)
+    names = sorted(set().union(*(EFFECTIVE[d] for d in devs)))
+    width = max([len(n) for n in names] + [2])
+    lines = [f"{'op':<{width}}  " + "  ".join(f"{d:<19}" for d in devs)]
+    for n in names:
+        cells = []
+        for d in devs:
+            pol = EFFECTIVE[d].get(n, P.PASSTHROUGH)
+            changed = n in _overrides["*"] or n in _overrides[d]
+            cells.append(f"{pol.value + ('*' if changed else ''):<19}")
+        lines.append(f"{n:<{width}}  " + "  ".join(cells).rstrip())
+    lines.append("(* changed from the default; ops not listed run in their inputs' dtype)")
+    return "\n".join(lines)
+
+
+def print_table(device_type=None):
+    print(table(device_type))
+
+
+_init()

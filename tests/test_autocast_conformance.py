@@ -1,0 +1,128 @@
+"""ampc.autocast against torch.autocast on every case of torch's own autocast test lists
+(torch.testing._internal.autocast_test_lists, shipped with torch): same output dtypes, same
+values (bit for bit: ampc's casts round like .to()), same errors.
+
+The CPU lists run here; the CUDA lists need a GPU. Each case runs every variant torch's
+tests run (torch.<op> / torch._C._nn.<op> and Tensor.<op>), under each autocast dtype.
+"""
+import collections
+import sys
+import types
+import unittest
+
+import pytest
+import torch
+
+import ampc
+
+if "expecttest" not in sys.modules:   # torch's test utilities import it; only TestCase is used
+    sys.modules["expecttest"] = types.ModuleType("expecttest")
+    sys.modules["expecttest"].TestCase = unittest.TestCase
+from torch.testing._internal import autocast_test_lists as lists  # noqa: E402
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _dtypes(x):
+    if isinstance(x, torch.Tensor):
+        return x.dtype
+    if isinstance(x, (tuple, list)):
+        return tuple(_dtypes(v) for v in x)
+    return type(x).__name__
+
+
+def _call(ctx, fn, args, kwargs):
+    torch.manual_seed(0)
+    with ctx:
+        try:
+            return fn(*args, **kwargs), None
+        except Exception as e:            # noqa: BLE001  (the error is compared too)
+            return None, e
+
+
+def _variants(module, op, args):
+    """The callables torch's test calls: module.<op> and Tensor.<op>."""
+    out = []
+    if module is not None and hasattr(module, op):
+        out.append((f"{module.__name__}.{op}", getattr(module, op), args))
+    if hasattr(torch.Tensor, op) and isinstance(args[0], torch.Tensor):
+        out.append((f"Tensor.{op}", getattr(torch.Tensor, op), args))
+    return out
+
+
+def _cases(device):
+    """(id, module, op, args, kwargs, amp dtype) for every entry of torch's lists."""
+    if device == "cpu":
+        L = lists.AutocastCPUTestLists(device)
+        amp = (torch.bfloat16, torch.float16)
+        plain = {"torch_16": torch, "nn_16": torch._C._nn, "torch_fp32": torch, "nn_fp32": torch._C._nn}
+        paired = {"torch_expect_builtin_promote": torch, "methods_expect_builtin_promote": None,
+                  "torch_need_autocast_promote": torch}
+    else:
+        L = lists.AutocastTestLists(device)
+        amp = (torch.float16, torch.bfloat16)
+        plain = {"torch_fp16": torch, "torch_fp32": torch, "torch_need_autocast_promote": torch,
+                 "nn_fp16": torch._C._nn, "nn_fp32": torch._C._nn, "linalg_fp16": torch._C._linalg,
+                 "methods_fp16": None, "methods_fp32": None, "banned": None,
+                 "torch_expect_builtin_promote": torch, "methods_expect_builtin_promote": None}
+        paired = {}
+    for list_name, module in plain.items():
+        for i, entry in enumerate(getattr(L, list_name)):
+            op, args = entry[0], entry[1]
+            kwargs = entry[2] if len(entry) > 2 and isinstance(entry[2], dict) else {}
+            if list_name == "banned":
+                module = entry[2]
+            if op == "einsum":                  # ("einsum", equation, operands)
+                args = (args,) + entry[2]
+            if len(entry) > 2 and entry[-1] is True:    # skipped on ROCm by torch's tests
+                continue
+            for dt in amp:
+                yield f"{device}:{list_name}[{i}]:{op}:{dt}", module, op, args, kwargs, dt
+    for list_name, module in paired.items():     # (op, args for bf16, args for fp16[, out type])
+        for i, entry in enumerate(getattr(L, list_name)):
+            for dt, args in zip(amp, entry[1:3]):
+                yield f"{device}:{list_name}[{i}]:{entry[0]}:{dt}", module, entry[0], args, {}, dt
+
+
+def _conformance(device):
+    counts = collections.Counter()
+    failures = []
+    for case, module, op, args, kwargs, dt in _cases(device):
+        variants = _variants(module, op, args)
+        assert variants, f"{case}: neither {module}.{op} nor Tensor.{op} exists"
+        counts["cases"] += 1
+        for label, fn, a in variants:
+            if label.startswith("Tensor.") and module is not None and op == "einsum":
+                continue
+            counts["variants"] += 1
+            want, want_err = _call(torch.autocast(device, dtype=dt), fn, a, kwargs)
+            got, got_err = _call(ampc.autocast(device, dtype=dt), fn, a, kwargs)
+            if want_err is not None or got_err is not None:
+                ok = type(want_err) is type(got_err) and str(want_err) in str(got_err)
+                counts["errors compared"] += 1
+            else:
+                ok = _same(want, got)
+            if not ok:
+                failures.append(f"{case} {label}: torch {_dtypes(want)} {want_err!r} "
+                                f"ampc {_dtypes(got)} {got_err!r}")
+    print(f"\n{device} conformance: {counts['cases']} cases, {counts['variants']} variants "
+          f"({counts['errors compared']} raise on both sides), {len(failures)} differ")
+    assert not failures, "\n".join(failures)
+    return counts
+
+
+def test_conformance_cpu_lists():
+    counts = _conformance("cpu")
+    assert counts["cases"] >= 100
+
+
+@pytest.mark.cuda
+def test_conformance_cuda_lists():
+    counts = _conformance("cuda")
+    assert counts["cases"] >= 200
