@@ -97,7 +97,7 @@ AVX512 INLINE void adam_loop16(const struct adam_ptrs *q, ampc_dtype pt, ampc_dt
             g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
         __m512 w = q->master ? _mm512_loadu_ps(q->master + i) : load16(q->param, pt, i);
         if (c->flags & AMPC_ADAM_L2)
-            g = _mm512_add_ps(g, _mm512_mul_ps(w, wd));
+            g = _mm512_fmadd_ps(w, wd, g);
         if (c->flags & AMPC_ADAM_DECAY)
             w = _mm512_mul_ps(w, decay);
         __m512 m = _mm512_loadu_ps(q->m + i);
@@ -152,7 +152,7 @@ AVX2 INLINE void adam_loop8(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype
             g = _mm256_xor_ps(g, sign);
         __m256 w = q->master ? _mm256_loadu_ps(q->master + i) : load8(q->param, pt, i);
         if (c->flags & AMPC_ADAM_L2)
-            g = _mm256_add_ps(g, _mm256_mul_ps(w, wd));
+            g = _mm256_fmadd_ps(w, wd, g);
         if (c->flags & AMPC_ADAM_DECAY)
             w = _mm256_mul_ps(w, decay);
         __m256 m = _mm256_loadu_ps(q->m + i);

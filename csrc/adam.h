@@ -9,7 +9,7 @@
  * torch.optim.AdamW(fused=True) puts it:
  *
  *     g = grad * inv_scale * clip_coef        (then g = -g when maximizing)
- *     Adam:  g = g + p * wd                   AdamW: p = p * (1 - lr * wd)
+ *     Adam:  g = fma(p, wd, g)                AdamW: p = p * (1 - lr * wd)
  *     m = fma(1 - beta1, g - m, m)            torch's lerp; for beta1 <= 0.5 it is
  *                                             fma((1 - beta1) - 1, g - m, g)
  *     v = fma((1 - beta2) * g, g, v * beta2)  torch's build contracts this one
@@ -40,7 +40,7 @@ enum {
 struct ampc_adam_coef {
     float inv_scale;
     float clip_coef;
-    float wd;                   /* Adam: g += p * wd */
+    float wd;                   /* Adam: g = fma(p, wd, g) */
     float decay;                /* AdamW: p *= decay = 1 - lr * wd */
     float w1;                   /* 1 - beta1, the weight of m's lerp toward g */
     float beta2;
@@ -91,7 +91,7 @@ AMPC_HD void ampc_adam_element(float g, float *p, float *m, float *v, float *vma
     if (c->flags & AMPC_ADAM_MAXIMIZE)
         g = -g;
     if (c->flags & AMPC_ADAM_L2)
-        g = g + w * c->wd;
+        g = fmaf(w, c->wd, g);
     if (c->flags & AMPC_ADAM_DECAY)
         w = w * c->decay;
     float mm = *m;
