@@ -31,12 +31,25 @@ def scale_samples():
                2.0, 0.5, 1, 2, 1.0, 2.0 ** 24)
 
 
+def adam_samples():
+    for pt, master, ams in [(f32, False, False), (bf16, True, True), (f16, True, False)]:
+        sizes = [17, 40]
+        yield ([torch.randn(n).to(pt) for n in sizes], [torch.randn(n).to(pt) for n in sizes],
+               [torch.randn(n) for n in sizes] if master else [],
+               [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes],
+               [torch.zeros(n) for n in sizes] if ams else [],
+               [torch.zeros(1) for _ in sizes], [torch.full((1,), 1e-3)], [torch.ones(1)],
+               [torch.full((1,), 0.5)], [torch.zeros(1)], 0.0, 0.9, 0.999, 1e-8, 0.01, True,
+               False, master, 3)
+
+
 @pytest.mark.smoke
 @pytest.mark.parametrize("op, samples", [
     ("cast", cast_samples),
     ("unscale_check", unscale_samples),
     ("check_norm", unscale_samples),
     ("update_scale", scale_samples),
+    ("adam_master", adam_samples),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_opcheck(op, samples):
     for args in samples():
