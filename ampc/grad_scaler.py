@@ -284,11 +284,11 @@ class GradScaler:
     def _unstepped_state(self, optimizer, funcname):
         self._check_scale_growth_tracker(funcname)
         state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError(f"{funcname}() is being called after step().")
         if state["folded"]:
             raise RuntimeError(f"{funcname}() cannot follow clip_grad_norm_() on this optimizer "
                                f"since the last update(): its step unscales and clips.")
-        if state["stage"] is OptState.STEPPED:
-            raise RuntimeError(f"{funcname}() is being called after step().")
         return state
 
     def _check_inf_per_device(self, optimizer):
