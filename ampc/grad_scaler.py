@@ -28,9 +28,10 @@ __all__ = ["GradScaler", "OptState"]
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Created on the first scale(), dropped when pickling:
 # _skipped counts update()s whose steps found an inf/nan; _skips_at_min counts overflowing
-# steps in a row at min_scale, _host_skips is its copy on the host, _host_event says it landed.
+# steps in a row at min_scale, _host_skips is its copy on the host (_host_view: a numpy view of
+# it), _host_event says the copy landed.
 _DEVICE_STATE = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_skipped",
-                 "_last_found_inf", "_skips_at_min", "_host_skips", "_host_event")
+                 "_last_found_inf", "_skips_at_min", "_host_skips", "_host_view", "_host_event")
 
 
 class OptState(Enum):
@@ -198,10 +199,11 @@ class GradScaler:
         if self._hysteresis > 1:
             self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker,
                                                   dtype=torch.int32, device=dev)
-        self._skips_at_min = self._host_skips = self._host_event = None
+        self._skips_at_min = self._host_skips = self._host_view = self._host_event = None
         if self._min_scale is not None and self._patience is not None:
             self._skips_at_min = torch.zeros((), dtype=torch.int32, device=dev)
             self._host_skips = torch.zeros((), dtype=torch.int32, pin_memory=dev.type == "cuda")
+            self._host_view = self._host_skips.numpy()     # read as plain host memory
 
     def scale(self, outputs):
         """Multiplies a tensor, or each tensor of nested lists/tuples/iterables, by the scale.
@@ -470,13 +472,13 @@ class GradScaler:
         if self._host_event is not None:
             if not self._host_event.query():
                 return
-            self._check_stuck(int(self._host_skips.numpy()))
+            self._check_stuck(int(self._host_view))
         self._host_skips.copy_(self._skips_at_min, non_blocking=True)
         if self._skips_at_min.is_cuda:
             self._host_event = torch.cuda.Event()
             self._host_event.record()
         else:
-            self._check_stuck(int(self._host_skips.numpy()))
+            self._check_stuck(int(self._host_view))
 
     def _check_stuck(self, count):
         if count >= self._patience:
