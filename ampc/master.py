@@ -108,22 +108,21 @@ def prepare(model, optimizer, dtype=torch.bfloat16, *, keep_fp32=NORM_LAYERS,
     groups = {id(p): g for g in opt.param_groups for p in g["params"]}
 
     # one fused cast per device for all weights and buffers
+    originals = [p.data for p in params] + [b for _, _, b in buffers]
     by_device = defaultdict(list)
-    for t in [p.data for p in params] + [b for _, _, b in buffers]:
-        by_device[t.device].append(t)
-    low = {}
-    for tensors in by_device.values():
-        src = [t.contiguous() for t in tensors]
-        for t, out in zip(tensors, ops.cast(src, dtype)):
-            low[id(t)] = out
-    for p in params:
-        master = p.data
-        p.data = low[id(master)]
+    for i, t in enumerate(originals):
+        by_device[t.device].append(i)
+    low = [None] * len(originals)
+    for idx in by_device.values():
+        for i, out in zip(idx, ops.cast([originals[i].contiguous() for i in idx], dtype)):
+            low[i] = out
+    for i, p in enumerate(params):
+        p.data = low[i]
         p.grad = None
         if id(p) in groups:
-            opt._init_state(groups[id(p)], p, master=master)
-    for module, name, b in buffers:
-        module._buffers[name] = low[id(b)]
+            opt._init_state(groups[id(p)], p, master=originals[i])
+    for (module, name, _), out in zip(buffers, low[len(params):]):
+        module._buffers[name] = out
 
     for m in kept:
         m.register_forward_pre_hook(_cast_inputs(torch.float32), with_kwargs=True)

@@ -205,33 +205,37 @@ class Adam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         """As torch's, but master weights, moments and steps stay fp32 on the param's
-        device instead of being cast to the param's dtype, and a checkpoint whose master
-        weights do not fit this optimizer's params raises."""
+        device instead of being cast to the param's dtype, and a checkpoint that does not
+        fit this optimizer's params raises before anything is loaded."""
         name = f"ampc.optim.{type(self).__name__}.load_state_dict"
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         saved_state = state_dict["state"]
-        super().load_state_dict(state_dict)
         params = list(chain.from_iterable(g["params"] for g in self.param_groups))
-        groups = {id(p): g for g in self.param_groups for p in g["params"]}
+        no_master = {id(p) for g in self.param_groups if g["master_weights"] is False
+                     for p in g["params"]}
         for i, (sid, p) in enumerate(zip(saved_ids, params)):
+            saved = saved_state.get(sid, {})
+            for key in _MOMENTS:
+                value = saved.get(key)
+                if value is not None and (not isinstance(value, torch.Tensor)
+                                          or value.shape != p.shape):
+                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                    raise ValueError(f"{name}: '{key}' of param {i} has shape {got}, but the "
+                                     f"param has shape {tuple(p.shape)}: the checkpoint is "
+                                     "of another model or optimizer")
+            if "master" in saved and id(p) in no_master:
+                raise ValueError(f"{name}: param {i} has a master weight in the checkpoint, "
+                                 "but this optimizer was made with master_weights=False")
+        super().load_state_dict(state_dict)
+        for sid, p in zip(saved_ids, params):
             saved = saved_state.get(sid)
             if saved is None:
                 continue
             state = self.state[p]
             for key in _MOMENTS:
-                if key not in saved:
-                    continue
-                value = saved[key]
-                if not isinstance(value, torch.Tensor) or value.shape != p.shape:
-                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
-                    raise ValueError(f"{name}: '{key}' of param {i} has shape {got}, but the "
-                                     f"param has shape {tuple(p.shape)}: the checkpoint is "
-                                     "of another model or optimizer")
-                state[key] = value.to(device=p.device, dtype=torch.float32,
-                                      memory_format=torch.contiguous_format)
-            if "master" in saved and groups[id(p)]["master_weights"] is False:
-                raise ValueError(f"{name}: param {i} has a master weight in the checkpoint, "
-                                 "but this optimizer was made with master_weights=False")
+                if key in saved:
+                    state[key] = saved[key].to(device=p.device, dtype=torch.float32,
+                                               memory_format=torch.contiguous_format)
             if "step" in saved:
                 step = saved["step"]
                 step = step if isinstance(step, torch.Tensor) else torch.tensor(float(step))
