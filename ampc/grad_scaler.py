@@ -130,7 +130,7 @@ class GradScaler:
                 raise TypeError("ampc.GradScaler: in the legacy form without a device, pass "
                                 "the arguments after init_scale by keyword")
             device, init_scale = "cuda", device
-        self._device = device.type if isinstance(device, torch.device) else device
+        self._device = torch.device(device).type
         if isinstance(enabled, str):
             if enabled != "auto":
                 raise ValueError(f"ampc.GradScaler: enabled must be a bool or 'auto', "

@@ -471,3 +471,5 @@ def test_legacy_form_without_device():
     assert (s._device, s._init_scale, s.get_growth_factor()) == ("cuda", 8.0, 4.0)
     with pytest.raises(TypeError, match="by keyword"):
         ampc.GradScaler(1024.0, 3.0)
+    assert ampc.GradScaler(torch.device("cuda:0"), enabled=False)._device == "cuda"
+    assert ampc.GradScaler("cpu", enabled=False).get_growth_interval() == 2000
