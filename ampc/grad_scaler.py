@@ -57,9 +57,9 @@ def _unscale_check(grads, found_inf, inv_scale, check_only):
     ours = [g for g in grads if g.dtype in _KERNEL_DTYPES]
     rest = [g for g in grads if g.dtype not in _KERNEL_DTYPES]
     if rest:
-        # multiplying by 1.0 leaves the values as they are: a check that writes
-        factor = torch.ones_like(inv_scale) if check_only else inv_scale
-        torch._amp_foreach_non_finite_check_and_unscale_(rest, found_inf, factor)
+        # check_only comes with inv_scale 1 (a check before a fused step) or without
+        # float64 grads (a folded clip): multiplying by 1 leaves the values as they are
+        torch._amp_foreach_non_finite_check_and_unscale_(rest, found_inf, inv_scale)
     dense = [g if g.is_contiguous() else g.contiguous() for g in ours]
     norm = ops.unscale_check(dense, found_inf, inv_scale, check_only=check_only)
     if not check_only:
@@ -271,7 +271,8 @@ class GradScaler:
 
         Optional: call it between backward and step to work on true gradients (clip them
         with :meth:`clip_grad_norm_` instead to save a pass). At most once per optimizer
-        per update(). Refuses fp16 gradients, like torch.
+        per update(). Refuses fp16 gradients, like torch; bf16 ones are unscaled in place
+        (exactly, for a power-of-two scale: bf16 has fp32's exponent range).
         """
         if not self._enabled:
             return
