@@ -100,10 +100,9 @@ def main() -> int:
     args = H.common_args(__doc__).parse_args()
     dev = args.device
     err = validate(dev)
+    print(f"FAIL {err}" if err else "ampc matches torch", file=sys.stderr)
     if err:
-        print(f"FAIL {err}", file=sys.stderr)
         return 1
-    print("ampc matches torch", file=sys.stderr)
     roof = H.Roofline(args)
     hdr = H.header(args, roof)
     hdr["op"] = "GradScaler step fp32"
