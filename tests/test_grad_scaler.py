@@ -110,6 +110,28 @@ def test_trajectory_matches_torch(opt):
     assert skipped == ([] if fused else [2, 3, 4, 9]), f"{opt}: skipped steps {skipped}"
 
 
+def test_bf16_model_matches_torch():
+    """bf16 weights and grads through unscale_ (torch's CPU kernel takes bf16 too)."""
+    out = {}
+    for name, cls in SCALERS.items():
+        model = make_model(dtype=torch.bfloat16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        scaler = cls("cpu", init_scale=2.0 ** 12 + 1, growth_interval=3)
+        trace = []
+        for step in range(8):
+            opt.zero_grad()
+            x, y = batch(step, torch.bfloat16)
+            scaler.scale(torch.nn.functional.mse_loss(model(x).float(), y.float())).backward()
+            for value, param, index in PLANTS.get(step, ()):
+                plant(model, value, param, index)
+            ran = scaler.step(opt, lambda: True)
+            scaler.update()
+            trace.append((scaler.get_scale(), scaler._get_growth_tracker(), ran,
+                          [p.detach().clone() for p in model.parameters()]))
+        out[name] = trace
+    assert_same_trace(out["ampc"], out["torch"], "bf16 model")
+
+
 @pytest.mark.parametrize("opt", ["sgd", "adamw-fused"])
 def test_unscale_then_clip_matches_torch(opt):
     runs = side_by_side(OPTIMIZERS[opt], plants=PLANTS, unscale=True, clip=0.05)

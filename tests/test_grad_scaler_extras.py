@@ -125,6 +125,30 @@ def test_host_syncs_per_step(monkeypatch, make_opt, syncs_per_step, clip):
     assert scaler.get_scale() == 4096.0 and int(scaler.skipped_steps()) == 1
 
 
+def test_kernels_do_the_work(monkeypatch):
+    calls = []
+    for name in ("unscale_check", "update_scale"):
+        original = getattr(ampc.ops, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls.append((_name, kwargs.get("check_only", False)))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(ampc.ops, name, counted)
+    for make_opt, clip in ((_sgd, False), (lambda m: FoldingSGD(m.parameters(), 0.1), False),
+                           (lambda m: FoldingSGD(m.parameters(), 0.1), True)):
+        calls.clear()
+        model = make_model()
+        opt = make_opt(model)
+        scaler = ampc.GradScaler("cpu")
+        backward(scaler, model, 0, {})
+        scaler.clip_grad_norm_(opt, 1.0) if clip else None
+        scaler.step(opt)
+        scaler.update()
+        fused = isinstance(opt, FoldingSGD)
+        assert calls == [("unscale_check", fused), ("update_scale", False)], calls
+
+
 # ---- clipping ----
 
 def _clip_runs(max_norm, steps=8, plants=PLANTS, dtype=torch.float32):
