@@ -348,7 +348,8 @@ SCALE_RULES = [dict(hysteresis=2), dict(hysteresis=3, min_scale=256.0, max_scale
                dict(min_scale=1000.0), dict(max_scale=5000.0)]
 
 
-@pytest.mark.parametrize("rule", SCALE_RULES, ids=lambda r: "-".join(f"{k}{v:g}" for k, v in r.items()))
+@pytest.mark.parametrize("rule", SCALE_RULES,
+                         ids=lambda r: "-".join(f"{k}{v:g}" for k, v in r.items()))
 def test_scale_rules_follow_the_reference(rule):
     plants = {s: [(INF, 0, 0)] for s in (2, 3, 5, 6, 7, 8, 14, 15, 16, 17, 18)}
     model = make_model()
