@@ -23,6 +23,7 @@ struct adam_ptrs {
     float *v;
     float *vmax;            /* NULL without amsgrad */
     float *out;             /* stochastic rounding: new weights go here, not to param */
+    int stream;             /* 16-bit params through streaming stores (Note [streaming stores]) */
 };
 
 static float *f32_at(const struct ampc_list *l, int64_t t, int64_t i)
@@ -40,6 +41,7 @@ static struct adam_ptrs ptrs_at(const struct ampc_adam_lists *l, int64_t t, int6
     q.v = f32_at(&l->exp_avg_sqs, t, i);
     q.vmax = f32_at(&l->max_exp_avg_sqs, t, i);
     q.out = NULL;
+    q.stream = 0;
     return q;
 }
 
@@ -90,6 +92,9 @@ AVX512 INLINE void adam_loop16(const struct adam_ptrs *q, ampc_dtype pt, ampc_dt
     const __m512 eps = _mm512_set1_ps(c->eps);
     const __m512 neg_step_size = _mm512_set1_ps(c->neg_step_size);
     const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    /* with masters a 16-bit param is only written: streaming skips reading it first */
+    const int stream = q->stream && q->master && pt != AMPC_F32 &&
+                       ((uintptr_t)q->param & 31) == 0;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         __m512 g = _mm512_mul_ps(_mm512_mul_ps(load16(q->grad, gt, i), inv_scale), clip);
@@ -117,8 +122,10 @@ AVX512 INLINE void adam_loop16(const struct adam_ptrs *q, ampc_dtype pt, ampc_dt
         if (q->out)
             _mm512_storeu_ps(q->out + i, w);
         else
-            store16(q->param, pt, i, w);
+            store16_to(q->param, pt, i, w, stream);
     }
+    if (stream)
+        _mm_sfence();
     adam_scalar(q, pt, gt, i, n, c);
 }
 
@@ -145,6 +152,8 @@ AVX2 INLINE void adam_loop8(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype
     const __m256 eps = _mm256_set1_ps(c->eps);
     const __m256 neg_step_size = _mm256_set1_ps(c->neg_step_size);
     const __m256 sign = _mm256_set1_ps(-0.0f);
+    const int stream = q->stream && q->master && pt != AMPC_F32 &&
+                       ((uintptr_t)q->param & 15) == 0;
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 g = _mm256_mul_ps(_mm256_mul_ps(load8(q->grad, gt, i), inv_scale), clip);
@@ -172,8 +181,10 @@ AVX2 INLINE void adam_loop8(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype
         if (q->out)
             _mm256_storeu_ps(q->out + i, w);
         else
-            store8(q->param, pt, i, w);
+            store8_to(q->param, pt, i, w, stream);
     }
+    if (stream)
+        _mm_sfence();
     adam_scalar(q, pt, gt, i, n, c);
 }
 
@@ -222,6 +233,7 @@ struct adam_job {
     const struct ampc_adam_lists *lists;
     const struct ampc_adam_coef *coef;      /* one per tensor */
     const struct ampc_adam_args *args;
+    int stream;
 };
 
 static void adam_span(void *ctx, const struct ampc_span *s)
@@ -234,6 +246,7 @@ static void adam_span(void *ctx, const struct ampc_span *s)
     int64_t n = s->end - s->begin;
     if (!job->args->stochastic || pt == AMPC_F32) {
         struct adam_ptrs q = ptrs_at(l, s->tensor, s->begin);
+        q.stream = job->stream;
         adam_block(&q, pt, gt, n, c);
         return;
     }
@@ -245,6 +258,18 @@ static void adam_span(void *ctx, const struct ampc_span *s)
         adam_block(&q, pt, gt, k, c);
         ampc_store_stochastic(q.param, pt, buf, k, job->args->seed, s->index + i);
     }
+}
+
+/* Bytes read plus written by the step (Note [streaming stores] in cpu.h). */
+static int64_t bytes_moved(const struct ampc_adam_lists *l)
+{
+    int64_t param = ampc_dtype_size(l->params.dtype) * (l->masters.count ? 1 : 2);
+    int64_t per_elem = ampc_dtype_size(l->grads.dtype) + param + 16 +
+                       (l->masters.count ? 8 : 0) + (l->max_exp_avg_sqs.count ? 8 : 0);
+    int64_t numel = 0;
+    for (int64_t t = 0; t < l->params.count; t++)
+        numel += l->params.numel[t];
+    return numel * per_elem;
 }
 
 ampc_status ampc_adam_cpu(const struct ampc_adam_lists *lists,
@@ -265,7 +290,7 @@ ampc_status ampc_adam_cpu(const struct ampc_adam_lists *lists,
         float step = *(const float *)lists->steps.ptr[t] + 1.0f;   /* fp32, as stored */
         coef[t] = ampc_adam_coef(args, lr, (double)step, inv_scale, clip, amsgrad);
     }
-    struct adam_job job = { lists, coef, args };
+    struct adam_job job = { lists, coef, args, bytes_moved(lists) > ampc_cache_bytes() };
     ampc_status st = ampc_for_each_chunk(&lists->params, adam_span, &job);
     if (st == AMPC_OK)
         for (int64_t t = 0; t < count; t++)
