@@ -58,7 +58,10 @@ _ptls = _policy._tls
 # ---- casts that autograd sees ----
 
 _CAST_OP = torch.ops.ampc.cast.default
-_BELOW_AUTOGRAD = torch._C._after_ADInplaceOrView_keyset
+# the kernels' own dispatch keys: calls go straight to them, below the ADInplaceOrView guard
+# of ampc.ops (the outputs are fresh, and _Cast does autograd's part)
+_KERNEL_KEYS = {"cpu": torch._C.DispatchKeySet(torch._C.DispatchKey.CPU),
+                "cuda": torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)}
 
 
 def _dense(t):
@@ -72,9 +75,16 @@ def _dense(t):
     return t.contiguous(), None
 
 
-def _kernel_ok(t, dtype):
-    return (t.dtype in _KERNEL_DTYPES and dtype in _KERNEL_DTYPES and type(t) in (_Tensor, torch.nn.Parameter)
-            and (t.is_cpu or (t.is_cuda and _lib.HAS_CUDA_KERNELS)))
+def _kernel_device(t, dtype):
+    """'cpu' or 'cuda' when ampc's kernel can cast plain tensor ``t`` to ``dtype``, else None."""
+    if t.dtype not in _KERNEL_DTYPES or dtype not in _KERNEL_DTYPES or type(t) not in _PLAIN:
+        return None
+    if t.is_cpu:
+        return "cpu"
+    return "cuda" if t.is_cuda and _lib.HAS_CUDA_KERNELS else None
+
+
+_PLAIN = (_Tensor, torch.nn.Parameter)
 
 
 def _raw_cast(tensors, dtype):
@@ -83,17 +93,19 @@ def _raw_cast(tensors, dtype):
     out = [None] * len(tensors)
     groups = {}
     for i, t in enumerate(tensors):
-        if _kernel_ok(t, dtype):
-            groups.setdefault((t.dtype, t.device), []).append(i)
-        else:
+        dev = _kernel_device(t, dtype)
+        if dev is None:
             out[i] = t.to(dtype)
-    for idx in groups.values():
-        srcs, undo = zip(*(_dense(tensors[i]) for i in idx))
-        dsts = [torch.empty(s.shape, dtype=dtype, device=s.device) for s in srcs]
-        # straight to the kernel, below the ADInplaceOrView guard: dsts are fresh and
-        # autograd is handled by _Cast
-        _CAST_OP.redispatch(torch._C._dispatch_keys(srcs[0]) & _BELOW_AUTOGRAD,
-                            list(srcs), dsts, False, 0)
+        else:
+            groups.setdefault((t.dtype, t.device), (dev, []))[1].append(i)
+    for dev, idx in groups.values():
+        srcs, dsts, undo = [], [], []
+        for i in idx:
+            src, u = _dense(tensors[i])
+            srcs.append(src)
+            dsts.append(torch.empty_like(src, dtype=dtype))
+            undo.append(u)
+        _CAST_OP.redispatch(_KERNEL_KEYS[dev], srcs, dsts, False, 0)
         for i, d, u in zip(idx, dsts, undo):
             out[i] = d if u is None else d.permute(u)
     return out
@@ -169,7 +181,7 @@ def _cast_many(todo, dtype, st):
             casts = cast_tensors(weights, dtype)
         casts = casts + (cast_tensors(fresh, dtype) if fresh else [])
     else:
-        casts = cast_tensors(weights + fresh, dtype)
+        casts = cast_tensors(weights + fresh, dtype) if weights or fresh else []
     for w, c in zip(weights, casts):
         st.cache[(id(w), dtype)] = (w, w._version, c)
         if id(w) in todo:
@@ -464,7 +476,11 @@ def _check_device_type(fn, device_type):
     if not isinstance(device_type, str):
         raise ValueError(f"ampc.{fn}: Expected `device_type` of type `str`, got: `{type(device_type)}`")
     if device_type not in _ON_DEVICE:
-        if torch.amp.is_autocast_available(device_type):
+        try:
+            known = torch.amp.is_autocast_available(device_type)
+        except RuntimeError:      # not a device string at all
+            known = False
+        if known:
             raise RuntimeError(f"ampc.{fn}: device_type '{device_type}' is not supported by ampc "
                                "(it supports 'cpu' and 'cuda')")
         raise RuntimeError(f"ampc.{fn}: User specified an unsupported autocast device_type "
