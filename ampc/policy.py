@@ -218,7 +218,10 @@ def set_policy(op, policy, device_type=None):
     ``policy=None`` removes the change and restores the default. Applies to autocast
     regions entered from then on, in every thread."""
     _check_device("set_policy", device_type)
-    name = op_name(op)
+    _set(op_name(op), policy, device_type)
+
+
+def _set(name, policy, device_type):
     with _lock:
         table = _overrides[device_type or "*"]
         if policy is None:
@@ -253,13 +256,14 @@ def register(fn=None, *, policy, device_type=None, name=None):
     if fn is None:
         return functools.partial(register, policy=policy, device_type=device_type, name=name)
     policy = _check_policy("register", policy)
+    _check_device("register", device_type)
     if isinstance(fn, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
         label = name or op_name(fn)
         packet = fn._overloadpacket if isinstance(fn, torch._ops.OpOverload) else fn
         FUNCS[packet] = label
         for overload in packet.overloads():
             FUNCS[getattr(packet, overload)] = label
-        set_policy(label, policy, device_type)
+        _set(label, policy, device_type)
         return fn
     if not callable(fn):
         raise TypeError(f"ampc.policy.register: fn must be callable, got {type(fn).__name__}")
@@ -273,7 +277,7 @@ def register(fn=None, *, policy, device_type=None, name=None):
 
     label = name or f"{fn.__module__}.{fn.__qualname__}"
     FUNCS[wrapper] = label
-    set_policy(label, policy, device_type)
+    _set(label, policy, device_type)
     return wrapper
 
 
