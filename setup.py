@@ -20,7 +20,9 @@ DEBUG = os.environ.get("DEBUG") == "1"
 # -fno-math-errno lets sqrtf be one instruction
 C_FLAGS = ["-std=c11", "-fexceptions", "-fno-math-errno", "-fopenmp-simd", "-fvisibility=hidden",
            "-Wall", "-Wextra", "-Wno-unused-parameter"] + (["-O0", "-g"] if DEBUG else ["-O3"])
-NVCC_FLAGS = ["-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+# --fmad=false: no a * b + c contracted into an FMA (only the explicit fmaf of adam.h), so
+# the kernels round every operation as the C build does and match the CPU bit for bit
+NVCC_FLAGS = ["-std=c++17", "--fmad=false", "-Xcompiler", "-fPIC,-fvisibility=hidden",
               "-gencode", "arch=compute_80,code=sm_80",
               "-gencode", "arch=compute_90,code=sm_90",
               "-gencode", "arch=compute_90,code=compute_90",

@@ -74,6 +74,7 @@ static const struct ampc_cuda_api api = {
     ampc_unscale_check_cuda_impl,
     ampc_check_norm_cuda_impl,
     ampc_update_scale_cuda_impl,
+    ampc_adam_cuda_impl,
     ampc_cuda_last_error,
 };
 

@@ -10,7 +10,7 @@
  *   the CPU computes;
  * - 16-byte vector loads and stores of 8 elements (one uint4 of a 16-bit type, two of fp32);
  * - a deterministic block sum;
- * - the launchers of each op (defined in cast.cu, unscale.cu, scale.cu) and the few torch
+ * - the launchers of each op (defined in cast.cu, unscale.cu, scale.cu, adam.cu) and the few torch
  *   functions they call.
  */
 #ifndef AMPC_CUDA_COMMON_CUH
@@ -46,6 +46,9 @@ ampc_status ampc_check_norm_cuda_impl(const struct ampc_list *grads, float *foun
 ampc_status ampc_update_scale_cuda_impl(float *scale, int32_t *growth_tracker,
                                         int32_t *hysteresis_tracker, const float *found_inf,
                                         const struct ampc_scale_args *args, void *stream);
+ampc_status ampc_adam_cuda_impl(const struct ampc_adam_lists *lists,
+                                const struct ampc_adam_control *control,
+                                const struct ampc_adam_args *args, void *stream);
 }
 
 // ---- element access ----
@@ -70,6 +73,18 @@ __device__ __forceinline__ uint32_t from_f32(float f)
     if (DT == AMPC_F16)
         return ampc_f32_to_f16(f);
     return ampc_f32_to_bf16(f);
+}
+
+/* The raw bits of f rounded to 16-bit dtype DT (or kept as fp32): to nearest even, or with
+ * `stochastic` by the random bits of list element k (Note [stochastic rounding]). */
+template <ampc_dtype DT>
+__device__ __forceinline__ uint32_t round_f32(float f, int stochastic, uint64_t seed,
+                                              uint64_t k)
+{
+    if (DT == AMPC_F32 || !stochastic)
+        return from_f32<DT>(f);
+    uint32_t rnd = ampc_random_bits(seed, k);
+    return DT == AMPC_F16 ? ampc_f32_to_f16_sr(f, rnd) : ampc_f32_to_bf16_sr(f, rnd);
 }
 
 /* p advanced by i elements of dtype DT. */

@@ -12,6 +12,9 @@
  * tensor with a binary search of the first-block column (all threads read the same
  * constant-bank words). Empty tensors are skipped and take no slot, which also keeps the
  * search valid. Sizes and offsets are 64-bit: a tensor may exceed 2^31 elements.
+ *
+ * The table is a template on its number of pointer lists and of tensors, so that an op
+ * with more lists per tensor (Adam: 7) keeps the same walk with fewer tensors a launch.
  */
 #ifndef AMPC_CUDA_MULTI_TENSOR_CUH
 #define AMPC_CUDA_MULTI_TENSOR_CUH
@@ -26,14 +29,20 @@
 #define MT_ILP 4                /* 16-byte vectors in flight per thread */
 #define MT_MAX_TENSORS 96
 
-struct mt_table {
-    void *ptr[2][MT_MAX_TENSORS];       /* [0]: first list (the written one), [1]: second */
-    int64_t numel[MT_MAX_TENSORS];
-    int64_t first[MT_MAX_TENSORS];      /* list index of element 0 (Note [stochastic rounding]) */
-    int32_t block_start[MT_MAX_TENSORS];    /* first block of the launch on this tensor */
+template <int LISTS, int MAX_TENSORS>
+struct mt_table_of {
+    static constexpr int lists = LISTS;
+    static constexpr int max_tensors = MAX_TENSORS;
+    void *ptr[LISTS][MAX_TENSORS];      /* [0]: first list (the written one), then the others */
+    int64_t numel[MAX_TENSORS];
+    int64_t first[MAX_TENSORS];         /* list index of element 0 (Note [stochastic rounding]) */
+    int32_t block_start[MAX_TENSORS];   /* first block of the launch on this tensor */
     int32_t count;
     int64_t block_offset;               /* blocks of the earlier launches for the same list */
 };
+
+/* The table of the one- and two-list kernels (cast, unscale, norm). */
+struct mt_table : mt_table_of<2, MT_MAX_TENSORS> {};
 
 /* Leaves room for the kernels' other arguments within the 4 KB argument limit. */
 static_assert(sizeof(struct mt_table) <= 4096 - 256, "mt_table too large for a kernel argument");
@@ -43,7 +52,9 @@ static_assert(sizeof(struct mt_table) <= 4096 - 256, "mt_table too large for a k
  * offset in tensor t) and *len (1..MT_CHUNK). Element i of the chunk has list index
  * tab->first[t] + *start + i.
  */
-__device__ __forceinline__ int mt_chunk(const struct mt_table *tab, int64_t *start, int *len)
+template <int L, int N>
+__device__ __forceinline__ int mt_chunk(const struct mt_table_of<L, N> *tab, int64_t *start,
+                                        int *len)
 {
     int block = (int)blockIdx.x;
     int lo = 0;
@@ -117,28 +128,29 @@ static inline int64_t mt_list_chunks(const struct ampc_list *a)
     return n;
 }
 
-/* Launches one kernel for `tab` with `nblocks` blocks; returns the launch's status. */
-typedef ampc_status (*mt_launch_fn)(const struct mt_table *tab, int nblocks, void *ctx);
-
 /*
- * Fills tables from list a (and b, same numels, or NULL) and calls launch() for each
- * full one and for the last. Nothing is launched for a list without elements.
+ * Fills tables of type Table from lists[0..Table::lists), whose i-th entries belong to one
+ * tensor (lists[0] sets the numels and the element numbering; a NULL list or one of count 0
+ * gives NULL pointers), and calls launch(table, number of blocks, ctx) for each full table
+ * and for the last. Nothing is launched for a list without elements.
  */
-static inline ampc_status mt_apply(const struct ampc_list *a, const struct ampc_list *b,
-                                   mt_launch_fn launch, void *ctx)
+template <typename Table>
+static inline ampc_status mt_apply_lists(const struct ampc_list *const lists[],
+                                         ampc_status (*launch)(const Table *, int, void *),
+                                         void *ctx)
 {
-    struct mt_table tab;
+    Table tab;
     int64_t first = 0;
     int blocks = 0;
 
     memset(&tab, 0, sizeof(tab));
-    for (int64_t i = 0; i < a->count; i++) {
-        int64_t n = a->numel[i];
+    for (int64_t i = 0; i < lists[0]->count; i++) {
+        int64_t n = lists[0]->numel[i];
         int64_t chunks = mt_chunks(n);
         if (n == 0)
             continue;
         /* A tensor's chunks always fit one grid: INT_MAX chunks would be 2^47 elements. */
-        if (tab.count == MT_MAX_TENSORS || (tab.count > 0 && chunks > INT_MAX - blocks)) {
+        if (tab.count == Table::max_tensors || (tab.count > 0 && chunks > INT_MAX - blocks)) {
             ampc_status st = launch(&tab, blocks, ctx);
             if (st != AMPC_OK)
                 return st;
@@ -147,8 +159,8 @@ static inline ampc_status mt_apply(const struct ampc_list *a, const struct ampc_
             blocks = 0;
         }
         int t = tab.count++;
-        tab.ptr[0][t] = a->ptr[i];
-        tab.ptr[1][t] = b ? b->ptr[i] : NULL;
+        for (int l = 0; l < Table::lists; l++)
+            tab.ptr[l][t] = lists[l] && lists[l]->count > 0 ? lists[l]->ptr[i] : NULL;
         tab.numel[t] = n;
         tab.first[t] = first;
         tab.block_start[t] = blocks;
@@ -158,6 +170,17 @@ static inline ampc_status mt_apply(const struct ampc_list *a, const struct ampc_
     if (tab.count == 0)
         return AMPC_OK;
     return launch(&tab, blocks, ctx);
+}
+
+/* Launches one kernel for `tab` with `nblocks` blocks; returns the launch's status. */
+typedef ampc_status (*mt_launch_fn)(const struct mt_table *tab, int nblocks, void *ctx);
+
+/* mt_apply_lists over list a (and b, same numels, or NULL) with the two-list table. */
+static inline ampc_status mt_apply(const struct ampc_list *a, const struct ampc_list *b,
+                                   mt_launch_fn launch, void *ctx)
+{
+    const struct ampc_list *lists[2] = {a, b};
+    return mt_apply_lists<struct mt_table>(lists, launch, ctx);
 }
 
 #endif /* AMPC_CUDA_MULTI_TENSOR_CUH */

@@ -1,0 +1,279 @@
+/*
+ * adam.cu: the fused Adam/AdamW step over lists of tensors, the CUDA twin of ampc_adam_cpu
+ * (m = exp_avg, v = exp_avg_sq, vmax = max_exp_avg_sq, w = the fp32 weight: the master, or
+ * the param itself without masters). Per element it runs adam.h's ampc_adam_element, and
+ * the build keeps every operation rounded on its own (--fmad=false, IEEE sqrt and division),
+ * so the bits equal the CPU's; the new weight is written to the param rounded to its dtype
+ * (to nearest even, or stochastically with the random bits of its list index). With masters
+ * the param is only written, never read: 2 + 8 + 16 + 2 = 28 bytes a bf16 parameter.
+ *
+ * Launch shape: multi_tensor.cuh's walk (one 512-thread block per 65536-element chunk, all
+ * chunks of up to ADAM_MAX_TENSORS tensors in one launch) with a 7-list table. Thread 0 of a
+ * block reads found_inf, lr, inv_scale, clip_coef and the tensor's step on the device and
+ * computes the tensor's constants once (in double, as adam.h does) for the whole block.
+ * Each thread then moves 8 elements at a time with 16-byte accesses, 7 independent loads in
+ * flight, when every chunk start is aligned; one element a thread otherwise.
+ *
+ * Steps: every block of a tensor reads its step, so no block may advance it. After all the
+ * update launches, a one-block launch on the same stream adds 1 to every step count (empty
+ * tensors included, as the CPU). found_inf != 0 makes every launch a no-op: nothing moves.
+ */
+#include "adam.h"
+#include "common.cuh"
+#include "multi_tensor.cuh"
+
+/* The lists of the table, one pointer each per tensor; params first, for the numbering of
+ * Note [stochastic rounding]. */
+enum {
+    ADAM_PARAM,
+    ADAM_GRAD,
+    ADAM_MASTER,
+    ADAM_EXP_AVG,
+    ADAM_EXP_AVG_SQ,
+    ADAM_MAX_EXP_AVG_SQ,
+    ADAM_STEP,
+    ADAM_LISTS,
+};
+
+#define ADAM_MAX_TENSORS 48
+#define ADAM_MAX_STEPS 480
+
+struct adam_table : mt_table_of<ADAM_LISTS, ADAM_MAX_TENSORS> {};
+
+static_assert(sizeof(struct adam_table) + sizeof(struct ampc_adam_control) +
+              sizeof(struct ampc_adam_args) <= 4096, "adam kernel arguments over 4 KB");
+
+/* The step counts one launch advances. */
+struct adam_steps {
+    float *ptr[ADAM_MAX_STEPS];
+    int32_t count;
+};
+
+static_assert(sizeof(struct adam_steps) + sizeof(float *) <= 4096,
+              "adam step arguments over 4 KB");
+
+/* A chunk's pointers, at its first element. */
+struct adam_chunk {
+    char *param;
+    const char *grad;
+    float *master;          /* NULL: the param is the weight */
+    float *m;
+    float *v;
+    float *vmax;            /* NULL without amsgrad */
+};
+
+__device__ __forceinline__ bool skipped(const float *found_inf)
+{
+    return found_inf && *found_inf != 0.0f;
+}
+
+// ---- W elements: one (the fallback) or 8 (one 16-byte vector of 16-bit values) ----
+
+template <ampc_dtype DT, int W>
+__device__ __forceinline__ void load_w(uint32_t x[W], const void *p, int u)
+{
+    if constexpr (W == 8)
+        load8<DT>(x, p, u);
+    else
+        x[0] = load1<DT>(p, u);
+}
+
+template <ampc_dtype DT, int W>
+__device__ __forceinline__ void store_w(void *p, int u, const uint32_t x[W])
+{
+    if constexpr (W == 8)
+        store8<DT>(p, u, x);
+    else
+        store1<DT>(p, u, x[0]);
+}
+
+/*
+ * Elements [W u, W u + W) of the chunk; k is the list index of the chunk's element 0. All
+ * loads come first so that they are in flight together.
+ */
+template <ampc_dtype PD, ampc_dtype GD, int W>
+__device__ __forceinline__ void adam_elements(const struct adam_chunk *q, int u, uint64_t k,
+                                              const struct ampc_adam_coef *c,
+                                              const struct ampc_adam_args *args)
+{
+    uint32_t g[W], w[W], m[W], v[W], vmax[W], p[W];
+
+    load_w<GD, W>(g, q->grad, u);
+    if (q->master)
+        load_w<AMPC_F32, W>(w, q->master, u);
+    else
+        load_w<PD, W>(w, q->param, u);
+    load_w<AMPC_F32, W>(m, q->m, u);
+    load_w<AMPC_F32, W>(v, q->v, u);
+    if (q->vmax)
+        load_w<AMPC_F32, W>(vmax, q->vmax, u);
+#pragma unroll
+    for (int e = 0; e < W; e++) {
+        float wf = q->master ? ampc_bits_f32(w[e]) : to_f32<PD>(w[e]);
+        float mf = ampc_bits_f32(m[e]);
+        float vf = ampc_bits_f32(v[e]);
+        float vmaxf = q->vmax ? ampc_bits_f32(vmax[e]) : 0.0f;
+        ampc_adam_element(to_f32<GD>(g[e]), &wf, &mf, &vf, &vmaxf, c);
+        w[e] = ampc_f32_bits(wf);
+        m[e] = ampc_f32_bits(mf);
+        v[e] = ampc_f32_bits(vf);
+        vmax[e] = ampc_f32_bits(vmaxf);
+        p[e] = round_f32<PD>(wf, args->stochastic, args->seed, k + (uint64_t)(W * u + e));
+    }
+    store_w<AMPC_F32, W>(q->m, u, m);
+    store_w<AMPC_F32, W>(q->v, u, v);
+    if (q->vmax)
+        store_w<AMPC_F32, W>(q->vmax, u, vmax);
+    if (q->master)
+        store_w<AMPC_F32, W>(q->master, u, w);
+    store_w<PD, W>(q->param, u, p);
+}
+
+// ---- kernels ----
+
+/* Tensor t's constants, from its step and the control values (adam.c does the same). */
+__device__ struct ampc_adam_coef tensor_coef(const struct adam_table *tab, int t,
+                                             const struct ampc_adam_control *control,
+                                             const struct ampc_adam_args *args)
+{
+    float step = *(const float *)tab->ptr[ADAM_STEP][t] + 1.0f;    /* fp32, as stored */
+    double lr = control->lr ? (double)*control->lr : args->lr;
+    float inv_scale = control->inv_scale ? *control->inv_scale : 1.0f;
+    float clip = control->clip_coef ? *control->clip_coef : 1.0f;
+    int amsgrad = tab->ptr[ADAM_MAX_EXP_AVG_SQ][t] != NULL;
+    return ampc_adam_coef(args, lr, (double)step, inv_scale, clip, amsgrad);
+}
+
+static __device__ struct adam_chunk chunk_at(const struct adam_table *tab, int t,
+                                             int64_t start, ampc_dtype pd, ampc_dtype gd)
+{
+    struct adam_chunk q;
+    float *master = (float *)tab->ptr[ADAM_MASTER][t];
+    float *vmax = (float *)tab->ptr[ADAM_MAX_EXP_AVG_SQ][t];
+
+    q.param = (char *)tab->ptr[ADAM_PARAM][t] + start * ELEM_SIZE(pd);
+    q.grad = (const char *)tab->ptr[ADAM_GRAD][t] + start * ELEM_SIZE(gd);
+    q.master = master ? master + start : NULL;
+    q.m = (float *)tab->ptr[ADAM_EXP_AVG][t] + start;
+    q.v = (float *)tab->ptr[ADAM_EXP_AVG_SQ][t] + start;
+    q.vmax = vmax ? vmax + start : NULL;
+    return q;
+}
+
+static __device__ bool chunk_vec_ok(const struct adam_chunk *q)
+{
+    return vec_ok(q->param) && vec_ok(q->grad) && (!q->master || vec_ok(q->master)) &&
+           vec_ok(q->m) && vec_ok(q->v) && (!q->vmax || vec_ok(q->vmax));
+}
+
+template <ampc_dtype PD, ampc_dtype GD>
+__global__ void __launch_bounds__(MT_THREADS)
+adam_kernel(const __grid_constant__ struct adam_table tab,
+            const __grid_constant__ struct ampc_adam_control control,
+            const __grid_constant__ struct ampc_adam_args args)
+{
+    __shared__ struct ampc_adam_coef block_coef;
+    __shared__ bool skip;
+    int64_t start;
+    int len;
+    int t = mt_chunk(&tab, &start, &len);
+    int tail = 0;
+
+    if (threadIdx.x == 0) {
+        skip = skipped(control.found_inf);
+        if (!skip)
+            block_coef = tensor_coef(&tab, t, &control, &args);
+    }
+    __syncthreads();
+    if (skip)
+        return;
+    struct ampc_adam_coef c = block_coef;
+    struct adam_chunk q = chunk_at(&tab, t, start, PD, GD);
+    uint64_t k = (uint64_t)(tab.first[t] + start);
+
+    if (chunk_vec_ok(&q)) {
+        int nvec = len / 8;
+        for (int u = threadIdx.x; u < nvec; u += MT_THREADS)
+            adam_elements<PD, GD, 8>(&q, u, k, &c, &args);
+        tail = nvec * 8;
+    }
+    for (int i = tail + threadIdx.x; i < len; i += MT_THREADS)
+        adam_elements<PD, GD, 1>(&q, i, k, &c, &args);
+}
+
+/* One thread a step count; runs after every update launch of the call. */
+__global__ void adam_steps_kernel(const __grid_constant__ struct adam_steps steps,
+                                  const float *found_inf)
+{
+    if ((int)threadIdx.x < steps.count && !skipped(found_inf))
+        *steps.ptr[threadIdx.x] += 1.0f;
+}
+
+// ---- launchers ----
+
+typedef void (*adam_kernel_fn)(const struct adam_table, const struct ampc_adam_control,
+                               const struct ampc_adam_args);
+
+/* [param dtype][grad dtype], in ampc_dtype order */
+static const adam_kernel_fn adam_kernels[3][3] = {
+    {adam_kernel<AMPC_F32, AMPC_F32>, adam_kernel<AMPC_F32, AMPC_F16>,
+     adam_kernel<AMPC_F32, AMPC_BF16>},
+    {adam_kernel<AMPC_F16, AMPC_F32>, adam_kernel<AMPC_F16, AMPC_F16>,
+     adam_kernel<AMPC_F16, AMPC_BF16>},
+    {adam_kernel<AMPC_BF16, AMPC_F32>, adam_kernel<AMPC_BF16, AMPC_F16>,
+     adam_kernel<AMPC_BF16, AMPC_BF16>},
+};
+
+struct adam_ctx {
+    adam_kernel_fn kernel;
+    struct ampc_adam_control control;
+    struct ampc_adam_args args;
+    cudaStream_t stream;
+};
+
+static ampc_status adam_launch(const struct adam_table *tab, int nblocks, void *ctx)
+{
+    const struct adam_ctx *c = (const struct adam_ctx *)ctx;
+    c->kernel<<<nblocks, MT_THREADS, 0, c->stream>>>(*tab, c->control, c->args);
+    return ampc_cuda_status(cudaGetLastError());
+}
+
+/* Adds 1 to every step count of the list, ADAM_MAX_STEPS a launch. */
+static ampc_status advance_steps(const struct ampc_list *list, const float *found_inf,
+                                 cudaStream_t stream)
+{
+    struct adam_steps steps;
+
+    for (int64_t i = 0; i < list->count; i += ADAM_MAX_STEPS) {
+        int64_t left = list->count - i;
+        steps.count = left < ADAM_MAX_STEPS ? (int32_t)left : ADAM_MAX_STEPS;
+        for (int j = 0; j < steps.count; j++)
+            steps.ptr[j] = (float *)list->ptr[i + j];
+        int threads = CEIL_DIV(steps.count, 32) * 32;
+        adam_steps_kernel<<<1, threads, 0, stream>>>(steps, found_inf);
+        ampc_status st = ampc_cuda_status(cudaGetLastError());
+        if (st != AMPC_OK)
+            return st;
+    }
+    return AMPC_OK;
+}
+
+extern "C" ampc_status ampc_adam_cuda_impl(const struct ampc_adam_lists *lists,
+                                           const struct ampc_adam_control *control,
+                                           const struct ampc_adam_args *args, void *stream)
+{
+    const struct ampc_list *table_lists[ADAM_LISTS] = {
+        &lists->params, &lists->grads, &lists->masters, &lists->exp_avgs,
+        &lists->exp_avg_sqs, &lists->max_exp_avg_sqs, &lists->steps,
+    };
+    struct adam_ctx c;
+
+    c.kernel = adam_kernels[lists->params.dtype][lists->grads.dtype];
+    c.control = *control;
+    c.args = *args;
+    c.stream = (cudaStream_t)stream;
+    ampc_status st = mt_apply_lists<struct adam_table>(table_lists, adam_launch, &c);
+    if (st != AMPC_OK)
+        return st;
+    return advance_steps(&lists->steps, control->found_inf, c.stream);
+}
