@@ -16,6 +16,7 @@ State is thread-local (enabled and dtype per device, cache flag, nesting), as to
 Reference: torch/amp/autocast_mode.py, aten/src/ATen/autocast_mode.cpp.
 """
 import functools
+import sys
 import threading
 import types
 import warnings
@@ -48,7 +49,8 @@ class _State(threading.local):
         self.nesting = 0          # all devices together, enabled=False regions too (torch's rule)
         self.saved = []           # one entry per open region: the state to restore on exit
         self.cache = {}           # (id(weight), dtype) -> (weight, version, cast)
-        self.modules = []         # modules whose forward is running, outermost first
+        self.modules = []         # with check_finite: modules whose forward is running
+        self.hooked = 0           # nesting level that installed the module hooks, or 0
         self.lifting = set()      # Python composites running with the mode on (no re-entry)
 
 
@@ -158,19 +160,23 @@ def _cast_many(todo, dtype, st):
     """{id: cast} for the tensors in ``todo`` ({id: tensor}), with one kernel call for the
     ones not in the cache. A missing weight brings its module's other weights along."""
     out, fresh, weights = {}, [], []
-    use_cache = dtype in _LOW and st.cache_enabled and not torch.is_inference_mode_enabled()
+    cache = st.cache if (dtype in _LOW and st.cache_enabled
+                         and not torch.is_inference_mode_enabled()) else None
     for k, t in todo.items():
-        if use_cache and _is_weight(t):
-            hit = _cached(st, (k, dtype), t)
-            if hit is not None:
-                out[k] = hit
+        if cache is not None and t.requires_grad and t.is_leaf and t.dtype is _FP32 and not t._is_view():
+            hit = cache.get((k, dtype))
+            if hit is not None and hit[0] is t and hit[1] == t._version:
+                out[k] = hit[2]
             else:
                 weights.append(t)
         else:
             fresh.append(t)
-    if weights and st.modules:
+    if not weights and not fresh:
+        return out
+    owner = _owner(weights[0]) if weights else None
+    if owner is not None:
         seen = {id(w) for w in weights}
-        for p in st.modules[-1]._parameters.values():
+        for p in owner._parameters.values():
             if (p is not None and id(p) not in seen and p.is_cpu == weights[0].is_cpu
                     and _is_weight(p) and _cached(st, (id(p), dtype), p) is None):
                 weights.append(p)
@@ -181,7 +187,7 @@ def _cast_many(todo, dtype, st):
             casts = cast_tensors(weights, dtype)
         casts = casts + (cast_tensors(fresh, dtype) if fresh else [])
     else:
-        casts = cast_tensors(weights + fresh, dtype) if weights or fresh else []
+        casts = cast_tensors(weights + fresh, dtype)
     for w, c in zip(weights, casts):
         st.cache[(id(w), dtype)] = (w, w._version, c)
         if id(w) in todo:
@@ -189,6 +195,19 @@ def _cast_many(todo, dtype, st):
     for t, c in zip(fresh, casts[len(weights):]):
         out[id(t)] = c
     return out
+
+
+def _owner(param, depth=12):
+    """The module whose forward is running and owns ``param``, found by walking up the
+    Python frames from here (only on a cache miss, so once per module per region);
+    None when there is none: then the weight is cast alone."""
+    f = sys._getframe(2)
+    while f is not None and depth:
+        mod = f.f_locals.get("self") if f.f_code.co_name == "forward" else None
+        if isinstance(mod, torch.nn.Module) and any(p is param for p in mod._parameters.values()):
+            return mod
+        f, depth = f.f_back, depth - 1
+    return None
 
 
 # ---- argument walking ----
@@ -204,35 +223,42 @@ def _first_tensor(args, kwargs):
     return None
 
 
-def _eligible(args, kwargs, on):
-    """Every eligible tensor argument (top level and inside lists), by id."""
+def _eligible(args, kwargs, on, skip=None):
+    """Every eligible tensor argument (top level and inside lists) not already in dtype
+    ``skip``, by id."""
     found = {}
     for a in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(a, _Tensor):
-            if a.dtype in _ELIGIBLE and getattr(a, on):
+            if a.dtype is not skip and a.dtype in _ELIGIBLE and getattr(a, on):
                 found[id(a)] = a
         elif type(a) is list or type(a) is tuple:
             for x in a:
-                if isinstance(x, _Tensor) and x.dtype in _ELIGIBLE and getattr(x, on):
+                if isinstance(x, _Tensor) and x.dtype is not skip and x.dtype in _ELIGIBLE and getattr(x, on):
                     found[id(x)] = x
     return found
 
 
-def _substitute(args, kwargs, casts):
-    def sub(a):
-        if isinstance(a, _Tensor):
-            return casts.get(id(a), a)
-        if type(a) is list or type(a) is tuple:
-            return type(a)(casts.get(id(x), x) if isinstance(x, _Tensor) else x for x in a)
-        return a
-    return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
+def _sub(a, casts):
+    if isinstance(a, _Tensor):
+        return casts.get(id(a), a)
+    if type(a) is list or type(a) is tuple:
+        return type(a)(casts.get(id(x), x) if isinstance(x, _Tensor) else x for x in a)
+    return a
+
+
+_NoSubclassTF = torch._C.DisableTorchFunctionSubclass
 
 
 def _cast_args(args, kwargs, dtype, on, st):
-    todo = {k: t for k, t in _eligible(args, kwargs, on).items() if t.dtype is not dtype}
+    todo = _eligible(args, kwargs, on, dtype)
     if not todo:
         return args, kwargs
-    return _substitute(args, kwargs, _cast_many(todo, dtype, st))
+    # a method call on a Parameter (is_contiguous, _is_view, empty_like, Function.apply)
+    # would go through its Python __torch_function__ (several us each); not needed here
+    with _NoSubclassTF():
+        casts = _cast_many(todo, dtype, st)
+    return (tuple(_sub(a, casts) for a in args),
+            {k: _sub(v, casts) for k, v in kwargs.items()} if kwargs else kwargs)
 
 
 def _promote_type(args, kwargs, on, start):
@@ -278,7 +304,7 @@ def _lift(func):
 
 
 def _call_composite(func, args, kwargs, st):
-    lifted = _lift(func)
+    lifted = _lift(func) if st.enabled["cpu"] or st.enabled["cuda"] else None
     if lifted is None or func in st.lifting:
         return func(*args, **kwargs)
     st.lifting.add(func)
@@ -293,6 +319,11 @@ def _call_composite(func, args, kwargs, st):
 # ---- the mode ----
 
 _FUNCS = _policy.FUNCS
+_FunctionType = types.FunctionType
+# the policies as plain names: an Enum attribute read costs more than the comparison
+(_LOWER, _TO_FP32, _SET_DTYPE, _APPEND_DTYPE, _PROMOTE, _BANNED, _KEEP_DTYPE, _PASS) = (
+    P.LOWER_PRECISION_FP, P.FP32, P.FP32_SET_OPT_DTYPE, P.FP32_APPEND_DTYPE, P.PROMOTE, P.BANNED,
+    P.FP32_KEEP_DTYPE, P.PASSTHROUGH)
 _EFFECTIVE = _policy.EFFECTIVE
 _UNSEEN = object()
 
@@ -316,6 +347,8 @@ class _Mode(TorchFunctionMode):
         st = _st
         if st.check_finite:
             return _checked(func, name, args, kwargs, st)
+        if name is None and type(func) is not _FunctionType:   # most calls: not an op, not Python
+            return func(*args, **kwargs)
         return _dispatch(func, name, args, kwargs, st)
 
 
@@ -323,10 +356,12 @@ _MODE = _Mode()
 
 
 def _dispatch(func, name, args, kwargs, st):
-    t = _first_tensor(args, kwargs)
-    if t is None:
+    if name is None:                          # not in the registry: most calls end here
+        if type(func) is types.FunctionType:
+            return _call_composite(func, args, kwargs, st)
         return func(*args, **kwargs)
-    dev = "cuda" if t.is_cuda else "cpu" if t.is_cpu else None
+    t = _first_tensor(args, kwargs)
+    dev = None if t is None else "cuda" if t.is_cuda else "cpu" if t.is_cpu else None
     if dev is None or not st.enabled[dev]:
         return func(*args, **kwargs)
     sc = _ptls.scope
@@ -336,7 +371,7 @@ def _dispatch(func, name, args, kwargs, st):
         pol = sc.ops.get(name) or _EFFECTIVE[dev].get(name)
     else:
         pol = _EFFECTIVE[dev].get(name)
-    if pol is None or pol is P.PASSTHROUGH:
+    if pol is None or pol is _PASS:
         if type(func) is types.FunctionType:
             return _call_composite(func, args, kwargs, st)
         return func(*args, **kwargs)
@@ -344,23 +379,23 @@ def _dispatch(func, name, args, kwargs, st):
         return func(*args, **kwargs)
     dtype = (sc.dtype if sc is not None else None) or st.dtype[dev]
     on = _ON_DEVICE[dev]
-    if pol is P.LOWER_PRECISION_FP:
+    if pol is _LOWER:
         args, kwargs = _cast_args(args, kwargs, dtype, on, st)
-    elif pol is P.FP32:
+    elif pol is _TO_FP32:
         args, kwargs = _cast_args(args, kwargs, _FP32, on, st)
-    elif pol is P.FP32_SET_OPT_DTYPE or pol is P.FP32_APPEND_DTYPE:
+    elif pol is _SET_DTYPE or pol is _APPEND_DTYPE:
         first = args[0] if args else kwargs.get("input")
         if (isinstance(first, _Tensor) and first.dtype in _ELIGIBLE and getattr(first, on)
                 and "dtype" not in kwargs and not any(isinstance(a, torch.dtype) for a in args)):
             kwargs = {**kwargs, "dtype": _FP32}
-    elif pol is P.PROMOTE:
+    elif pol is _PROMOTE:
         args, kwargs = _cast_args(args, kwargs, _promote_type(args, kwargs, on, dtype), on, st)
-    elif pol is P.FP32_KEEP_DTYPE:
+    elif pol is _KEEP_DTYPE:
         first = next(iter(_eligible(args, kwargs, on).values()), None)
         args, kwargs = _cast_args(args, kwargs, _FP32, on, st)
         out = func(*args, **kwargs)
         return out if first is None or first.dtype is _FP32 else _outputs_to(out, first.dtype)
-    elif pol is P.BANNED:
+    elif pol is _BANNED:
         if name == "binary_cross_entropy":
             raise RuntimeError(_policy.BCE_MESSAGE)
         raise RuntimeError(f"ampc.autocast: {name} is banned under autocast by the policy "
@@ -417,7 +452,7 @@ def _checked(func, name, args, kwargs, st):
     return out
 
 
-# ---- module tracking: which module's weights to cast together, and where an op ran ----
+# ---- module tracking for the overflow locator: where an op ran ----
 
 _hooks_lock = threading.Lock()
 _hooks = []
@@ -555,18 +590,22 @@ class autocast:
             st.check_finite = bool(self._check_finite)
         st.nesting += 1
         if st.nesting == 1:
-            _install_hooks()
             torch._C._push_on_torch_function_stack(_MODE)
+        if st.check_finite and not st.hooked:       # module paths for the overflow locator
+            st.hooked = st.nesting
+            _install_hooks()
         return self
 
     def __exit__(self, *exc):
         st = _st
+        if st.hooked == st.nesting:
+            st.hooked = 0
+            _remove_hooks()
         st.nesting -= 1
         if st.nesting == 0:
             st.cache.clear()
             st.modules.clear()
             torch._C._pop_torch_function_stack()
-            _remove_hooks()
         dev, st.enabled[dev], st.dtype[dev], st.cache_enabled, st.check_finite = st.saved.pop()
         return False
 
