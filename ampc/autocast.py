@@ -160,8 +160,9 @@ def _cast_many(todo, dtype, st):
     """{id: cast} for the tensors in ``todo`` ({id: tensor}), with one kernel call for the
     ones not in the cache. A missing weight brings its module's other weights along."""
     out, fresh, weights = {}, [], []
-    cache = st.cache if (dtype in _LOW and st.cache_enabled
-                         and not torch.is_inference_mode_enabled()) else None
+    # no cache in inference mode (torch #158232) or while torch.compile traces (as torch)
+    cache = st.cache if (dtype in _LOW and st.cache_enabled and not torch.is_inference_mode_enabled()
+                         and not torch.compiler.is_compiling()) else None
     for k, t in todo.items():
         if cache is not None and t.requires_grad and t.is_leaf and t.dtype is _FP32 and not t._is_view():
             hit = cache.get((k, dtype))
@@ -249,7 +250,17 @@ def _sub(a, casts):
 _NoSubclassTF = torch._C.DisableTorchFunctionSubclass
 
 
+def _to(a, dtype, on):
+    if isinstance(a, _Tensor):
+        return a.to(dtype) if a.dtype is not dtype and a.dtype in _ELIGIBLE and getattr(a, on) else a
+    if type(a) is list or type(a) is tuple:
+        return type(a)(_to(x, dtype, on) for x in a)
+    return a
+
+
 def _cast_args(args, kwargs, dtype, on, st):
+    if torch.compiler.is_compiling():     # plain .to() that Dynamo can trace; no cache (as torch)
+        return tuple(_to(a, dtype, on) for a in args), {k: _to(v, dtype, on) for k, v in kwargs.items()}
     todo = _eligible(args, kwargs, on, dtype)
     if not todo:
         return args, kwargs
@@ -304,6 +315,8 @@ def _lift(func):
 
 
 def _call_composite(func, args, kwargs, st):
+    if torch.compiler.is_compiling():     # Dynamo inlines the function and shows us its calls
+        return func(*args, **kwargs)
     lifted = _lift(func) if st.enabled["cpu"] or st.enabled["cuda"] else None
     if lifted is None or func in st.lifting:
         return func(*args, **kwargs)

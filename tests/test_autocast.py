@@ -344,3 +344,6 @@ def test_compiled_model_under_ampc_autocast_matches_eager():
     assert got.dtype is eager.dtype is BF16
     torch.testing.assert_close(got, eager, rtol=1.6e-2, atol=1e-2)
     assert all(p.grad.dtype is FP32 for p in model.parameters())
+    with ampc.autocast("cpu"):
+        explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
