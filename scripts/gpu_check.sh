@@ -45,7 +45,9 @@ else
 fi
 stage 240 "$py" -m pytest -q -m cuda --tb=short --junitxml="$work/junit.xml" tests/ 2>&1 |
     tail -n 60
-for b in cast unscale; do
+benches="cast unscale"
+[ -f benchmarks/bench_adam.py ] && benches="$benches adam"
+for b in $benches; do
     stage 100 "$py" "benchmarks/bench_$b.py" --device cuda --json \
         >"$work/bench_$b.json" 2>"$work/bench_$b.err"
     echo $? >"$work/bench_$b.rc"
@@ -53,7 +55,7 @@ for b in cast unscale; do
 done
 
 [ -x "$py" ] || py=python3          # still print the summary when setup failed
-"$py" - "$work" <<'EOF'
+"$py" - "$work" $benches <<'EOF'
 import json, sys, xml.etree.ElementTree as ET
 
 work = sys.argv[1]
@@ -70,7 +72,7 @@ def num(x, fmt):
     return format(x, fmt) if isinstance(x, (int, float)) else "-"
 
 print(f"{'case':44} {'ampc ms':>9} {'torch ms':>9} {'ratio':>6} {'GB/s':>7} {'% copy':>7}")
-for b in ("cast", "unscale"):
+for b in sys.argv[2:]:
     text = open(f"{work}/bench_{b}.json").read()
     try:
         data = json.loads(text)
