@@ -310,7 +310,9 @@ class Scope:
 
 
 class _ScopeState(threading.local):
-    scope = None      # the current merged Scope of this thread, or None
+    def __init__(self):
+        self.scope = None     # the current merged Scope of this thread, or None
+        self.saved = []       # the scopes to restore, one per open scope
 
 
 _tls = _ScopeState()
@@ -350,14 +352,13 @@ class scope:
 
     def __init__(self, dtype=None, ops=None, enabled=None):
         self._scope = Scope(dtype, ops, enabled)
-        self._saved = []
 
     def __enter__(self):
-        self._saved.append(_push(self._scope))
+        _tls.saved.append(_push(self._scope))
         return self
 
     def __exit__(self, *exc):
-        _pop(self._saved.pop())
+        _pop(_tls.saved.pop())
         return False
 
 
@@ -371,17 +372,16 @@ def module_scope(module, *, dtype=None, ops=None, enabled=None, cast_inputs=True
         raise TypeError(f"ampc.policy.module_scope: module must be a torch.nn.Module, "
                         f"got {type(module).__name__}")
     s = Scope(dtype, ops, enabled)
-    saved = []
 
     def pre(mod, args, kwargs):
-        saved.append(_push(s))
+        cast = None
         if s.dtype is not None and cast_inputs and _cast_inputs_hook is not None:
-            return _cast_inputs_hook(args, kwargs, s.dtype)
-        return None
+            cast = _cast_inputs_hook(args, kwargs, s.dtype)
+        _tls.saved.append(_push(s))       # after the cast: post() pops only what was pushed
+        return cast
 
     def post(mod, args, out):
-        if saved:
-            _pop(saved.pop())
+        _pop(_tls.saved.pop())
 
     handles = [module.register_forward_pre_hook(pre, with_kwargs=True),
                module.register_forward_hook(post, always_call=True)]

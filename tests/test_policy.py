@@ -227,3 +227,20 @@ def test_check_finite_names_the_op_and_module():
         model(x)
     with ampc.autocast("cpu", dtype=BF16, check_finite=True):
         assert torch.isfinite(model(x)).all()                # bf16 has the range
+
+
+def test_scopes_are_per_thread():
+    import threading
+    seen = []
+    x = torch.randn(2, 8)
+
+    def worker():
+        with ampc.autocast("cpu"):
+            seen.append(torch.mm(x, x.t()).dtype)
+
+    with ampc.autocast("cpu"), policy.scope(dtype=FP32):
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+        assert torch.mm(x, x.t()).dtype is FP32
+    assert seen == [BF16]
