@@ -1,6 +1,7 @@
 """ampc.autocast against torch.autocast on every case of torch's own autocast test lists
 (torch.testing._internal.autocast_test_lists, shipped with torch): same output dtypes, same
-values (bit for bit: ampc's casts round like .to()), same errors.
+values (bit for bit on the CPU: ampc's casts round like .to(); within tolerance on CUDA, where
+atomics make some sums order-dependent), same errors.
 
 The CPU lists run here; the CUDA lists need a GPU. Each case runs every variant torch's
 tests run (torch.<op> / torch._C._nn.<op> and Tensor.<op>), under each autocast dtype.
@@ -21,11 +22,17 @@ if "expecttest" not in sys.modules:   # torch's test utilities import it; only T
 from torch.testing._internal import autocast_test_lists as lists  # noqa: E402
 
 
-def _same(a, b):
+def _same(a, b, exact):
+    """Same type and dtype, and equal bit for bit (``exact``) or within the dtype's tolerance
+    (CUDA: atomics in scatter_add and index_put make sums order-dependent)."""
     if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype:
+            return False
+        if exact or not a.is_floating_point():
+            return torch.equal(a, b)
+        return torch.allclose(a.double(), b.double(), rtol=1e-2, atol=1e-3, equal_nan=True)
     if isinstance(a, (tuple, list)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y, exact) for x, y in zip(a, b))
     return a == b
 
 
@@ -107,7 +114,7 @@ def _conformance(device):
                 ok = type(want_err) is type(got_err) and str(want_err) in str(got_err)
                 counts["errors compared"] += 1
             else:
-                ok = _same(want, got)
+                ok = _same(want, got, exact=device == "cpu")
             if not ok:
                 failures.append(f"{case} {label}: torch {_dtypes(want)} {want_err!r} "
                                 f"ampc {_dtypes(got)} {got_err!r}")
