@@ -130,8 +130,9 @@ class _Cast(torch.autograd.Function):
         for i, g in enumerate(grads):
             if g is not None:
                 by_dtype.setdefault(ctx.dtypes[i], []).append(i)
+        cast = cast_tensors if torch.is_grad_enabled() else _raw_cast   # on only for create_graph
         for dtype, idx in by_dtype.items():
-            for i, g in zip(idx, cast_tensors([grads[i] for i in idx], dtype)):
+            for i, g in zip(idx, cast([grads[i] for i in idx], dtype)):
                 out[i] = g
         return (None, *out)
 

@@ -347,3 +347,18 @@ def test_compiled_model_under_ampc_autocast_matches_eager():
     with ampc.autocast("cpu"):
         explained = torch._dynamo.explain(model)(x)
     assert explained.graph_count == 1 and explained.graph_break_count == 0
+
+
+def test_double_backward_through_casts_matches_torch():
+    x0 = torch.randn(4, 4, dtype=torch.float64).float()
+    results = []
+    for ctx in (torch.autocast("cpu"), ampc.autocast("cpu")):
+        x = x0.clone().requires_grad_(True)
+        with ctx:
+            y = torch.mm(x, x).float().pow(2).sum()
+        (g,) = torch.autograd.grad(y, x, create_graph=True)
+        g.square().sum().backward()
+        assert g.dtype is FP32 and x.grad.dtype is FP32
+        results.append((g.detach(), x.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
