@@ -200,7 +200,11 @@ def op_name(op):
         ns, name = op._qualified_op_name.split("::")
         return name if ns == "aten" else f"{ns}::{name}"
     name = FUNCS.get(op)
-    if name is None:
+    if name is None:        # a torch callable no table names yet (F.gelu): its own name
+        name = getattr(op, "__name__", None)
+        if name and any(getattr(ns, name, None) is op for ns in _NAMESPACES):
+            _index_names([name])
+            return name
         raise ValueError(f"ampc.policy: {op!r} is not an op the registry knows; pass its name, "
                          "or register it with ampc.policy.register")
     return name
