@@ -96,14 +96,14 @@ def test_autocast_leaves_float64_integer_and_other_device_tensors_alone():
 
 def test_autocast_inplace_and_out_calls_are_not_autocast():
     a, b = mats()
+    want_inplace, want_out = a.clone().addmm_(a, b), torch.mm(a, b)
     with ampc.autocast("cpu"):
         c = a.clone()
         c.addmm_(a, b)
-        assert c.dtype is FP32
         out = torch.empty(8, 8)
         torch.mm(a, b, out=out)
-        assert torch.equal(out, a @ b.float()) or torch.allclose(out, torch.mm(a.double(), b.double()).float(),
-                                                                 rtol=1e-5, atol=1e-5)
+    assert c.dtype is FP32 and torch.equal(c, want_inplace)
+    assert out.dtype is FP32 and torch.equal(out, want_out)
 
 
 def test_autocast_respects_explicit_dtype_of_fp32_set_opt_dtype_ops():
@@ -362,3 +362,23 @@ def test_double_backward_through_casts_matches_torch():
         results.append((g.detach(), x.grad))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_region_policies_and_kernel_casts(monkeypatch):
+    calls = count_casts(monkeypatch)
+    lin = nn.Linear(8, 8).cuda()
+    x = torch.randn(4, 8, device="cuda")
+    with ampc.autocast("cuda"):
+        assert lin(x).dtype is FP16 and calls == [3]      # x, weight and bias in one call
+        assert torch.softmax(x.half(), 0).dtype is FP32
+        assert torch.arange(4, device="cuda").sum().dtype is torch.int64
+        assert torch.mm(*[m.cuda() for m in mats()]).dtype is FP16
+        assert torch.mm(*mats()).dtype is FP32             # CPU tensors: not this region's
+        p = torch.rand(4, device="cuda")
+        with pytest.raises(RuntimeError, match="are unsafe to autocast"):
+            F.binary_cross_entropy(p, p)
+    with torch.autocast("cuda"):
+        want = lin(x)
+    with ampc.autocast("cuda"):
+        assert torch.equal(lin(x), want)
