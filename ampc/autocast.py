@@ -295,14 +295,24 @@ _LIFTED = {}
 _DISPATCH_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 
 
+def _names(code):
+    """Every name ``code`` and the code nested in it load (globals among them)."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _names(c)
+    return names
+
+
 def _lift(func):
-    """A copy of Python function ``func`` whose own torch-function check says no, so the
-    torch calls inside it come to the mode one by one (torch autocasts the ops a composite
-    calls, and ampc should too). None when ``func`` does not check that way."""
-    lifted = _LIFTED.get(func, False)
-    if lifted is not False:
-        return lifted
-    lifted = None
+    """(copy of Python function ``func`` whose own torch-function check says no, so the
+    torch calls inside it come to the mode one by one, as torch autocasts the ops a
+    composite calls; its module's globals; the copy's globals; the global names it uses),
+    or None when ``func`` does not check that way."""
+    entry = _LIFTED.get(func, False)
+    if entry is not False:
+        return entry
+    entry = None
     g = getattr(func, "__globals__", None)
     if isinstance(func, types.FunctionType) and g is not None and any(n in g for n in _DISPATCH_CHECKS):
         patched = _PATCHED_GLOBALS.get(id(g))
@@ -311,16 +321,22 @@ def _lift(func):
         lifted = types.FunctionType(func.__code__, patched, func.__name__, func.__defaults__,
                                     func.__closure__)
         lifted.__kwdefaults__ = func.__kwdefaults__
-    _LIFTED[func] = lifted
-    return lifted
+        used = tuple(n for n in _names(func.__code__) if n in g and n not in _DISPATCH_CHECKS)
+        entry = (lifted, g, patched, used)
+    _LIFTED[func] = entry
+    return entry
 
 
 def _call_composite(func, args, kwargs, st):
     if torch.compiler.is_compiling():     # Dynamo inlines the function and shows us its calls
         return func(*args, **kwargs)
-    lifted = _lift(func) if st.enabled["cpu"] or st.enabled["cuda"] else None
-    if lifted is None or func in st.lifting:
+    entry = _lift(func) if st.enabled["cpu"] or st.enabled["cuda"] else None
+    if entry is None or func in st.lifting:
         return func(*args, **kwargs)
+    lifted, g, patched, used = entry
+    if any(patched.get(n) is not g.get(n) for n in used):   # the module was patched since
+        patched.update(g)
+        patched.update({n: _no_dispatch for n in _DISPATCH_CHECKS})
     st.lifting.add(func)
     torch._C._push_on_torch_function_stack(_MODE)
     try:

@@ -382,3 +382,21 @@ def test_cuda_region_policies_and_kernel_casts(monkeypatch):
         want = lin(x)
     with ampc.autocast("cuda"):
         assert torch.equal(lin(x), want)
+
+
+def test_python_composites_are_autocast_inside_and_see_later_patches(monkeypatch):
+    # F.multi_head_attention_forward is Python: torch autocasts the linear calls inside it
+    mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    with torch.autocast("cpu"):
+        want = mha(x, x, x, need_weights=False)[0]
+    with ampc.autocast("cpu"):
+        got = mha(x, x, x, need_weights=False)[0]
+    assert got.dtype is want.dtype is BF16 and torch.equal(got, want)
+    # a function patched into torch.nn.functional after first use is the one called
+    seen = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: seen.append(1) or real(*a, **k))
+    with ampc.autocast("cpu"):
+        mha(x, x, x, need_weights=False)
+    assert seen == [1]
