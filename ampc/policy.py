@@ -133,6 +133,7 @@ _overrides = {"*": {}, "cpu": {}, "cuda": {}}   # user changes: all devices, the
 EFFECTIVE = {}                                   # device -> {name: policy}, rebuilt on change
 FUNCS = {}                                       # callable -> op name (or None: not an op)
 _named = set()                                   # callables named by the registry itself
+_labels = set()                                  # names given to registered functions and ops
 
 
 def _rebuild():
@@ -192,6 +193,8 @@ def op_name(op):
     a torch callable (``torch.mm``, ``F.layer_norm``, ``torch.Tensor.softmax``), a custom op
     (``torch.ops.mylib.foo``) or a function given to :func:`register`."""
     if isinstance(op, str):
+        if op in _labels:
+            return op
         name = op.split("::", 1)[1] if op.startswith("aten::") else op
         return name.split(".", 1)[0] if "::" not in name else name
     if isinstance(op, torch._ops.OpOverload):
@@ -219,8 +222,8 @@ def get_policy(op, device_type="cuda"):
 
 def set_policy(op, policy, device_type=None):
     """Sets the policy of ``op`` for every device (``device_type=None``) or for one.
-    ``policy=None`` removes the change and restores the default. Applies to autocast
-    regions entered from then on, in every thread."""
+    ``policy=None`` removes the change and restores the default. Takes effect from the
+    next call on, in every thread (open regions included)."""
     _check_device("set_policy", device_type)
     _set(op_name(op), policy, device_type)
 
@@ -265,6 +268,7 @@ def register(fn=None, *, policy, device_type=None, name=None):
         label = name or op_name(fn)
         packet = fn._overloadpacket if isinstance(fn, torch._ops.OpOverload) else fn
         FUNCS[packet] = label
+        _labels.add(label)
         for overload in packet.overloads():
             FUNCS[getattr(packet, overload)] = label
         _set(label, policy, device_type)
@@ -281,6 +285,7 @@ def register(fn=None, *, policy, device_type=None, name=None):
 
     label = name or f"{fn.__module__}.{fn.__qualname__}"
     FUNCS[wrapper] = label
+    _labels.add(label)
     _set(label, policy, device_type)
     return wrapper
 

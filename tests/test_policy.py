@@ -112,6 +112,10 @@ def test_register_user_function():
     assert seen == [(FP32, FP32), (BF16, BF16)]
     assert policy.get_policy(my_matmul, "cpu") is P.LOWER_PRECISION_FP
     assert policy.get_policy(my_matmul, "cuda") is P.PASSTHROUGH
+    name = "test_policy.test_register_user_function.<locals>.my_matmul"
+    policy.set_policy(name, "fp32", "cpu")                # its name, dots and all
+    with ampc.autocast("cpu"):
+        assert my_matmul(x, x.bfloat16()).dtype is FP32
 
 
 _lib = torch.library.Library("ampc_test_policy", "DEF")
