@@ -405,7 +405,7 @@ def _dispatch(func, name, args, kwargs, st):
         if type(func) is types.FunctionType:
             return _call_composite(func, args, kwargs, st)
         return func(*args, **kwargs)
-    if "out" in kwargs:                       # out= calls are not autocast
+    if kwargs.get("out") is not None:         # out= calls are not autocast (Python wrappers pass out=None)
         return func(*args, **kwargs)
     dtype = (sc.dtype if sc is not None else None) or st.dtype[dev]
     on = _ON_DEVICE[dev]
@@ -416,7 +416,7 @@ def _dispatch(func, name, args, kwargs, st):
     elif pol is _SET_DTYPE or pol is _APPEND_DTYPE:
         first = args[0] if args else kwargs.get("input")
         if (isinstance(first, _Tensor) and first.dtype in _ELIGIBLE and getattr(first, on)
-                and "dtype" not in kwargs and not any(isinstance(a, torch.dtype) for a in args)):
+                and kwargs.get("dtype") is None and not any(isinstance(a, torch.dtype) for a in args)):
             kwargs = {**kwargs, "dtype": _FP32}
     elif pol is _PROMOTE:
         args, kwargs = _cast_args(args, kwargs, _promote_type(args, kwargs, on, dtype), on, st)

@@ -104,7 +104,7 @@ _CPU = {
 # Python level never sees, so ampc gives the composite the policy that yields the same dtype.
 _COMPOSITES = {
     "cuda": {P.FP32: "cross_entropy_loss nll_loss_nd", P.FP32_SET_OPT_DTYPE: "linalg_norm"},
-    "cpu": {P.LOWER_PRECISION_FP: "einsum chain_matmul linalg_multi_dot tensordot",
+    "cpu": {P.LOWER_PRECISION_FP: "einsum chain_matmul linalg_multi_dot tensordot lstm",
             P.FP32: "nll_loss_nd"},
 }
 

@@ -115,6 +115,8 @@ def test_autocast_respects_explicit_dtype_of_fp32_set_opt_dtype_ops():
             assert torch.equal(torch.softmax(x, 0), torch.softmax(x, 0, dtype=FP32))
             assert torch.softmax(x, 0, dtype=BF16).dtype is BF16
             assert x.softmax(0, FP16).dtype is FP16
+            assert F.softmax(x, 0).dtype is FP32               # F passes dtype=None along
+            assert F.softmax(x, 0, dtype=BF16).dtype is BF16
             assert torch.softmax(torch.ones(3, dtype=torch.float64), 0).dtype is torch.float64
     finally:
         ampc.policy.set_policy("softmax", None, "cpu")
@@ -400,3 +402,24 @@ def test_python_composites_are_autocast_inside_and_see_later_patches(monkeypatch
     with ampc.autocast("cpu"):
         mha(x, x, x, need_weights=False)
     assert seen == [1]
+
+
+def test_cpu_composites_match_torch():
+    """Ops whose C++ body calls listed ops (torch autocasts those inside; ampc lists the
+    composite itself), and Python wrappers that pass out=None along."""
+    torch.manual_seed(0)
+    a, b = mats()
+    lstm = nn.LSTM(8, 8, batch_first=True)
+    x3 = torch.randn(2, 3, 8)
+    calls = [lambda: torch.einsum("ij,jk->ik", a, b), lambda: torch.tensordot(a, b, dims=1),
+             lambda: torch.linalg.multi_dot([a, b, a]), lambda: lstm(x3)[0],
+             lambda: F.cross_entropy(a, torch.arange(8)), lambda: F.nll_loss(a, torch.arange(8)),
+             lambda: torch.norm(a), lambda: nn.Conv2d(2, 2, 3, padding_mode="reflect")(torch.randn(1, 2, 5, 5))]
+    for i, call in enumerate(calls):
+        torch.manual_seed(1)
+        with torch.autocast("cpu"):
+            want = call()
+        torch.manual_seed(1)
+        with ampc.autocast("cpu"):
+            got = call()
+        assert got.dtype is want.dtype and torch.equal(got, want), i
