@@ -134,3 +134,43 @@ def test_conformance_cpu_lists(capsys):
 def test_conformance_cuda_lists(capsys):
     counts = _conformance("cuda", capsys)
     assert counts["cases"] >= 200
+
+
+def _cast_floating(value, dtype):
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    return value
+
+
+def test_cuda_table_on_cpu_tensors_gives_torchs_expected_results(monkeypatch, capsys):
+    """Without a GPU: ampc's CUDA table applied to CPU tensors under float16 gives, on every
+    case of torch's CUDA lists that runs on the CPU, the result torch's own test expects:
+    the op run with its floating arguments cast to the list's type, autocast off."""
+    AC = sys.modules["ampc.autocast"]
+    monkeypatch.setitem(AC._EFFECTIVE, "cpu", AC._EFFECTIVE["cuda"])
+    L = lists.AutocastTestLists("cpu")
+    plan = {"torch_fp16": (torch, torch.float16), "nn_fp16": (torch._C._nn, torch.float16),
+            "linalg_fp16": (torch._C._linalg, torch.float16), "methods_fp16": (None, torch.float16),
+            "torch_fp32": (torch, torch.float32), "nn_fp32": (torch._C._nn, torch.float32),
+            "methods_fp32": (None, torch.float32), "torch_need_autocast_promote": (torch, torch.float32)}
+    checked, failures = 0, []
+    for list_name, (module, run_as) in plan.items():
+        for entry in getattr(L, list_name):
+            op, args = entry[0], entry[1]
+            kwargs = entry[2] if len(entry) > 2 and isinstance(entry[2], dict) else {}
+            if op.startswith("cudnn_") or op == "einsum":     # CUDA-only / 4-d equation on 2-d args
+                continue
+            for label, fn, a in _variants(module, op, args):
+                with ampc.autocast("cpu", dtype=torch.float16):
+                    got = fn(*a, **kwargs)
+                want = fn(*_cast_floating(a, run_as), **kwargs)
+                checked += 1
+                if not _same(want, got, exact=True):
+                    failures.append(f"{list_name} {label}: {_dtypes(got)} vs expected {_dtypes(want)}")
+    with ampc.autocast("cpu", dtype=torch.float16), pytest.raises(RuntimeError, match="unsafe to autocast"):
+        torch._C._nn.binary_cross_entropy(*L.banned[0][1])
+    with capsys.disabled():
+        print(f"\ncuda table on cpu tensors: {checked} calls, {len(failures)} differ")
+    assert checked >= 140 and not failures, "\n".join(failures)
