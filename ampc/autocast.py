@@ -36,6 +36,7 @@ _ELIGIBLE = frozenset(d for d in vars(torch).values()
                       if isinstance(d, torch.dtype) and d.is_floating_point and d is not torch.float64)
 _ON_DEVICE = {"cpu": "is_cpu", "cuda": "is_cuda"}     # the Tensor property that says "on it"
 _DEFAULT_DTYPE = {"cpu": _BF16, "cuda": _FP16}
+_SUPPORTED = {"cpu": (_FP16, _BF16), "cuda": (_FP16, _BF16, _FP32)}   # as torch (CUDA takes fp32)
 
 
 class _State(threading.local):
@@ -593,7 +594,7 @@ class autocast:
         self._cache_enabled = _st.cache_enabled if cache_enabled is None else bool(cache_enabled)
         self._check_finite = check_finite
         if enabled:
-            supported = (_FP16, _BF16, _FP32) if device_type == "cuda" else (_FP16, _BF16)
+            supported = _SUPPORTED[device_type]
             if self.fast_dtype not in supported:
                 dev = device_type.upper()
                 raise RuntimeError(
@@ -662,9 +663,9 @@ def get_autocast_dtype(device_type):
 def set_autocast_dtype(device_type, dtype):
     """Sets the dtype that later ``ampc.autocast(device_type)`` regions default to."""
     _check_device_type("set_autocast_dtype", device_type)
-    if dtype not in _KERNEL_DTYPES:
-        raise ValueError(f"ampc.set_autocast_dtype: dtype must be torch.float16, torch.bfloat16 "
-                         f"or torch.float32, got {dtype}")
+    if dtype not in _SUPPORTED[device_type]:
+        raise ValueError(f"ampc.set_autocast_dtype: dtype must be one of "
+                         f"{', '.join(map(str, _SUPPORTED[device_type]))} on {device_type}, got {dtype}")
     _st.dtype[device_type] = dtype
 
 

@@ -140,6 +140,14 @@ def test_autocast_errors_name_the_argument():
     with pytest.raises(RuntimeError, match="unsupported autocast device_type"):
         ampc.is_autocast_enabled("nope")
     ampc.autocast("cpu", dtype=torch.float64, enabled=False)    # a disabled region checks nothing
+    with pytest.raises(ValueError, match=r"ampc.set_autocast_dtype: dtype must be one of .* on cpu"):
+        ampc.set_autocast_dtype("cpu", FP32)
+    ampc.set_autocast_dtype("cpu", FP16)
+    try:
+        with ampc.autocast("cpu"):
+            assert torch.mm(*mats()).dtype is FP16
+    finally:
+        ampc.set_autocast_dtype("cpu", BF16)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
