@@ -423,7 +423,7 @@ def table(device_type=None):
     devs = [device_type] if device_type else list(DEVICES)
     names = sorted(set().union(*(EFFECTIVE[d] for d in devs)))
     width = max([len(n) for n in names] + [2])
-    lines = [f"{'op':<{width}}  " + "  ".join(f"{d:<19}" for d in devs)]
+    lines = [(f"{'op':<{width}}  " + "  ".join(f"{d:<19}" for d in devs)).rstrip()]
     for n in names:
         cells = []
         for d in devs:
