@@ -38,7 +38,9 @@ def test_policy_defaults_follow_torch_lists():
     assert len(policy.DEFAULTS["cuda"]) == 111 and len(policy.DEFAULTS["cpu"]) == 115
 
 
-def test_policy_table_prints_every_op():
+def test_policy_table_prints_every_op(capsys):
+    policy.print_table("cpu")
+    assert capsys.readouterr().out == policy.table("cpu") + "\n"
     text = policy.table()
     assert "layer_norm" in text and "fp32_set_opt_dtype" in text
     policy.set_policy("gelu", "fp32", "cpu")
