@@ -122,7 +122,11 @@ class _Cast(torch.autograd.Function):
     def forward(ctx, dtype, *tensors):
         ctx.set_materialize_grads(False)
         ctx.dtypes = [t.dtype for t in tensors]
-        return tuple(_raw_cast(list(tensors), dtype))
+        out = tuple(_raw_cast(list(tensors), dtype))
+        # a cast of a tensor that needs no grad needs none either (else backward would
+        # compute the grad of, say, a model's input that joined the weights' call)
+        ctx.mark_non_differentiable(*(o for o, t in zip(out, tensors) if not t.requires_grad))
+        return out
 
     @staticmethod
     def backward(ctx, *grads):

@@ -431,3 +431,15 @@ def test_cpu_composites_match_torch():
         with ampc.autocast("cpu"):
             got = call()
         assert got.dtype is want.dtype and torch.equal(got, want), i
+
+
+def test_cast_of_a_tensor_without_grad_needs_no_grad():
+    # the input joins the weights' cast call; its copy must not make backward compute its grad
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    graphs = []
+    for ctx in (torch.autocast("cpu"), ampc.autocast("cpu")):
+        with ctx:
+            out = lin(x)
+        graphs.append([fn is not None for fn, _ in out.grad_fn.next_functions])
+    assert graphs[0] == graphs[1] and graphs[1].count(True) == 2     # bias and weight only
