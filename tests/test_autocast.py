@@ -443,3 +443,14 @@ def test_cast_of_a_tensor_without_grad_needs_no_grad():
             out = lin(x)
         graphs.append([fn is not None for fn, _ in out.grad_fn.next_functions])
     assert graphs[0] == graphs[1] and graphs[1].count(True) == 2     # bias and weight only
+
+
+def test_inference_mode_matches_torch_and_caches_nothing():
+    lin, x = nn.Linear(8, 8), torch.randn(2, 8)
+    with torch.inference_mode():
+        with torch.autocast("cpu"):
+            want = lin(x)
+        with ampc.autocast("cpu"):
+            got = lin(x)
+            assert not AC._st.cache
+    assert got.dtype is want.dtype and torch.equal(got, want)
