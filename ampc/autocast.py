@@ -9,8 +9,9 @@ Autocast dispatch key is, so backward sees them and gradients reach fp32 leaves 
 
 Weight cache: a leaf fp32 tensor that requires grad (a parameter) is cast once per
 outermost region; the first time one of a module's parameters is needed, all of that
-module's parameters are cast in one kernel call. An in-place update of a weight (its
-version counter moves) invalidates its cached copy.
+module's parameters are cast in one kernel call, and from a thread's second region on, all
+the weights the previous region cast, in DDP-sized buckets. An in-place update of a weight
+(its version counter moves) invalidates its cached copy.
 
 State is thread-local (enabled and dtype per device, cache flag, nesting), as torch's is.
 Reference: torch/amp/autocast_mode.py, aten/src/ATen/autocast_mode.cpp.
@@ -20,6 +21,7 @@ import sys
 import threading
 import types
 import warnings
+import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -50,6 +52,7 @@ class _State(threading.local):
         self.nesting = 0          # all devices together, enabled=False regions too (torch's rule)
         self.saved = []           # one entry per open region: the state to restore on exit
         self.cache = {}           # (id(weight), dtype) -> (weight, version, cast)
+        self.learned = {}         # the order the last region cast weights in (see _companions)
         self.modules = []         # with check_finite: modules whose forward is running
         self.hooked = 0           # nesting level that installed the module hooks, or 0
         self.lifting = set()      # Python composites running with the mode on (no re-entry)
@@ -180,14 +183,8 @@ def _cast_many(todo, dtype, st):
             fresh.append(t)
     if not weights and not fresh:
         return out
-    owner = _owner(weights[0]) if weights else None
-    if owner is not None:
-        seen = {id(w) for w in weights}
-        for p in owner._parameters.values():
-            if (p is not None and id(p) not in seen and p.is_cpu == weights[0].is_cpu
-                    and _is_weight(p) and _cached(st, (id(p), dtype), p) is None):
-                weights.append(p)
-                seen.add(id(p))
+    if weights:
+        weights += _companions(st, weights, dtype)
     if weights and not torch.is_grad_enabled():
         # a cast made under no_grad must still carry a grad_fn when reused with grad on
         with torch.enable_grad():
@@ -202,6 +199,48 @@ def _cast_many(todo, dtype, st):
     for t, c in zip(fresh, casts[len(weights):]):
         out[id(t)] = c
     return out
+
+
+_BUCKET_BYTES = 25 << 20    # DDP's default bucket: its all-reduce waits for a whole bucket anyway
+
+
+def _companions(st, weights, dtype):
+    """The weights to cast in the same call as ``weights`` (which missed the cache): those
+    the previous region cast after the first of them, up to _BUCKET_BYTES in all, so that a
+    small model's weights go in one call and a large one's grads still come back bucket by
+    bucket in backward; in a thread's first region, the other weights of the module whose
+    forward is running."""
+    first, seen = weights[0], {id(w) for w in weights}
+    order, index = st.learned.get(dtype, ((), {}))
+    i = index.get(id(first))
+    if i is not None and order[i]() is first:
+        candidates = (r() for r in order[i + 1:])
+        budget = _BUCKET_BYTES - sum(w.numel() * w.element_size() for w in weights)
+    else:
+        owner = _owner(first)
+        candidates = owner._parameters.values() if owner is not None else ()
+        budget = None
+    out = []
+    for p in candidates:
+        if (p is None or id(p) in seen or p.is_cpu != first.is_cpu or not _is_weight(p)
+                or _cached(st, (id(p), dtype), p) is not None):
+            continue
+        if budget is not None:
+            if budget <= 0:
+                break
+            budget -= p.numel() * p.element_size()
+        out.append(p)
+        seen.add(id(p))
+    return out
+
+
+def _order_of(cache):
+    """{dtype: (weakrefs to the cached weights in the order they were cast, {id: position})}."""
+    by_dtype = {}
+    for (_, dtype), (w, _, _) in cache.items():
+        by_dtype.setdefault(dtype, []).append(w)
+    return {dt: ([weakref.ref(w) for w in ws], {id(w): i for i, w in enumerate(ws)})
+            for dt, ws in by_dtype.items()}
 
 
 def _owner(param, depth=12):
@@ -638,6 +677,8 @@ class autocast:
             _remove_hooks()
         st.nesting -= 1
         if st.nesting == 0:
+            if st.cache:
+                st.learned = _order_of(st.cache)
             st.cache.clear()
             st.modules.clear()
             torch._C._pop_torch_function_stack()

@@ -263,6 +263,26 @@ def test_weight_cache_casts_a_modules_weights_in_one_call(monkeypatch):
     assert not AC._st.cache
 
 
+def test_later_regions_cast_all_weights_in_ddp_sized_buckets(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 4))
+    x = torch.randn(2, 8, dtype=BF16)
+    calls = count_casts(monkeypatch)
+    outs, seen = [], []
+    for _ in range(2):
+        with ampc.autocast("cpu"):
+            outs.append(model(x))
+        seen.append(list(calls))
+        outs[-1].float().sum().backward()          # backward: one grad cast per forward call
+        calls.clear()
+    assert seen == [[2, 2, 2], [6]]      # first region: per module; then all six in one call
+    assert torch.equal(outs[0], outs[1])
+    monkeypatch.setattr(AC, "_BUCKET_BYTES", 8 * 8 * 4 + 8 * 4)    # one Linear's weights
+    with ampc.autocast("cpu"):
+        model(x)
+    assert calls == [2, 2, 2]
+
+
 def test_weight_cache_invalidated_by_inplace_update():
     lin = nn.Linear(8, 8)
     x = torch.randn(2, 8)
