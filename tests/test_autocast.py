@@ -415,7 +415,10 @@ def test_cuda_region_policies_and_kernel_casts(monkeypatch):
 
 
 def test_python_composites_are_autocast_inside_and_see_later_patches(monkeypatch):
-    # F.multi_head_attention_forward is Python: torch autocasts the linear calls inside it
+    # F.multi_head_attention_forward is Python: torch autocasts the linear calls inside it;
+    # unlisted (as on CUDA) ampc follows it call by call
+    monkeypatch.setitem(AC._EFFECTIVE, "cpu", {k: v for k, v in AC._EFFECTIVE["cpu"].items()
+                                               if k != "multi_head_attention_forward"})
     mha = nn.MultiheadAttention(16, 4, batch_first=True)
     x = torch.randn(2, 5, 16)
     with torch.autocast("cpu"):
@@ -474,3 +477,22 @@ def test_inference_mode_matches_torch_and_caches_nothing():
             got = lin(x)
             assert not AC._st.cache
     assert got.dtype is want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_matches_torch_with_masks(need_weights):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    masks = [{}, {"attn_mask": torch.randn(5, 5)}, {"attn_mask": torch.rand(5, 5) > 0.7},
+             {"key_padding_mask": torch.rand(2, 5) > 0.8}]
+    for kw in masks:
+        runs = []
+        for ctx in (torch.autocast("cpu"), ampc.autocast("cpu")):
+            mha.zero_grad()
+            with ctx:
+                out, weights = mha(x, x, x, need_weights=need_weights, **kw)
+            out.float().sum().backward()
+            runs.append([out, weights] + [p.grad for p in mha.parameters()])
+        for want, got in zip(*runs):
+            assert (want is None and got is None) or (got.dtype is want.dtype and torch.equal(got, want))
