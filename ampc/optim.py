@@ -17,7 +17,6 @@ the optimizer before ``step()``, the grads are unscaled inside the update and a 
 with inf/nan grads is skipped on the device, with no host sync. ``grad_clip_coef`` (a
 1-element tensor set the same way) folds gradient clipping into the update too.
 """
-from collections import defaultdict
 from itertools import chain
 
 import torch
@@ -152,28 +151,45 @@ class Adam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         control = {}
-        index = 0
+        first = 0
         for group in self.param_groups:
-            buckets = defaultdict(lambda: defaultdict(list))
-            for p in group["params"]:
-                index += 1
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"ampc.optim.{type(self).__name__} does not support "
-                                       "sparse gradients")
-                state = self._checked_state(group, p, index - 1)
-                key = (p.device, p.dtype, p.grad.dtype, "master" in state)
-                b = buckets[key]
-                b["params"].append(p)
-                b["grads"].append(p.grad if p.grad.is_contiguous() else p.grad.contiguous())
-                for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"):
-                    if name in state:
-                        b[name].append(state[name])
-                b["step"].append(state["step"])
-            if buckets:
-                self._step_group(group, buckets, control)
+            params = group["params"]
+            live = [(i, p, p.grad) for i, p in enumerate(params, first) if p.grad is not None]
+            first += len(params)
+            if live:
+                self._step_group(group, self._buckets(group, live), control)
         return loss
+
+    def _buckets(self, group, live):
+        """The params that have grads, by (device, dtype, grad dtype, master): one kernel
+        call each. Per-param Python work is kept to a few attribute reads."""
+        state = self.state
+        buckets = {}
+        for i, p, g in live:
+            if g.is_sparse:
+                raise RuntimeError(f"ampc.optim.{type(self).__name__} does not support "
+                                   "sparse gradients")
+            s = state[p]
+            if "exp_avg" not in s:      # a new param, or only a master from prepare()
+                s = self._checked_state(group, p, i)
+            key = (p.device, p.dtype, g.dtype, "master" in s)
+            b = buckets.get(key)
+            if b is None:
+                b = buckets[key] = ([], [], [], [])
+            b[0].append(i)
+            b[1].append(p)
+            b[2].append(g)
+            b[3].append(s)
+        return buckets
+
+    def _state_lists(self, group, indices, params, states):
+        keys = ["exp_avg", "exp_avg_sq", "step"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+        try:
+            return [[s[k] for s in states] for k in keys]
+        except KeyError:                # name the param and the key
+            for i, p in zip(indices, params):
+                self._checked_state(group, p, i)
+            raise
 
     def _step_group(self, group, buckets, control):
         beta1, beta2 = (float(b) for b in group["betas"])
@@ -182,17 +198,18 @@ class Adam(torch.optim.Optimizer):
             calls = group.get("rounding_calls", 0)
             group["rounding_calls"] = calls + 1
             seed = (int(group["seed"]) + calls * _SEED_STRIDE) % (1 << 63)
-        for (device, _, _, has_master), b in buckets.items():
+        for (device, _, _, has_master), (indices, params, grads, states) in buckets.items():
+            lists = self._state_lists(group, indices, params, states)
             inv_scale, clip, found_inf = self._control(device, control)
             lr = group["lr"]
             if isinstance(lr, torch.Tensor) and lr.device != device:
                 lr = lr.to(device, non_blocking=True)
-            params = b["params"]
             targets = [p if p.is_contiguous() else p.detach().contiguous() for p in params]
             ops.adam_master(
-                targets, b["grads"], b["exp_avg"], b["exp_avg_sq"], b["step"], lr=lr,
-                masters=b["master"] if has_master else None,
-                max_exp_avg_sqs=b["max_exp_avg_sq"] if group["amsgrad"] else None,
+                targets, [g if g.is_contiguous() else g.contiguous() for g in grads],
+                lists[0], lists[1], lists[2], lr=lr,
+                masters=[s["master"] for s in states] if has_master else None,
+                max_exp_avg_sqs=lists[3] if group["amsgrad"] else None,
                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                 decoupled=self._decoupled, maximize=group["maximize"], inv_scale=inv_scale,
                 clip_coef=clip, found_inf=found_inf,

@@ -1,6 +1,7 @@
 """ampc's fused master-weight AdamW step vs the torch ways of doing the same job.
 
-    python benchmarks/bench_adam.py [--dtype bf16|fp16] [--device cpu|cuda] [--cache cold|warm] [--json]
+    python benchmarks/bench_adam.py [--dtype bf16|fp16] [--device cpu|cuda] [--cache cold|warm] [--threads N]
+                                    [--json]
 
 One optimizer step over the workload's parameters, timed with the optimizers' own step()
 (Python included), in one run, interleaved:
@@ -86,7 +87,11 @@ def validate(dt, dev) -> str:
 def main() -> int:
     p = H.common_args(__doc__)
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch.set_num_threads for both sides (0: torch's default)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dt, dev = H.DTYPES[args.dtype], args.device
     err = validate(dt, dev)
     if err:
