@@ -144,6 +144,7 @@ def _cast_floating(value, dtype):
     return value
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")     # torch's own list calls cross() without dim
 def test_cuda_table_on_cpu_tensors_gives_torchs_expected_results(monkeypatch, capsys):
     """Without a GPU: ampc's CUDA table applied to CPU tensors under float16 gives, on every
     case of torch's CUDA lists that runs on the CPU, the result torch's own test expects:
