@@ -1,6 +1,6 @@
 """End to end: train a small GPT-style language model three ways and compare.
 
-    python benchmarks/bench_train.py [--steps 60] [--device cpu|cuda] [--json]
+    python benchmarks/bench_train.py [--steps 60] [--device cpu|cuda] [--threads N] [--json]
 
   fp32        fp32 weights, torch.optim.AdamW(fused=True)
   torch.amp   fp32 weights, torch.autocast(bf16 on CPU, fp16 on CUDA + torch.amp.GradScaler),
@@ -121,16 +121,19 @@ def main():
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: default)")
     p.add_argument("--one", help=argparse.SUPPRESS)     # run one setup in this process
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.one:
         print(json.dumps(run_one(args.one, args.steps, args.device)))
         return 0
     rows = []
     for setup in ("fp32", "torch.amp", "ampc"):
         out = subprocess.run([sys.executable, __file__, "--one", setup, "--steps", str(args.steps),
-                              "--device", args.device], capture_output=True, text=True,
-                             env=dict(os.environ))
+                              "--device", args.device, "--threads", str(args.threads)],
+                             capture_output=True, text=True, env=dict(os.environ))
         if out.returncode != 0:
             print(f"FAIL {setup}:\n{out.stderr[-3000:]}", file=sys.stderr)
             return 1
