@@ -96,6 +96,13 @@ _PLAIN = (_Tensor, torch.nn.Parameter)
 def _raw_cast(tensors, dtype):
     """Copies of ``tensors`` in ``dtype``, one ampc cast call per (dtype, device) group;
     not recorded by autograd. Others (fp8, other devices, subclasses) go through .to()."""
+    first = tensors[0]
+    if _kernel_device(first, dtype) == "cpu":     # the usual call (a bucket of weights): one pass
+        src = first.dtype
+        if all(type(t) in _PLAIN and t.dtype is src and t.is_cpu and t.is_contiguous() for t in tensors):
+            dsts = [torch.empty_like(t, dtype=dtype) for t in tensors]
+            _CAST_OP.redispatch(_KERNEL_KEYS["cpu"], tensors, dsts, False, 0)
+            return dsts
     out = [None] * len(tensors)
     groups = {}
     for i, t in enumerate(tensors):
