@@ -401,6 +401,7 @@ def _call_composite(func, args, kwargs, st):
 
 _FUNCS = _policy.FUNCS
 _FunctionType = types.FunctionType
+_TORCH_LISTED = frozenset(_policy.DEFAULTS["cpu"]) | frozenset(_policy.DEFAULTS["cuda"])
 # the policies as plain names: an Enum attribute read costs more than the comparison
 (_LOWER, _TO_FP32, _SET_DTYPE, _APPEND_DTYPE, _PROMOTE, _BANNED, _KEEP_DTYPE, _PASS) = (
     P.LOWER_PRECISION_FP, P.FP32, P.FP32_SET_OPT_DTYPE, P.FP32_APPEND_DTYPE, P.PROMOTE, P.BANNED,
@@ -453,7 +454,9 @@ def _dispatch(func, name, args, kwargs, st):
     else:
         pol = _EFFECTIVE[dev].get(name)
     if pol is None or pol is _PASS:
-        if type(func) is types.FunctionType:
+        # a Python function named like one of torch's listed ops (F.layer_norm) wraps that
+        # op: unlisted here, it has nothing inside to autocast, so it is not followed
+        if type(func) is types.FunctionType and name not in _TORCH_LISTED:
             return _call_composite(func, args, kwargs, st)
         return func(*args, **kwargs)
     if kwargs.get("out") is not None:         # out= calls are not autocast (Python wrappers pass out=None)
