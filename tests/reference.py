@@ -7,6 +7,7 @@ plain Python: slow, and obviously right.
 import math
 import struct
 
+import pytest
 import torch
 
 INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
@@ -149,3 +150,15 @@ def stochastic_neighbours(x, dtype):
     hi_v = torch.where(hi == INF_BITS[dtype], torch.full_like(hi_v, PAST_MAX[dtype]), hi_v)
     p = ((a.double() - lo_v) / (hi_v - lo_v)).clamp(max=1.0)
     return lo, hi, p
+
+
+def assert_refused_unchanged(case_name, call, watched, exc, pattern):
+    """call() raises exc matching pattern, and no tensor in watched changed (the checks of
+    an op run before any write). Meta tensors are skipped: they hold no values."""
+    before = [t.clone() for t in watched if t.device.type != "meta"]
+    with pytest.raises(exc, match=pattern):
+        call()
+    after = [t for t in watched if t.device.type != "meta"]
+    for b, a in zip(before, after):
+        assert torch.equal(b.contiguous().view(torch.uint8), a.contiguous().view(torch.uint8)), \
+            f"{case_name} modified a tensor"
