@@ -115,10 +115,9 @@ class Adam(torch.optim.Optimizer):
 
     def _checked_state(self, group, p, index):
         state = self.state[p]
-        if "step" not in state or "exp_avg" not in state:
+        if "exp_avg" not in state:      # a new param, or only a master from prepare()
             return self._init_state(group, p, state.get("master"))
-        needed = ["exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
-        for key in needed:
+        for key in self._state_keys(group):
             if key not in state:
                 raise RuntimeError(f"ampc.optim.{type(self).__name__}: the state of param "
                                    f"{index} has no '{key}' (a checkpoint of another "
@@ -170,7 +169,7 @@ class Adam(torch.optim.Optimizer):
                 raise RuntimeError(f"ampc.optim.{type(self).__name__} does not support "
                                    "sparse gradients")
             s = state[p]
-            if "exp_avg" not in s:      # a new param, or only a master from prepare()
+            if "exp_avg" not in s:
                 s = self._checked_state(group, p, i)
             key = (p.device, p.dtype, g.dtype, "master" in s)
             b = buckets.get(key)
@@ -182,10 +181,15 @@ class Adam(torch.optim.Optimizer):
             b[3].append(s)
         return buckets
 
-    def _state_lists(self, group, indices, params, states):
-        keys = ["exp_avg", "exp_avg_sq", "step"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+    @staticmethod
+    def _state_keys(group, master=False):
+        return (["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+                + (["master"] if master else []))
+
+    def _state_lists(self, group, indices, params, states, master):
+        """{key: that state tensor of every param}, for the kernel's lists."""
         try:
-            return [[s[k] for s in states] for k in keys]
+            return {k: [s[k] for s in states] for k in self._state_keys(group, master)}
         except KeyError:                # name the param and the key
             for i, p in zip(indices, params):
                 self._checked_state(group, p, i)
@@ -199,7 +203,7 @@ class Adam(torch.optim.Optimizer):
             group["rounding_calls"] = calls + 1
             seed = (int(group["seed"]) + calls * _SEED_STRIDE) % (1 << 63)
         for (device, _, _, has_master), (indices, params, grads, states) in buckets.items():
-            lists = self._state_lists(group, indices, params, states)
+            lists = self._state_lists(group, indices, params, states, has_master)
             inv_scale, clip, found_inf = self._control(device, control)
             lr = group["lr"]
             if isinstance(lr, torch.Tensor) and lr.device != device:
@@ -207,9 +211,8 @@ class Adam(torch.optim.Optimizer):
             targets = [p if p.is_contiguous() else p.detach().contiguous() for p in params]
             ops.adam_master(
                 targets, [g if g.is_contiguous() else g.contiguous() for g in grads],
-                lists[0], lists[1], lists[2], lr=lr,
-                masters=[s["master"] for s in states] if has_master else None,
-                max_exp_avg_sqs=lists[3] if group["amsgrad"] else None,
+                lists["exp_avg"], lists["exp_avg_sq"], lists["step"], lr=lr,
+                masters=lists.get("master"), max_exp_avg_sqs=lists.get("max_exp_avg_sq"),
                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                 decoupled=self._decoupled, maximize=group["maximize"], inv_scale=inv_scale,
                 clip_coef=clip, found_inf=found_inf,
@@ -260,9 +263,6 @@ class Adam(torch.optim.Optimizer):
 
 
 class AdamW(Adam):
-    __doc__ = Adam.__doc__.replace("Adam with a fused C step (see the module docstring); "
-                                   "``AdamW`` is the same with\n    decoupled weight decay.",
-                                   "AdamW (decoupled weight decay, default 0.01) with a "
-                                   "fused C step (see the module\n    docstring).")
+    """AdamW: ``Adam`` with decoupled weight decay (default 0.01); the same arguments."""
     _decoupled = True
     _default_weight_decay = 1e-2

@@ -66,7 +66,17 @@ def common_args(doc: str) -> argparse.ArgumentParser:
                    help="before each timed rep: flush the caches (cold) or run the same fn once (warm)")
     p.add_argument("--reps", type=int, default=0, help="timed rounds per case (0: about 4 s worth)")
     p.add_argument("--peak-gbs", type=float, default=0.0, help="use this copy bandwidth instead of measuring it")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch.set_num_threads for both sides (0: torch's default)")
     return p
+
+
+def parse(p: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parses the command line and applies --threads."""
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
 
 
 def time_ms(fns: dict, device: str, reps: int = 0, warm: bool = False) -> dict:

@@ -121,11 +121,8 @@ def check(model, x, dev, dt):
 def main() -> int:
     p = H.common_args(__doc__)
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: steadier on a shared machine)")
-    p.set_defaults(cache="warm")
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    p.set_defaults(threads=1, cache="warm")  # one thread: steadier on a shared machine
+    args = H.parse(p)
     dev, dt = args.device, H.DTYPES[args.dtype]
     torch.manual_seed(0)
     rows = []

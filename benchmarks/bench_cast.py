@@ -44,7 +44,7 @@ def main() -> int:
     p = H.common_args(__doc__)
     p.add_argument("--src", choices=list(H.DTYPES), default="fp32")
     p.add_argument("--dst", choices=list(H.DTYPES), default="bf16")
-    args = p.parse_args()
+    args = H.parse(p)
     if args.src == args.dst:
         p.error("--src and --dst must differ (Tensor.to would return its input)")
     sdt, ddt, dev = H.DTYPES[args.src], H.DTYPES[args.dst], args.device

@@ -28,7 +28,6 @@ import torch
 import _harness as H
 
 ampc = H.import_ampc()
-import ampc.optim  # noqa: E402
 
 ADAM_BYTES, CHECK_BYTES = 28, 4
 
@@ -97,7 +96,7 @@ def validate(dev):
 
 
 def main() -> int:
-    args = H.common_args(__doc__).parse_args()
+    args = H.parse(H.common_args(__doc__))
     dev = args.device
     err = validate(dev)
     print(f"FAIL {err}" if err else "ampc matches torch", file=sys.stderr)

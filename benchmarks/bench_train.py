@@ -70,7 +70,6 @@ def data(step, device):
 
 def run_one(setup, steps, device):
     ampc = H.import_ampc()
-    import ampc.optim  # noqa: F401
     torch.manual_seed(0)
     model = TinyGPT().to(device)
     low = torch.float16 if device == "cuda" else torch.bfloat16
@@ -112,7 +111,7 @@ def run_one(setup, steps, device):
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return {"setup": setup, "ms/step": statistics.median(step_ms[warm:]),
             "optimizer ms": statistics.median(opt_ms[warm:]), "peak MiB": peak,
-            "first loss": losses[0], "last-10 loss": sum(losses[-10:]) / 10,
+            "first loss": losses[0], "last-10 loss": sum(losses[-10:]) / len(losses[-10:]),
             "params M": sum(p.numel() for p in model.parameters()) / 1e6}
 
 

@@ -74,7 +74,7 @@ def validate(grads: list, dev: str) -> str:
 def main() -> int:
     p = H.common_args(__doc__)
     p.add_argument("--dtype", choices=list(H.DTYPES), default="fp32")
-    args = p.parse_args()
+    args = H.parse(p)
     dt, dev = H.DTYPES[args.dtype], args.device
     roof = H.Roofline(args)
     hdr = H.header(args, roof)

@@ -63,12 +63,6 @@ INLINE void adam_scalar(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype gt,
     }
 }
 
-static void adam_scalar_any(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype gt, int64_t n,
-                            const struct ampc_adam_coef *c)
-{
-    adam_scalar(q, pt, gt, 0, n, c);
-}
-
 // ---- AVX-512: 16 lanes ----
 
 AVX512 INLINE __m512 max_nan16(__m512 a, __m512 b)
@@ -204,7 +198,7 @@ AVX512 static void adam_avx512(const struct adam_ptrs *q, ampc_dtype pt, ampc_dt
 {
     switch (PAIR(gt, pt)) {
     ALL_PAIRS(adam_loop16);
-    default: adam_scalar_any(q, pt, gt, n, c);
+    default: adam_scalar(q, pt, gt, 0, n, c);
     }
 }
 
@@ -213,7 +207,7 @@ AVX2 static void adam_avx2(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype 
 {
     switch (PAIR(gt, pt)) {
     ALL_PAIRS(adam_loop8);
-    default: adam_scalar_any(q, pt, gt, n, c);
+    default: adam_scalar(q, pt, gt, 0, n, c);
     }
 }
 
@@ -223,7 +217,7 @@ static void adam_block(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype gt, 
     switch (ampc_cpu_isa()) {
     case ISA_AVX512: adam_avx512(q, pt, gt, n, c); break;
     case ISA_AVX2: adam_avx2(q, pt, gt, n, c); break;
-    default: adam_scalar_any(q, pt, gt, n, c);
+    default: adam_scalar(q, pt, gt, 0, n, c);
     }
 }
 
@@ -286,9 +280,14 @@ ampc_status ampc_adam_cpu(const struct ampc_adam_lists *lists,
     float inv_scale = control->inv_scale ? *control->inv_scale : 1.0f;
     float clip = control->clip_coef ? *control->clip_coef : 1.0f;
     int amsgrad = lists->max_exp_avg_sqs.count > 0;
+    float prev = -1.0f;
     for (int64_t t = 0; t < count; t++) {
         float step = *(const float *)lists->steps.ptr[t] + 1.0f;   /* fp32, as stored */
-        coef[t] = ampc_adam_coef(args, lr, (double)step, inv_scale, clip, amsgrad);
+        if (step == prev)       /* params usually share their step: two pow()s saved */
+            coef[t] = coef[t - 1];
+        else
+            coef[t] = ampc_adam_coef(args, lr, (double)step, inv_scale, clip, amsgrad);
+        prev = step;
     }
     struct adam_job job = { lists, coef, args, bytes_moved(lists) > ampc_cache_bytes() };
     ampc_status st = ampc_for_each_chunk(&lists->params, adam_span, &job);

@@ -264,9 +264,11 @@ static struct ampc_list float_list(struct call *c, const struct list *ls)
 /* A 1-element tensor of the given dtype (found_inf, inv_scale, scale, trackers). */
 static void check_scalar(struct call *c, const struct tensor *t, int32_t dtype, int allow_empty)
 {
+    char a[64];
     if (t->dtype != dtype || !(t->numel == 1 || (allow_empty && t->numel == 0)))
-        fail(c, "%s must be a 1-element %s tensor, got %s with %lld elements", t->name,
-             dtype_name(dtype), dtype_name(t->dtype), (long long)t->numel);
+        fail(c, "%s must be a 1-element %s tensor, got %s with %lld elements",
+             tensor_name(t, a, sizeof(a)), dtype_name(dtype), dtype_name(t->dtype),
+             (long long)t->numel);
 }
 
 /* dst[i] has the shape of src[i] for every i. */
@@ -612,12 +614,13 @@ static struct ampc_list f32_list(struct call *c, const struct list *ls, const ch
 }
 
 /* A list of zero or one 1-element fp32 tensor: its data, or NULL. */
-static const float *f32_option(struct call *c, const struct list *ls, const char *name)
+static const float *f32_option(struct call *c, struct list *ls, const char *name)
 {
     if (ls->count == 0)
         return NULL;
     if (ls->count > 1)
         fail(c, "%s must hold at most one tensor, got %lld", name, (long long)ls->count);
+    ls->t[0].index = -1;        /* a single value, named without an index */
     check_scalar(c, &ls->t[0], aoti_torch_dtype_float32(), 0);
     return ls->t[0].data;
 }
@@ -642,10 +645,11 @@ static void adam_kernel(StableIValue *stack, int on_cuda)
                                    "max_exp_avg_sqs", "steps", "lr_tensor", "inv_scale",
                                    "clip_coef", "found_inf" };
     static const int written[] = { 1, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0 };
+    enum { N_LISTS = sizeof(names) / sizeof(names[0]) };
     struct call c;
-    struct list *ls[11];
+    struct list *ls[N_LISTS];
     start(&c, "ampc.adam_master", on_cuda);
-    for (int i = 0; i < 11; i++)
+    for (int i = 0; i < N_LISTS; i++)
         ls[i] = take_list(&c, stack[i], names[i], written[i]);
     describe_all(&c);
     struct adam_job job;
@@ -661,13 +665,8 @@ static void adam_kernel(StableIValue *stack, int on_cuda)
     if (ls[6]->count != ls[0]->count)
         fail(&c, "steps must have as many tensors as params (%lld), got %lld",
              (long long)ls[0]->count, (long long)ls[6]->count);
-    for (int64_t i = 0; i < ls[6]->count; i++) {
-        char a[64];
-        const struct tensor *t = &ls[6]->t[i];
-        if (t->dtype != aoti_torch_dtype_float32() || t->numel != 1)
-            fail(&c, "%s must be a 1-element torch.float32 tensor, got %s with %lld elements",
-                 tensor_name(t, a, sizeof(a)), dtype_name(t->dtype), (long long)t->numel);
-    }
+    for (int64_t i = 0; i < ls[6]->count; i++)
+        check_scalar(&c, &ls[6]->t[i], aoti_torch_dtype_float32(), 0);
     job.control.lr = f32_option(&c, ls[7], "lr_tensor");
     job.control.inv_scale = f32_option(&c, ls[8], "inv_scale");
     job.control.clip_coef = f32_option(&c, ls[9], "clip_coef");

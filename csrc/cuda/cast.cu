@@ -18,11 +18,7 @@ __device__ __forceinline__ uint32_t cast1(uint32_t x, int stochastic, uint64_t s
 {
     if (S == D)
         return x;
-    float f = to_f32<S>(x);
-    if (D == AMPC_F32 || !stochastic)
-        return from_f32<D>(f);
-    uint32_t rnd = ampc_random_bits(seed, k);
-    return D == AMPC_F16 ? ampc_f32_to_f16_sr(f, rnd) : ampc_f32_to_bf16_sr(f, rnd);
+    return round_f32<D>(to_f32<S>(x), stochastic, seed, k);
 }
 
 template <ampc_dtype S, ampc_dtype D>
