@@ -16,8 +16,9 @@ A policy says what autocast does to an op's floating-point tensor arguments:
 
 Only "eligible" tensors are touched: floating point, not float64, on the autocast device.
 The defaults are PyTorch's own lists (aten/src/ATen/autocast_mode.cpp, torch 2.12+) per
-device, keyed by the Python-level name of the op (overloads share one policy), plus a few
-C++ composite ops whose inner calls torch autocasts but a Python-level mode cannot see.
+device, keyed by the Python-level name of the op (overloads share one policy). Inside an
+ampc.autocast region torch's own autocast is on and applies them (the ops C++ composites call
+inside included); ampc steps in only where the effective policy differs from these lists.
 
 Users can read the effective policy of any op (:func:`get_policy`), change it globally or
 per device (:func:`set_policy`), add their own functions and custom ops (:func:`register`),
@@ -100,18 +101,6 @@ _CPU = {
     P.PROMOTE: "stack cat index_copy",
 }
 
-# C++ composite ops: torch autocasts the listed ops they call inside, which a mode at the
-# Python level never sees, so ampc gives the composite the policy that yields the same dtype.
-_COMPOSITES = {
-    "cuda": {P.FP32: "cross_entropy_loss nll_loss_nd", P.FP32_SET_OPT_DTYPE: "linalg_norm"},
-    "cpu": {P.LOWER_PRECISION_FP: "einsum chain_matmul linalg_multi_dot tensordot lstm "
-                                  "multi_head_attention_forward",
-            P.FP32: "nll_loss_nd"},
-}
-# (multi_head_attention_forward is Python; the mode could follow it call by call, but on the
-# CPU, where softmax is not listed, casting its inputs once gives torch's results bit for bit
-# with 40 fewer intercepted calls)
-
 # Python-level spellings whose name differs from the op's
 _ALIASES = {"cross_entropy": "cross_entropy_loss", "__matmul__": "matmul", "__pow__": "pow"}
 
@@ -128,7 +117,6 @@ def _expand(lists):
 
 
 DEFAULTS = {"cuda": _expand(_CUDA), "cpu": _expand(_CPU)}
-_COMPOSITE_DEFAULTS = {dev: _expand(lists) for dev, lists in _COMPOSITES.items()}
 
 # ---- the registry ----
 
@@ -138,12 +126,15 @@ EFFECTIVE = {}                                   # device -> {name: policy}, reb
 FUNCS = {}                                       # callable -> op name (or None: not an op)
 _named = set()                                   # callables named by the registry itself
 _labels = set()                                  # names given to registered functions and ops
+EDITED = False                                   # whether a change touches one of torch's own ops
 
 
 def _rebuild():
+    global EDITED
     for dev in DEVICES:
-        eff = {**_COMPOSITE_DEFAULTS[dev], **DEFAULTS[dev], **_overrides["*"], **_overrides[dev]}
+        eff = {**DEFAULTS[dev], **_overrides["*"], **_overrides[dev]}
         EFFECTIVE[dev] = {k: v for k, v in eff.items() if v is not P.PASSTHROUGH}
+    EDITED = any(name not in _labels for table in _overrides.values() for name in table)
 
 
 _NAMESPACES = (torch, torch.Tensor, torch._C._nn, torch._C._linalg, torch._C._fft,
@@ -162,7 +153,7 @@ def _index_names(names):
 
 def _all_names():
     names = set(_ALIASES.values())
-    for table in (*DEFAULTS.values(), *_COMPOSITE_DEFAULTS.values(), *_overrides.values()):
+    for table in (*DEFAULTS.values(), *_overrides.values()):
         names.update(table)
     return names
 
@@ -300,18 +291,26 @@ class Scope:
     """What a scope changes: the dtype of lower-precision ops (None: the region's),
     per-op policies, or autocast as a whole (``enabled=False``)."""
 
-    __slots__ = ("dtype", "ops", "enabled")
+    __slots__ = ("dtype", "ops", "enabled", "base", "outer", "from_module")
 
     def __init__(self, dtype=None, ops=None, enabled=None):
         if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError("ampc.policy.scope: dtype must be torch.float32, torch.float16, "
                              f"torch.bfloat16 or None, got {dtype}")
         self.dtype, self.enabled = dtype, enabled    # enabled None: as the enclosing scope
+        self.base = self.outer = None
+        self.from_module = False
         self.ops = {op_name(k): _check_policy("scope", v) for k, v in (ops or {}).items()}
 
     def merged(self, parent):
         """This scope seen from inside ``parent``: unset fields come from the parent."""
         out = Scope.__new__(Scope)
+        out.base = None       # torch's autocast state outside the outermost scope (set by autocast)
+        out.from_module = self.from_module
+        # the merged scope of the innermost ``with scope(...)``, module scopes left out: what a
+        # checkpoint's recomputation restores (module scopes come back with their modules)
+        out.outer = parent.outer if parent is not None and self.from_module else \
+            None if self.from_module else out
         if parent is None:
             out.dtype, out.ops = self.dtype, self.ops
             out.enabled = self.enabled is not False
@@ -336,14 +335,22 @@ def current_scope():
 
 
 def _push(s):
-    """Enters scope ``s`` (merged into the current one); returns the scope to restore."""
+    """Enters scope ``s`` (merged into the current one); returns what to restore."""
     prev = current_scope()
     _tls.scope = s.merged(prev)
-    return prev
+    return prev, (_scope_entered(_tls.scope, prev) if _scope_entered is not None else None)
 
 
-def _pop(parent):
-    _tls.scope = parent
+def _pop(saved):
+    prev, token = saved
+    if token is not None:
+        _scope_left(token)
+    _tls.scope = prev
+
+
+# set by ampc.autocast: make torch's autocast state follow a scope's dtype and enabled
+_scope_entered = None     # (merged scope, parent scope) -> what to restore, or None
+_scope_left = None
 
 
 class scope:
@@ -385,6 +392,7 @@ def module_scope(module, *, dtype=None, ops=None, enabled=None, cast_inputs=True
         raise TypeError(f"ampc.policy.module_scope: module must be a torch.nn.Module, "
                         f"got {type(module).__name__}")
     s = Scope(dtype, ops, enabled)
+    s.from_module = True
 
     def pre(mod, args, kwargs):
         cast = None

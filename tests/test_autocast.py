@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import ampc
 
 AC = sys.modules["ampc.autocast"]     # the module; ampc.autocast is the class
+CASTS, WC = sys.modules["ampc._casts"], sys.modules["ampc._weight_cache"]
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
@@ -178,7 +179,7 @@ def test_autocast_decorator_reenters_in_recursion():
         return torch.mm(*mats()).dtype
 
     assert depth(3) is BF16
-    assert not ampc.is_autocast_enabled("cpu") and AC._st.nesting == 0 and not AC._st.saved
+    assert not ampc.is_autocast_enabled("cpu") and AC._st.depth == 0 and not AC._st.saved
 
 
 # ---- custom_fwd / custom_bwd ----
@@ -233,8 +234,8 @@ def test_custom_fwd_casts_inputs_and_turns_autocast_off():
 
 def count_casts(monkeypatch):
     calls = []
-    real = AC._raw_cast
-    monkeypatch.setattr(AC, "_raw_cast", lambda ts, dt: calls.append(len(ts)) or real(ts, dt))
+    real = CASTS.raw_cast
+    monkeypatch.setattr(CASTS, "raw_cast", lambda ts, dt: calls.append(len(ts)) or real(ts, dt))
     return calls
 
 
@@ -277,7 +278,7 @@ def test_later_regions_cast_all_weights_in_ddp_sized_buckets(monkeypatch):
         calls.clear()
     assert seen == [[2, 2, 2], [6]]      # first region: per module; then all six in one call
     assert torch.equal(outs[0], outs[1])
-    monkeypatch.setattr(AC, "_BUCKET_BYTES", 8 * 8 * 4 + 8 * 4)    # one Linear's weights
+    monkeypatch.setattr(WC, "_BUCKET_BYTES", 8 * 8 * 4 + 8 * 4)    # one Linear's weights
     with ampc.autocast("cpu"):
         model(x)
     assert calls == [2, 2, 2]
@@ -306,13 +307,16 @@ def test_weight_cast_made_under_no_grad_still_gets_gradients():
     assert lin.weight.grad is not None and lin.weight.grad.dtype is FP32
 
 
-def test_cache_disabled_casts_every_time(monkeypatch):
+def test_cache_disabled_leaves_every_cast_to_torch(monkeypatch):
     lin, x = nn.Linear(8, 8), torch.randn(2, 8)
     calls = count_casts(monkeypatch)
     with ampc.autocast("cpu", cache_enabled=False):
-        lin(x)
-        lin(x)
-    assert len(calls) == 2 and not AC._st.cache
+        assert not torch.is_autocast_cache_enabled()
+        got = [lin(x), lin(x)]
+    with torch.autocast("cpu", cache_enabled=False):
+        want = lin(x)
+    assert calls == [] and not AC._st.cache
+    assert all(torch.equal(g, want) for g in got)
 
 
 # ---- gradients of small models against torch.autocast ----

@@ -148,9 +148,11 @@ def _cast_floating(value, dtype):
 def test_cuda_table_on_cpu_tensors_gives_torchs_expected_results(monkeypatch, capsys):
     """Without a GPU: ampc's CUDA table applied to CPU tensors under float16 gives, on every
     case of torch's CUDA lists that runs on the CPU, the result torch's own test expects:
-    the op run with its floating arguments cast to the list's type, autocast off."""
+    the op run with its floating arguments cast to the list's type, autocast off. Every op
+    takes ampc's own path here (the one policy edits take), torch's autocast off for it."""
     AC = sys.modules["ampc.autocast"]
     monkeypatch.setitem(AC._EFFECTIVE, "cpu", AC._EFFECTIVE["cuda"])
+    monkeypatch.setitem(AC._TORCH, "cpu", {})    # every listed op differs: ampc does all the casts
     L = lists.AutocastTestLists("cpu")
     plan = {"torch_fp16": (torch, torch.float16), "nn_fp16": (torch._C._nn, torch.float16),
             "linalg_fp16": (torch._C._linalg, torch.float16), "methods_fp16": (None, torch.float16),
