@@ -344,12 +344,23 @@ class _Recompute:
     def __enter__(self):
         self.prev = _ptls.scope
         _ptls.scope = self.outer
-        _enter_mode(_st)
+        # backward called inside a region runs with the mode off, the region still open
+        self.pushed = not _mode_on()
+        if self.pushed:
+            _push()
+        _st.depth += 1
 
     def __exit__(self, *exc):
-        _exit_mode(_st)
+        _st.depth -= 1
+        if self.pushed:
+            _pop()
         _ptls.scope = self.prev
         return False
+
+
+def _mode_on():
+    stack = torch._C._get_function_stack_at
+    return any(stack(i) is _MODE for i in range(torch._C._len_torch_function_stack()))
 
 
 def _enter_mode(st):
