@@ -31,6 +31,7 @@ from . import policy as _policy
 from ._casts import cast_tensors
 from ._composites import call_lifted
 from ._overflow import checked, install_hooks, remove_hooks
+from ._walk import map_tensors, tensors
 from ._weight_cache import cast_weights, is_weight, order_of
 from .policy import CastPolicy as P
 
@@ -166,7 +167,8 @@ def _dispatch(func, name, args, kwargs, st):
 
 def _feed_weights(args, kwargs, dtype, on, st):
     """``args`` with the fp32 weights among them (top level and in lists) taken from the
-    weight cache; kwargs are left to torch."""
+    weight cache; kwargs are left to torch. A flat loop, not the shared walk: it runs on
+    every lower-precision call, and torch's ops take tensors at the top level or in a list."""
     found = None
     for a in args:
         if isinstance(a, _Tensor):
@@ -187,45 +189,25 @@ def _feed_weights(args, kwargs, dtype, on, st):
         if not found:
             return args
         casts = cast_weights(found, dtype, st)
-    return tuple(_sub(a, casts) for a in args)
+    return map_tensors(lambda t: casts.get(id(t), t), args)
 
 
 def _eligible(args, kwargs, on, skip=None):
-    """Every eligible tensor argument (top level and inside lists) not already in dtype
-    ``skip``, by id."""
-    found = {}
-    for a in (*args, *kwargs.values()) if kwargs else args:
-        if isinstance(a, _Tensor):
-            if a.dtype is not skip and a.dtype in _ELIGIBLE and getattr(a, on):
-                found[id(a)] = a
-        elif type(a) is list or type(a) is tuple:
-            for x in a:
-                if isinstance(x, _Tensor) and x.dtype is not skip and x.dtype in _ELIGIBLE and getattr(x, on):
-                    found[id(x)] = x
-    return found
+    """Every eligible tensor argument not already in dtype ``skip``, by id."""
+    return {id(t): t for t in tensors((args, kwargs))
+            if t.dtype is not skip and t.dtype in _ELIGIBLE and getattr(t, on)}
 
 
-def _sub(a, casts):
-    if isinstance(a, _Tensor):
-        return casts.get(id(a), a)
-    if type(a) is list or type(a) is tuple:
-        return type(a)(casts.get(id(x), x) if isinstance(x, _Tensor) else x for x in a)
-    return a
-
-
-def _to(a, dtype, on):
-    if isinstance(a, _Tensor):
-        return a.to(dtype) if a.dtype is not dtype and a.dtype in _ELIGIBLE and getattr(a, on) else a
-    if type(a) is list or type(a) is tuple:
-        return type(a)(_to(x, dtype, on) for x in a)
-    return a
+def _to(t, dtype, on):
+    return t.to(dtype) if t.dtype is not dtype and t.dtype in _ELIGIBLE and getattr(t, on) else t
 
 
 def _cast_args(args, kwargs, dtype, on, st):
     """(args, kwargs) with their eligible tensors cast to ``dtype``: weights through the
     cache, the others in one kernel call."""
     if torch.compiler.is_compiling():     # plain .to() that Dynamo can trace; no cache (as torch)
-        return tuple(_to(a, dtype, on) for a in args), {k: _to(v, dtype, on) for k, v in kwargs.items()}
+        to = functools.partial(_to, dtype=dtype, on=on)
+        return map_tensors(to, args), map_tensors(to, kwargs)
     todo = _eligible(args, kwargs, on, dtype)
     if not todo:
         return args, kwargs
@@ -236,8 +218,8 @@ def _cast_args(args, kwargs, dtype, on, st):
         rest = [t for k, t in todo.items() if k not in weights]
         if rest:
             casts.update(zip(map(id, rest), cast_tensors(rest, dtype)))
-    return (tuple(_sub(a, casts) for a in args),
-            {k: _sub(v, casts) for k, v in kwargs.items()} if kwargs else kwargs)
+    sub = casts.get
+    return map_tensors(lambda t: sub(id(t), t), args), map_tensors(lambda t: sub(id(t), t), kwargs)
 
 
 def _promote_type(args, kwargs, on, start):
@@ -279,12 +261,9 @@ def _apply_policy(func, name, pol, args, kwargs, dev, dtype, st):
 
 
 def _outputs_to(out, dtype):
-    if isinstance(out, _Tensor):
-        return cast_tensors([out], dtype)[0] if out.dtype is _FP32 else out
-    if isinstance(out, tuple):
-        return type(out)(_outputs_to(o, dtype) for o in out) if not hasattr(out, "_fields") \
-            else type(out)(*(_outputs_to(o, dtype) for o in out))
-    return out
+    fp32 = [t for t in tensors(out) if t.dtype is _FP32]
+    casts = dict(zip(map(id, fp32), cast_tensors(fp32, dtype))) if fp32 else {}
+    return map_tensors(lambda t: casts.get(id(t), t), out)
 
 
 # ---- activation checkpointing: the recomputation runs under the region too ----

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from . import ops
+from ._walk import map_tensors
 from .optim import Adam
 
 __all__ = ["prepare", "fp32_state_dict", "NORM_LAYERS"]
@@ -25,16 +26,8 @@ _LOW = (torch.float16, torch.bfloat16)
 
 def _cast_floating(value, dtype):
     """Casts the floating tensors in a (nested) argument to dtype; float64 is left alone."""
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and value.dtype != torch.float64 and value.dtype != dtype:
-            return value.to(dtype)
-        return value
-    if isinstance(value, (list, tuple)):
-        cast = [_cast_floating(v, dtype) for v in value]
-        return type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
-    if isinstance(value, dict):
-        return {k: _cast_floating(v, dtype) for k, v in value.items()}
-    return value
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64
+                       and t.dtype != dtype else t, value)
 
 
 def _cast_inputs(dtype):
