@@ -93,7 +93,9 @@ class _Cast(torch.autograd.Function):
         out = tuple(raw_cast(list(tensors), dtype))
         # a cast of a tensor that needs no grad needs none either (else backward would
         # compute the grad of, say, a model's input that joined the weights' call)
-        ctx.mark_non_differentiable(*(o for o, t in zip(out, tensors) if not t.requires_grad))
+        frozen = [o for o, t in zip(out, tensors) if not t.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
         return out
 
     @staticmethod

@@ -8,6 +8,11 @@ cast them, up to 25 MB per call (DDP's bucket size, so that backward still hands
 back bucket by bucket). An in-place update of a weight moves its version counter, which
 invalidates its cached copy. A weight whose storage is freed (FSDP2 between uses) is never
 cached nor taken along: it is left to the op, which casts it when it is used.
+
+Where it is used (``FUSED``): on CUDA, where one multi-tensor launch per bucket replaces one
+cast launch per weight, forward and backward. On the CPU a cast call costs about the same per
+tensor either way, so the cache's Python autograd node and bookkeeping (about 150 us per step)
+only add: there the weights are left to torch's own cache, which casts them to the same bits.
 """
 import sys
 import weakref
@@ -17,6 +22,7 @@ import torch
 from ._casts import cast_tensors, has_data
 
 _FP32 = torch.float32
+FUSED = {"cpu": False, "cuda": True}    # per device: whether autocast feeds weights from here
 _BUCKET_BYTES = 25 << 20    # DDP's default bucket: its all-reduce waits for a whole bucket anyway
 
 
@@ -69,7 +75,7 @@ def _companions(st, weights, dtype):
         budget = None
     out = []
     for p in candidates:
-        if (p is None or id(p) in seen or p.device != first.device or not is_weight(p)
+        if (p is None or id(p) in seen or p.is_cpu is not first.is_cpu or not is_weight(p)
                 or _cached(st.cache, (id(p), dtype), p) is not None):
             continue
         if budget is not None:

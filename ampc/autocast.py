@@ -32,7 +32,7 @@ from ._casts import cast_tensors
 from ._composites import call_lifted
 from ._overflow import checked, install_hooks, remove_hooks
 from ._walk import map_tensors, tensors
-from ._weight_cache import cast_weights, is_weight, order_of
+from ._weight_cache import FUSED as _FUSED, cast_weights, is_weight, order_of
 from .policy import CastPolicy as P
 
 _Tensor = torch.Tensor
@@ -41,6 +41,7 @@ _LOW = (_FP16, _BF16)
 _ELIGIBLE = frozenset(d for d in vars(torch).values()
                       if isinstance(d, torch.dtype) and d.is_floating_point and d is not torch.float64)
 _ON_DEVICE = {"cpu": "is_cpu", "cuda": "is_cuda"}     # the Tensor property that says "on it"
+_DEVICES = tuple(_ON_DEVICE)
 _SUPPORTED = {"cpu": (_FP16, _BF16), "cuda": (_FP16, _BF16, _FP32)}   # as torch (CUDA takes fp32)
 
 
@@ -49,7 +50,9 @@ class _State(threading.local):
 
     def __init__(self):
         self.depth = 0            # open ampc regions (the mode is on while > 0)
+        self.plain = True         # no weight feeding, scope ops or checks: the mode passes calls on
         self.saved = []           # one entry per open region: torch's state to restore on exit
+        self.pushed = []          # one entry per open region: whether it put the mode on
         self.check_finite = False
         self.cache = {}           # (id(weight), dtype) -> (weight, version, cast)
         self.learned = {}         # the order the last region cast weights in (_weight_cache)
@@ -80,6 +83,8 @@ _TORCH = _policy.DEFAULTS          # torch's own lists: what torch's autocast do
 
 class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _st.plain and not _policy.CHANGED:     # nothing for ampc to add: torch does it all
+            return func(*args, **kwargs) if kwargs else func(*args)
         try:
             name = _FUNCS.get(func)
         except TypeError:      # unhashable: not an op
@@ -150,7 +155,7 @@ def _dispatch(func, name, args, kwargs, st):
     if pol is _PASS:
         pol = None
     if pol is _TORCH[dev].get(name):          # torch's autocast does the same: let it
-        if pol is _LOWER and _cache_on() and not torch.compiler.is_compiling() \
+        if pol is _LOWER and _FUSED[dev] and _cache_on() and not torch.compiler.is_compiling() \
                 and not torch.is_inference_mode_enabled():
             return func(*_feed_weights(args, kwargs, _get_dtype(dev), _ON_DEVICE[dev], st), **kwargs)
         return func(*args, **kwargs)
@@ -167,29 +172,32 @@ def _dispatch(func, name, args, kwargs, st):
 
 def _feed_weights(args, kwargs, dtype, on, st):
     """``args`` with the fp32 weights among them (top level and in lists) taken from the
-    weight cache; kwargs are left to torch. A flat loop, not the shared walk: it runs on
+    weight cache; kwargs are left to torch. Flat loops, not the shared walk: this runs on
     every lower-precision call, and torch's ops take tensors at the top level or in a list."""
-    found = None
-    for a in args:
+    cache, out, missing = st.cache, None, None
+    for i, a in enumerate(args):
         if isinstance(a, _Tensor):
             if a.dtype is _FP32 and a.requires_grad and a.is_leaf and getattr(a, on):
-                found = found or {}
-                found[id(a)] = a
-        elif type(a) is list or type(a) is tuple:
-            for x in a:
-                if isinstance(x, _Tensor) and x.dtype is _FP32 and x.requires_grad and x.is_leaf \
-                        and getattr(x, on):
-                    found = found or {}
-                    found[id(x)] = x
-    if found is None:
-        return args
+                hit = cache.get((id(a), dtype))
+                if hit is not None and hit[0] is a and hit[1] == a._version:
+                    out = out or list(args)
+                    out[i] = hit[2]
+                else:
+                    missing = missing or []
+                    missing.append(a)
+        elif (type(a) is list or type(a) is tuple) and any(isinstance(x, _Tensor) for x in a):
+            missing = missing or []
+            missing.extend(x for x in a if isinstance(x, _Tensor) and x.dtype is _FP32
+                           and x.requires_grad and x.is_leaf and getattr(x, on))
+    if not missing:
+        return args if out is None else tuple(out)
     # a method call on a Parameter would go through its Python __torch_function__: not needed
     with _NoSubclassTF():
-        found = {k: w for k, w in found.items() if is_weight(w)}
-        if not found:
-            return args
-        casts = cast_weights(found, dtype, st)
-    return map_tensors(lambda t: casts.get(id(t), t), args)
+        casts = cast_weights({id(w): w for w in missing if is_weight(w)}, dtype, st)
+    if not casts:
+        return args if out is None else tuple(out)
+    sub = casts.get
+    return map_tensors(lambda t: sub(id(t), t), args if out is None else tuple(out))
 
 
 def _eligible(args, kwargs, on, skip=None):
@@ -328,12 +336,15 @@ class _Recompute:
         if self.pushed:
             _push()
         _st.depth += 1
+        _refresh(_st)
 
     def __exit__(self, *exc):
         _st.depth -= 1
         if self.pushed:
             _pop()
+        _region_closed(_st)
         _ptls.scope = self.prev
+        _refresh(_st)
         return False
 
 
@@ -342,26 +353,31 @@ def _mode_on():
     return any(stack(i) is _MODE for i in range(torch._C._len_torch_function_stack()))
 
 
-def _enter_mode(st):
-    st.depth += 1
-    if st.depth == 1:
+def _refresh(st):
+    """Whether the mode has anything to do in this thread beyond policy changes."""
+    sc = _ptls.scope
+    st.plain = not (st.check_finite or (sc is not None and sc.ops)
+                    or any(_FUSED[d] and _enabled(d) for d in _DEVICES))
+
+
+def _push_if_needed(st):
+    """Puts the mode on when this thread's region needs it and it is not on: for policy
+    changes, scope ops, weight feeding or check_finite. Returns whether it did."""
+    if (_policy.CHANGED or not st.plain) and not _mode_on():
         _push()
+        return True
+    return False
 
 
-def _exit_mode(st):
-    st.depth -= 1
+def _region_closed(st):
     if st.depth == 0:
         if st.cache:
             st.learned = order_of(st.cache)
         st.cache.clear()
         st.modules.clear()
-        _pop()
 
 
 # ---- scopes and module scopes: torch's state follows their dtype and enabled ----
-
-_DEVICES = ("cpu", "cuda")
-
 
 def _scope_entered(merged, parent):
     saved = tuple((_enabled(d), _get_dtype(d)) for d in _DEVICES)
@@ -370,13 +386,18 @@ def _scope_entered(merged, parent):
         if on:
             torch.set_autocast_enabled(d, bool(merged.enabled))
             torch.set_autocast_dtype(d, merged.dtype or dtype)
-    return saved
+    _refresh(_st)
+    return saved, _st.depth > 0 and _push_if_needed(_st)
 
 
-def _scope_left(saved):
+def _scope_left(token):
+    saved, pushed = token
+    if pushed:
+        _pop()
     for d, (on, dtype) in zip(_DEVICES, saved):
         torch.set_autocast_enabled(d, on)
         torch.set_autocast_dtype(d, dtype)
+    _refresh(_st)
 
 
 def _cast_module_inputs(args, kwargs, dtype):
@@ -484,7 +505,9 @@ class autocast:
         torch.set_autocast_cache_enabled(self._cache_enabled)
         if self._check_finite is not None:
             st.check_finite = bool(self._check_finite)
-        _enter_mode(st)
+        st.depth += 1
+        _refresh(st)
+        st.pushed.append(_push_if_needed(st))
         if st.check_finite and not st.hooked:       # module paths for the overflow locator
             st.hooked = st.depth
             install_hooks(st)
@@ -495,13 +518,17 @@ class autocast:
         if st.hooked == st.depth:
             st.hooked = 0
             remove_hooks()
-        _exit_mode(st)
+        st.depth -= 1
+        if st.pushed.pop():
+            _pop()
+        _region_closed(st)
         if torch.autocast_decrement_nesting() == 0:
             torch.clear_autocast_cache()
         on, dtype, cache, st.check_finite = st.saved.pop()
         torch.set_autocast_enabled(dev, on)
         torch.set_autocast_dtype(dev, dtype)
         torch.set_autocast_cache_enabled(cache)
+        _refresh(st)
         return False
 
     def __call__(self, func):

@@ -127,14 +127,16 @@ FUNCS = {}                                       # callable -> op name (or None:
 _named = set()                                   # callables named by the registry itself
 _labels = set()                                  # names given to registered functions and ops
 EDITED = False                                   # whether a change touches one of torch's own ops
+CHANGED = False                                  # whether there is any change or registration
 
 
 def _rebuild():
-    global EDITED
+    global EDITED, CHANGED
     for dev in DEVICES:
         eff = {**DEFAULTS[dev], **_overrides["*"], **_overrides[dev]}
         EFFECTIVE[dev] = {k: v for k, v in eff.items() if v is not P.PASSTHROUGH}
     EDITED = any(name not in _labels for table in _overrides.values() for name in table)
+    CHANGED = any(_overrides.values())
 
 
 _NAMESPACES = (torch, torch.Tensor, torch._C._nn, torch._C._linalg, torch._C._fft,
@@ -218,7 +220,8 @@ def get_policy(op, device_type="cuda"):
 def set_policy(op, policy, device_type=None):
     """Sets the policy of ``op`` for every device (``device_type=None``) or for one.
     ``policy=None`` removes the change and restores the default. Takes effect from the
-    next call on, in every thread (open regions included)."""
+    next call on, in every thread; a region opened while the registry had no changes at all
+    (it then leaves everything to torch's autocast) sees it from its next region on."""
     _check_device("set_policy", device_type)
     _set(op_name(op), policy, device_type)
 
@@ -343,9 +346,9 @@ def _push(s):
 
 def _pop(saved):
     prev, token = saved
+    _tls.scope = prev
     if token is not None:
         _scope_left(token)
-    _tls.scope = prev
 
 
 # set by ampc.autocast: make torch's autocast state follow a scope's dtype and enabled

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up .venv (torch 2.14.1, pytest, numpy) and builds ampc into it from source.
+# Sets up .venv (torch 2.14.1, pytest, numpy, torchvision, transformers) and builds ampc into it from source.
 # Idempotent: a second run only rebuilds what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +9,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if ! .venv/bin/python -c "import torch, pytest, numpy; assert torch.__version__.startswith('2.14.1')" 2>/dev/null; then
     .venv/bin/pip install -q torch==2.14.1 pytest numpy
+fi
+# Real models for the autocast tests (a fresh-config transformers model, torchvision's ResNet-18);
+# torchvision 0.29.1 is the release built against torch 2.14.1, so pip keeps that torch.
+if ! .venv/bin/python -c "import torchvision, transformers" 2>/dev/null; then
+    .venv/bin/pip install -q torchvision==0.29.1 transformers==5.24.0
 fi
 # No build isolation: the build needs only setuptools, and isolation could pull a torch.
 .venv/bin/pip install -q --no-build-isolation --no-deps -e .

@@ -230,7 +230,12 @@ def test_custom_fwd_casts_inputs_and_turns_autocast_off():
         ampc.custom_fwd(device_type=None)
 
 
-# ---- the weight cache ----
+# ---- the weight cache (used on CUDA by default; switched on for the CPU here) ----
+
+@pytest.fixture
+def fused_cpu(monkeypatch):
+    monkeypatch.setitem(WC.FUSED, "cpu", True)
+
 
 def count_casts(monkeypatch):
     calls = []
@@ -250,6 +255,7 @@ class Two(nn.Module):
         return (x @ self.w1) @ self.w2 + self.w3.sum()
 
 
+@pytest.mark.usefixtures("fused_cpu")
 def test_weight_cache_casts_a_modules_weights_in_one_call(monkeypatch):
     m, x = Two(), torch.randn(4, 8, dtype=BF16)
     calls = count_casts(monkeypatch)
@@ -264,6 +270,7 @@ def test_weight_cache_casts_a_modules_weights_in_one_call(monkeypatch):
     assert not AC._st.cache
 
 
+@pytest.mark.usefixtures("fused_cpu")
 def test_later_regions_cast_all_weights_in_ddp_sized_buckets(monkeypatch):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 4))
@@ -284,7 +291,9 @@ def test_later_regions_cast_all_weights_in_ddp_sized_buckets(monkeypatch):
     assert calls == [2, 2, 2]
 
 
+@pytest.mark.usefixtures("fused_cpu")
 def test_weight_cache_invalidated_by_inplace_update():
+    """Beyond torch: its own cache keeps the stale cast of a weight updated in place."""
     lin = nn.Linear(8, 8)
     x = torch.randn(2, 8)
     with ampc.autocast("cpu"):
@@ -297,6 +306,7 @@ def test_weight_cache_invalidated_by_inplace_update():
     assert not torch.equal(before, after) and torch.equal(after, want)
 
 
+@pytest.mark.usefixtures("fused_cpu")
 def test_weight_cast_made_under_no_grad_still_gets_gradients():
     lin = nn.Linear(8, 8)
     x = torch.randn(2, 8)
@@ -307,6 +317,7 @@ def test_weight_cast_made_under_no_grad_still_gets_gradients():
     assert lin.weight.grad is not None and lin.weight.grad.dtype is FP32
 
 
+@pytest.mark.usefixtures("fused_cpu")
 def test_cache_disabled_leaves_every_cast_to_torch(monkeypatch):
     lin, x = nn.Linear(8, 8), torch.randn(2, 8)
     calls = count_casts(monkeypatch)
@@ -472,6 +483,7 @@ def test_cast_of_a_tensor_without_grad_needs_no_grad():
     assert graphs[0] == graphs[1] and graphs[1].count(True) == 2     # bias and weight only
 
 
+@pytest.mark.usefixtures("fused_cpu")
 def test_inference_mode_matches_torch_and_caches_nothing():
     lin, x = nn.Linear(8, 8), torch.randn(2, 8)
     with torch.inference_mode():

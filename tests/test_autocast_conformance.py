@@ -153,6 +153,7 @@ def test_cuda_table_on_cpu_tensors_gives_torchs_expected_results(monkeypatch, ca
     AC = sys.modules["ampc.autocast"]
     monkeypatch.setitem(AC._EFFECTIVE, "cpu", AC._EFFECTIVE["cuda"])
     monkeypatch.setitem(AC._TORCH, "cpu", {})    # every listed op differs: ampc does all the casts
+    monkeypatch.setattr(ampc.policy, "CHANGED", True)     # so regions put ampc's mode on
     L = lists.AutocastTestLists("cpu")
     plan = {"torch_fp16": (torch, torch.float16), "nn_fp16": (torch._C._nn, torch.float16),
             "linalg_fp16": (torch._C._linalg, torch.float16), "methods_fp16": (None, torch.float16),

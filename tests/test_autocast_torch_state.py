@@ -274,7 +274,9 @@ def test_ampc_custom_bwd_runs_backward_under_the_forwards_state():
 
 # ---- a weight whose storage was freed (FSDP2 between uses) ----
 
-def test_freed_weight_storage_never_reaches_the_cast_kernel():
+@pytest.mark.parametrize("fused", [True, False])
+def test_freed_weight_storage_never_reaches_the_cast_kernel(fused, monkeypatch):
+    monkeypatch.setitem(sys.modules["ampc._weight_cache"].FUSED, "cpu", fused)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     x = torch.randn(2, 8)
@@ -296,3 +298,19 @@ def test_freed_weight_storage_never_reaches_the_cast_kernel():
     with torch.autocast("cpu"):
         want = model(x)
     assert torch.equal(got, want)
+
+
+def test_a_change_reaches_open_regions_that_have_the_mode_on_and_later_ones():
+    a, b = mats()
+    ampc.policy.set_policy("addmv", "fp32", device_type="cpu")     # a change: the mode is on
+    with ampc.autocast("cpu"):
+        assert torch.mm(a, b).dtype is BF16
+        ampc.policy.set_policy("mm", "fp32", device_type="cpu")
+        assert torch.mm(a, b).dtype is FP32           # from the next call on
+    ampc.policy.reset()
+    with ampc.autocast("cpu"):                       # no changes: torch's autocast alone
+        assert torch._C._len_torch_function_stack() == 0
+        ampc.policy.set_policy("mm", "fp32", device_type="cpu")
+        assert torch.mm(a, b).dtype is BF16           # this region leaves everything to torch
+    with ampc.autocast("cpu"):
+        assert torch.mm(a, b).dtype is FP32           # the next one sees the change
