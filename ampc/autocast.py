@@ -19,7 +19,6 @@ and letting torch do what its lists say makes torch conformance hold by construc
 State is thread-local, as torch's is. Reference: torch/amp/autocast_mode.py.
 """
 import functools
-import sys
 import threading
 import types
 import warnings
@@ -28,18 +27,16 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import policy as _policy
-from ._casts import cast_tensors
+from ._checkpoint import carry_into_checkpoint
 from ._composites import call_lifted
 from ._overflow import checked, install_hooks, remove_hooks
-from ._walk import map_tensors, tensors
+from ._policy_casts import apply_policy, cast_args
+from ._walk import map_tensors
 from ._weight_cache import FUSED as _FUSED, cast_weights, is_weight, order_of
 from .policy import CastPolicy as P
 
 _Tensor = torch.Tensor
 _FP32, _FP16, _BF16 = torch.float32, torch.float16, torch.bfloat16
-_LOW = (_FP16, _BF16)
-_ELIGIBLE = frozenset(d for d in vars(torch).values()
-                      if isinstance(d, torch.dtype) and d.is_floating_point and d is not torch.float64)
 _ON_DEVICE = {"cpu": "is_cpu", "cuda": "is_cuda"}     # the Tensor property that says "on it"
 _DEVICES = tuple(_ON_DEVICE)
 _SUPPORTED = {"cpu": (_FP16, _BF16), "cuda": (_FP16, _BF16, _FP32)}   # as torch (CUDA takes fp32)
@@ -75,10 +72,7 @@ _FunctionType = types.FunctionType
 _FUNCS = _policy.FUNCS
 _EFFECTIVE = _policy.EFFECTIVE
 _TORCH = _policy.DEFAULTS          # torch's own lists: what torch's autocast does by itself
-# the policies as plain names: an Enum attribute read costs more than the comparison
-(_LOWER, _TO_FP32, _SET_DTYPE, _APPEND_DTYPE, _PROMOTE, _BANNED, _KEEP_DTYPE, _PASS) = (
-    P.LOWER_PRECISION_FP, P.FP32, P.FP32_SET_OPT_DTYPE, P.FP32_APPEND_DTYPE, P.PROMOTE, P.BANNED,
-    P.FP32_KEEP_DTYPE, P.PASSTHROUGH)
+_LOWER, _PASS = P.LOWER_PRECISION_FP, P.PASSTHROUGH   # plain names: cheaper than Enum reads
 
 
 class _Mode(TorchFunctionMode):
@@ -94,11 +88,7 @@ class _Mode(TorchFunctionMode):
         st = _st
         if st.check_finite:
             return checked(_run, func, name, args, kwargs, st)
-        if name is None:       # most calls: torch's autocast (if on) does what its lists say
-            if type(func) is _FunctionType and _edited():
-                return _call_composite(func, args, kwargs, st)
-            return func(*args, **kwargs)
-        return _dispatch(func, name, args, kwargs, st)
+        return _run(func, name, args, kwargs, st)
 
 
 _MODE = _Mode()
@@ -125,7 +115,7 @@ def _call_composite(func, args, kwargs, st):
 
 
 def _run(func, name, args, kwargs, st):
-    if name is None:
+    if name is None:       # most calls: torch's autocast (if on) does what its lists say
         if type(func) is _FunctionType and _edited():
             return _call_composite(func, args, kwargs, st)
         return func(*args, **kwargs)
@@ -157,20 +147,20 @@ def _dispatch(func, name, args, kwargs, st):
     if pol is _TORCH[dev].get(name):          # torch's autocast does the same: let it
         if pol is _LOWER and _FUSED[dev] and _cache_on() and not torch.compiler.is_compiling() \
                 and not torch.is_inference_mode_enabled():
-            return func(*_feed_weights(args, kwargs, _get_dtype(dev), _ON_DEVICE[dev], st), **kwargs)
+            return func(*_feed_weights(args, _get_dtype(dev), _ON_DEVICE[dev], st), **kwargs)
         return func(*args, **kwargs)
     if kwargs.get("out") is not None:         # out= calls are not autocast (as torch)
         return func(*args, **kwargs)
     dtype = _get_dtype(dev)
     if torch.compiler.is_compiling():
         with torch.autocast(dev, enabled=False):
-            return _apply_policy(func, name, pol, args, kwargs, dev, dtype, st)
-    _carry_into_checkpoint()
+            return apply_policy(func, name, pol, args, kwargs, dev, dtype, st)
+    carry_into_checkpoint(_under_region)
     with torch._C._DisableAutocast():
-        return _apply_policy(func, name, pol, args, kwargs, dev, dtype, st)
+        return apply_policy(func, name, pol, args, kwargs, dev, dtype, st)
 
 
-def _feed_weights(args, kwargs, dtype, on, st):
+def _feed_weights(args, dtype, on, st):
     """``args`` with the fp32 weights among them (top level and in lists) taken from the
     weight cache; kwargs are left to torch. Flat loops, not the shared walk: this runs on
     every lower-precision call, and torch's ops take tensors at the top level or in a list."""
@@ -200,117 +190,10 @@ def _feed_weights(args, kwargs, dtype, on, st):
     return map_tensors(lambda t: sub(id(t), t), args if out is None else tuple(out))
 
 
-def _eligible(args, kwargs, on, skip=None):
-    """Every eligible tensor argument not already in dtype ``skip``, by id."""
-    return {id(t): t for t in tensors((args, kwargs))
-            if t.dtype is not skip and t.dtype in _ELIGIBLE and getattr(t, on)}
-
-
-def _to(t, dtype, on):
-    return t.to(dtype) if t.dtype is not dtype and t.dtype in _ELIGIBLE and getattr(t, on) else t
-
-
-def _cast_args(args, kwargs, dtype, on, st):
-    """(args, kwargs) with their eligible tensors cast to ``dtype``: weights through the
-    cache, the others in one kernel call."""
-    if torch.compiler.is_compiling():     # plain .to() that Dynamo can trace; no cache (as torch)
-        to = functools.partial(_to, dtype=dtype, on=on)
-        return map_tensors(to, args), map_tensors(to, kwargs)
-    todo = _eligible(args, kwargs, on, dtype)
-    if not todo:
-        return args, kwargs
-    with _NoSubclassTF():
-        cache = dtype in _LOW and _cache_on() and not torch.is_inference_mode_enabled()
-        weights = {k: t for k, t in todo.items() if cache and is_weight(t)}
-        casts = cast_weights(weights, dtype, st) if weights else {}
-        rest = [t for k, t in todo.items() if k not in weights]
-        if rest:
-            casts.update(zip(map(id, rest), cast_tensors(rest, dtype)))
-    sub = casts.get
-    return map_tensors(lambda t: sub(id(t), t), args), map_tensors(lambda t: sub(id(t), t), kwargs)
-
-
-def _promote_type(args, kwargs, on, start):
-    """torch's at::autocast::prioritize: the widest eligible dtype, fp32 over fp16/bf16."""
-    cur = start
-    for t in _eligible(args, kwargs, on).values():
-        if cur is _FP32 or t.dtype is _FP32:
-            cur = _FP32
-        elif t.dtype is not cur:
-            raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
-    return cur
-
-
-def _apply_policy(func, name, pol, args, kwargs, dev, dtype, st):
-    """Runs ``func`` as policy ``pol`` says, ampc doing the casts (torch's autocast is off)."""
-    on = _ON_DEVICE[dev]
-    if pol is _LOWER:
-        args, kwargs = _cast_args(args, kwargs, dtype, on, st)
-    elif pol is _TO_FP32:
-        args, kwargs = _cast_args(args, kwargs, _FP32, on, st)
-    elif pol is _SET_DTYPE or pol is _APPEND_DTYPE:
-        first = args[0] if args else kwargs.get("input")
-        if (isinstance(first, _Tensor) and first.dtype in _ELIGIBLE and getattr(first, on)
-                and kwargs.get("dtype") is None and not any(isinstance(a, torch.dtype) for a in args)):
-            kwargs = {**kwargs, "dtype": _FP32}
-    elif pol is _PROMOTE:
-        args, kwargs = _cast_args(args, kwargs, _promote_type(args, kwargs, on, dtype), on, st)
-    elif pol is _KEEP_DTYPE:
-        first = next(iter(_eligible(args, kwargs, on).values()), None)
-        args, kwargs = _cast_args(args, kwargs, _FP32, on, st)
-        out = func(*args, **kwargs)
-        return out if first is None or first.dtype is _FP32 else _outputs_to(out, first.dtype)
-    elif pol is _BANNED:
-        if name == "binary_cross_entropy":
-            raise RuntimeError(_policy.BCE_MESSAGE)
-        raise RuntimeError(f"ampc.autocast: {name} is banned under autocast by the policy "
-                           f"registry (ampc.policy.get_policy({name!r}, {dev!r}))")
-    return func(*args, **kwargs)
-
-
-def _outputs_to(out, dtype):
-    fp32 = [t for t in tensors(out) if t.dtype is _FP32]
-    casts = dict(zip(map(id, fp32), cast_tensors(fp32, dtype))) if fp32 else {}
-    return map_tensors(lambda t: casts.get(id(t), t), out)
-
-
 # ---- activation checkpointing: the recomputation runs under the region too ----
 
-_top_hooks = functools.partial(torch._C._autograd._top_saved_tensors_default_hooks, False)
-_REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
-
-
-def _closure(fn, name):
-    code = getattr(fn, "__code__", None)
-    if code is None or name not in code.co_freevars:
-        return None
-    return fn.__closure__[code.co_freevars.index(name)].cell_contents
-
-
-def _carry_into_checkpoint():
-    """Inside a checkpointed forward, wraps its recomputation so that it runs with the mode
-    on and the current ``with scope(...)`` restored (torch restores its autocast state, not
-    a mode). Called only when an op runs with a policy that differs from torch's lists:
-    without such an op, torch's own state recomputes the same dtypes."""
-    hooks = _top_hooks()
-    if hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):   # non-reentrant
-        frame = _closure(hooks[0], "frame")
-        if frame is not None and not getattr(frame.recompute_fn, "_ampc", False):
-            frame.recompute_fn = _under_region(frame.recompute_fn)
-        return
-    if torch.is_grad_enabled():
-        return
-    f, depth = sys._getframe(2), 64          # reentrant: the function runs under no_grad
-    while f is not None and depth:
-        if f.f_code is _REENTRANT_FORWARD:
-            ctx = f.f_locals.get("ctx")
-            if ctx is not None and not getattr(ctx.run_function, "_ampc", False):
-                ctx.run_function = _under_region(ctx.run_function)
-            return
-        f, depth = f.f_back, depth - 1
-
-
 def _under_region(fn):
+    """``fn`` run under this region: the mode on and the current ``with scope(...)``."""
     sc = _ptls.scope
     outer = sc.outer if sc is not None else None
 
@@ -408,7 +291,7 @@ def _cast_module_inputs(args, kwargs, dtype):
     dev = "cuda" if t.is_cuda else "cpu" if t.is_cpu else None
     if dev is None or not _enabled(dev):
         return None
-    return _cast_args(args, kwargs, dtype, _ON_DEVICE[dev], _st)
+    return cast_args(args, kwargs, dtype, _ON_DEVICE[dev], _st)
 
 
 _policy._cast_inputs_hook = _cast_module_inputs
