@@ -5,16 +5,19 @@ torch.autocast does, so torch's getters report it, torch's C++ autocast casts ac
 (the ops C++ composites call inside included) with torch's own cast nodes, a nested
 torch.autocast region takes effect, and code that asks torch (custom_fwd, checkpoint's
 recomputation, DataParallel's threads) sees the region. On top of that a TorchFunctionMode
-(``_Mode``) sees each Python-level call and
+(``_Mode``) sees each Python-level call, when the region has something for it to do (else it
+stays off and a region costs what torch.autocast costs), and
   - feeds the fp32 weights of lower-precision ops from ampc's weight cache (one kernel call
-    per bucket of weights, see _weight_cache.py); torch then finds them cast already;
+    per bucket of weights; on CUDA by default, see _weight_cache.py); torch then finds them
+    cast already;
   - runs an op whose ampc policy differs from torch's list (set_policy, register, scope
     ops) with torch's autocast switched off for that call and the casts done by ampc;
   - carries the region into activation checkpointing's recomputation when such an op runs
     inside a checkpointed forward (torch restores its own state there, not a mode's);
   - with check_finite=True, checks every op's output (_overflow.py).
 Why this design: torch's C++ cast node costs a few microseconds where a Python one costs tens,
-and letting torch do what its lists say makes torch conformance hold by construction.
+a mode that is on costs a few microseconds per call, and letting torch do what its lists say
+makes torch conformance hold by construction (benchmarks/bench_autocast.py measures it).
 
 State is thread-local, as torch's is. Reference: torch/amp/autocast_mode.py.
 """
