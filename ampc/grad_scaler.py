@@ -674,6 +674,20 @@ class GradScaler:
             return torch.zeros((), dtype=torch.bool)
         return self._last_found_inf
 
+    def step_records(self):
+        """The kept :class:`StepRecord` s, oldest first, as device tensors (no wait); [] unless
+        built with ``step_records=N``. One is added by each update() after a step."""
+        return [] if self._records is None else list(self._records)
+
+    def read_step_records(self, clear=True):
+        """The kept records read to the host in one transfer (see
+        :func:`read_step_records`), oldest first; ``clear`` drops them once read, so that
+        the next call returns only the iterations since this one."""
+        records = self.step_records()
+        if clear and self._records is not None:
+            self._records.clear()
+        return read_step_records(records)
+
     # ---- getters, setters, persistence ----
 
     def _get_scale_async(self):
