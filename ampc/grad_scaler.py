@@ -23,7 +23,7 @@ import warnings
 import weakref
 from collections import abc, defaultdict, deque
 from enum import Enum
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import NamedTuple, Tuple, Union
 
 import torch
 
@@ -38,7 +38,6 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # it), _host_event says the copy landed.
 _DEVICE_STATE = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_skipped",
                  "_last_found_inf", "_skips_at_min", "_host_skips", "_host_view", "_host_event")
-_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _GRAD_SCALER_WARNING = (
     "GradScaler is going to stop passing itself as a keyword argument to the passed "
     "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
@@ -125,6 +124,17 @@ def _takes_grad_scaler(optimizer):
     except TypeError:
         pass
     return takes
+
+
+def _extras_attributes(extras):
+    """GradScaler attributes from _extras_state()'s dict: the settings, and the counters'
+    host values that the device counters start from."""
+    return {"_hysteresis": extras["hysteresis"], "_min_scale": extras["min_scale"],
+            "_max_scale": extras["max_scale"], "_patience": extras["min_scale_patience"],
+            "_init_hysteresis_tracker": extras["_hysteresis_tracker"],
+            "_init_skipped": extras["_skipped_steps"],
+            "_init_last_skipped": extras["_last_step_skipped"],
+            "_init_skips_at_min": extras["_skips_at_min"]}
 
 
 def _f32(x):
@@ -732,8 +742,8 @@ class GradScaler:
     def is_enabled(self):
         return self._enabled
 
-    def _counters(self):
-        """The state beyond torch's keys: ampc's settings and the device counters as host
+    def _extras_state(self):
+        """The state beyond torch's keys: ampc's settings, and its device counters as host
         values (reading them waits for the device)."""
         if self._scale is None:
             skipped, last, at_min = (self._init_skipped, self._init_last_skipped,
@@ -759,7 +769,7 @@ class GradScaler:
         sd = {"scale": self.get_scale(), "growth_factor": self._growth_factor,
               "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
               "_growth_tracker": self._get_growth_tracker()}
-        sd.update(self._counters())
+        sd.update(self._extras_state())
         return sd
 
     def load_state_dict(self, state_dict):
@@ -786,7 +796,7 @@ class GradScaler:
         self._backoff_factor = state_dict["backoff_factor"]
         self._growth_interval = state_dict["growth_interval"]
         self._init_growth_tracker = state_dict["_growth_tracker"]
-        self._set_extras(extras)
+        self.__dict__.update(_extras_attributes(extras))
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
             self._growth_tracker.fill_(self._init_growth_tracker)
@@ -804,16 +814,6 @@ class GradScaler:
             raise ValueError(f"ampc.GradScaler.load_state_dict: _last_step_skipped must be "
                              f"None or a bool, got {extras['_last_step_skipped']!r}")
 
-    def _set_extras(self, extras):
-        """Settings and host copies of the counters from a dict of _counters()' keys."""
-        self._hysteresis = extras["hysteresis"]
-        self._min_scale, self._max_scale = extras["min_scale"], extras["max_scale"]
-        self._patience = extras["min_scale_patience"]
-        self._init_hysteresis_tracker = extras["_hysteresis_tracker"]
-        self._init_skipped = extras["_skipped_steps"]
-        self._init_last_skipped = extras["_last_step_skipped"]
-        self._init_skips_at_min = extras["_skips_at_min"]
-
     def __getstate__(self):
         state = self.__dict__.copy()
         if self._enabled:
@@ -824,11 +824,7 @@ class GradScaler:
             # device tensors are re-created on the next scale() from the _init_* values
             state["_init_scale"] = self.get_scale()
             state["_init_growth_tracker"] = self._get_growth_tracker()
-            counters = self._counters()
-            state.update(_init_hysteresis_tracker=counters["_hysteresis_tracker"],
-                         _init_skipped=counters["_skipped_steps"],
-                         _init_last_skipped=counters["_last_step_skipped"],
-                         _init_skips_at_min=counters["_skips_at_min"])
+            state.update(_extras_attributes(self._extras_state()))
             state.update(dict.fromkeys(_DEVICE_STATE))
             if self._records is not None:         # a log of device tensors: not carried
                 state["_records"] = deque(maxlen=self._records.maxlen)

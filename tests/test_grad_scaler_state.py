@@ -250,3 +250,27 @@ def test_records_off_by_default_and_checked():
     scaler, _ = _recorded_run(OPTS["sgd"], 3, clip_at=(), scaler_kw=dict(step_records=2))
     back = copy.deepcopy(scaler)                      # records are a log: not carried
     assert back.step_records() == [] and back._records.maxlen == 2
+
+
+@pytest.mark.cuda
+def test_static_scaling_and_records_without_host_sync_on_cuda():
+    model = make_model().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = ampc.GradScaler("cuda", init_scale=1024.0, dynamic=False, step_records=8)
+    x, y = torch.randn(5, 6, device="cuda"), torch.randn(5, 3, device="cuda")
+    norms = []
+    for step in range(4):
+        opt.zero_grad()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss = torch.nn.functional.mse_loss(model(x), y) * (math.inf if step == 2 else 1)
+            scaler.scale(loss).backward()
+            norms.append(scaler.clip_grad_norm_(opt, 1.0))
+            scaler.step(opt)
+            scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    got = scaler.read_step_records()
+    assert [(r["scale"], r["skipped"]) for r in got] == [(1024.0, s == 2) for s in range(4)]
+    assert _same([r["grad_norm"] for r in got], [float(n) for n in norms])
+    assert int(scaler.skipped_steps()) == 1 and scaler.get_scale() == 1024.0
