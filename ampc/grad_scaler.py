@@ -831,4 +831,7 @@ class GradScaler:
         return state
 
     def __setstate__(self, state):
+        # a scaler pickled by an earlier ampc has no skip counters nor records: they start
+        self.__dict__.update(_init_skipped=0, _init_last_skipped=None, _init_skips_at_min=0,
+                             _records=None)
         self.__dict__.update(state)

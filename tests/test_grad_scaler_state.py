@@ -116,6 +116,17 @@ def test_pickled_scaler_resumes_with_its_counters():
     assert raised == want_raised
 
 
+def test_unpickles_a_scaler_pickled_before_the_counters_were_kept():
+    state = ampc.GradScaler("cpu", init_scale=8.0).__getstate__()
+    for key in ("_init_skipped", "_init_last_skipped", "_init_skips_at_min", "_records"):
+        del state[key]
+    back = ampc.GradScaler.__new__(ampc.GradScaler)
+    back.__setstate__(state)
+    back.scale(torch.ones(()))
+    assert int(back.skipped_steps()) == 0 and back.step_records() == []
+    assert back.state_dict()["scale"] == 8.0 and back.state_dict()["_skipped_steps"] == 0
+
+
 def test_checkpoint_keys():
     sd = ampc.GradScaler("cpu", **SETTINGS).state_dict()
     assert sd == {"scale": 64.0, "growth_factor": 2.0, "backoff_factor": 0.5,
