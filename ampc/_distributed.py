@@ -29,8 +29,13 @@ def is_dtensor(t):
     return DTensor is not None and isinstance(t, DTensor)
 
 
-def _spec(t):
-    return t.device_mesh, tuple(t.placements)
+def _laid_out_like(t, p):
+    """t is a DTensor on p's mesh with p's placements (cheap checks first: this runs per
+    tensor and step)."""
+    if type(t) is not type(p) and not is_dtensor(t):
+        return False
+    return t.placements == p.placements and (t.device_mesh is p.device_mesh
+                                               or t.device_mesh == p.device_mesh)
 
 
 def _refuse_partial(who, what, t):
@@ -47,6 +52,12 @@ def _require_process_group(who):
                            "process group, which is not initialized (call "
                            "torch.distributed.init_process_group first, and destroy it "
                            "only after training)")
+
+
+def _locals(dtensors):
+    # what to_local() returns under no_grad (the same tensor, by its contract), without
+    # its per-call cost of microseconds: this runs for every tensor of every step
+    return [t._local_tensor for t in dtensors]
 
 
 # ---- the optimizer: DTensor params, state made like them, the kernel on local shards ----
@@ -75,8 +86,7 @@ def local_lists(who, indices, params, grads, states):
     """The local shards of DTensor params, their grads and their state lists, for one
     kernel call. Every grad and state tensor must be laid out like its param."""
     for i, p, g in zip(indices, params, grads):
-        spec = _spec(p)
-        if not is_dtensor(g) or _spec(g) != spec:
+        if not _laid_out_like(g, p):
             got = f"placements {tuple(g.placements)}" if is_dtensor(g) else "a plain tensor"
             raise ValueError(f"{who}: param {i} is a DTensor with placements "
                              f"{tuple(p.placements)}, but its grad is {got}; the grad must "
@@ -85,13 +95,12 @@ def local_lists(who, indices, params, grads, states):
         if key == "step":
             continue
         for i, p, s in zip(indices, params, values):
-            if not is_dtensor(s) or _spec(s) != _spec(p):
+            if not _laid_out_like(s, p):
                 raise ValueError(f"{who}: the state '{key}' of param {i} is not a DTensor "
                                  "sharded like the param (a checkpoint loaded without "
                                  "torch.distributed.checkpoint?)")
-    to_local = lambda ts: [t.to_local() for t in ts]      # noqa: E731
-    return (to_local(params), to_local(grads),
-            {k: v if k == "step" else to_local(v) for k, v in states.items()})
+    return (_locals(params), _locals(grads),
+            {k: v if k == "step" else _locals(v) for k, v in states.items()})
 
 
 # ---- the scaler: found_inf and the norm agreed across ranks ----
@@ -100,9 +109,8 @@ def _reduce_groups(who, g):
     """The process groups of the mesh dims along which the DTensor g is not replicated."""
     _refuse_partial(who, "a gradient", g)
     dims = [d for d, pl in enumerate(g.placements) if not isinstance(pl, Replicate)]
-    if not dims:
-        return ()
-    _require_process_group(who)
+    if dims:
+        _require_process_group(who)
     return tuple(g.device_mesh.get_group(d) for d in dims)
 
 
@@ -112,10 +120,14 @@ def split_grads(who, grads):
     tensors and replicated DTensors have none. One entry, with no groups, for plain
     grads."""
     classes = {}
+    layouts = {}                # (mesh, placements) -> groups, looked up once per call
     for g in grads:
         if is_dtensor(g):
-            groups = _reduce_groups(who, g)
-            g = g.to_local()
+            layout = (id(g.device_mesh), g.placements)
+            groups = layouts.get(layout)
+            if groups is None:
+                groups = layouts[layout] = _reduce_groups(who, g)
+            g = g._local_tensor         # as in _locals
         else:
             groups = ()
         key = tuple(id(pg) for pg in groups)
