@@ -499,6 +499,24 @@ def test_bad_setup_gets_a_clear_error(bad_setups, case, pattern):
         assert re.match(pattern, got[case], re.S), f"rank {rank}: {got[case]}"
 
 
+def test_prepare_refuses_a_model_whose_params_were_replaced_after_it():
+    # what fully_shard after prepare does, in one process: the optimizer would step
+    # tensors that no gradient reaches
+    model, opt = ampc.prepare(make_model(), ampc.optim.AdamW)
+    model[0].weight = nn.Parameter(model[0].weight.detach().clone())
+    with pytest.raises(RuntimeError, match="the optimizer's params are no longer the model's"):
+        model(batch(0, 0)[0])
+
+
+def test_prepare_check_passes_once_and_spares_copies_of_the_model():
+    import copy
+    model, opt = ampc.prepare(make_model(), ampc.optim.AdamW)
+    ema = copy.deepcopy(model)                  # holds other params: not the optimizer's
+    x = batch(0, 0)[0]
+    assert ema(x).dtype == model(x).dtype == torch.bfloat16
+    assert len(model._forward_pre_hooks) == 1   # the check removed itself; the input cast stays
+
+
 # ---- GPUs (NCCL): the same oracle, where there are two ----
 
 @pytest.mark.cuda
