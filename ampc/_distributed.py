@@ -13,7 +13,6 @@ DDP needs nothing here: it all-reduces the grads, so every rank sees the same va
 """
 import weakref
 
-import torch
 import torch.distributed as dist
 
 try:
