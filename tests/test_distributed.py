@@ -325,7 +325,11 @@ def clip_adamw(model):
     return ampc.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
 
 
-def _folded_clip_norm(rank):
+def _folded_clip(rank):
+    return _folded_clip_fsdp(rank), _folded_clip_ddp(rank)
+
+
+def _folded_clip_fsdp(rank):
     model = fsdp(make_model())
     opt = clip_adamw(model)
     s = scaler()
@@ -353,8 +357,7 @@ def _folded_clip_ddp(rank):
 
 
 def test_fsdp2_folded_clip_norm_is_the_norm_of_the_full_grads(tmp_path):
-    r0, r1 = run_ranks(_folded_clip_norm, tmp_path=tmp_path / "fsdp")
-    d0, _ = run_ranks(_folded_clip_ddp, tmp_path=tmp_path / "ddp")
+    (r0, d0), (r1, _) = run_ranks(_folded_clip, tmp_path=tmp_path)
     expected = torch.cat([g.double().reshape(-1) for g in r0["full_grads"]]).norm()
     torch.testing.assert_close(r0["norm"].double(), expected, rtol=1e-5, atol=0)
     assert_same_bits(r0["norm"], r1["norm"], "the norm on both ranks")
