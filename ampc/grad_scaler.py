@@ -27,7 +27,7 @@ from typing import NamedTuple, Tuple, Union
 
 import torch
 
-from . import ops
+from . import _distributed, ops
 
 __all__ = ["GradScaler", "OptState", "StepRecord", "read_step_records"]
 
@@ -398,8 +398,11 @@ class GradScaler:
         with torch.no_grad():
             for device, grads in self._grads_by_device(optimizer, allow_fp16).items():
                 found[device] = torch.zeros((), dtype=torch.float32, device=device)
-                _unscale_check(grads, found[device],
+                # DTensor grads: the check runs on the local shards, then all ranks agree
+                classes = _distributed.split_grads("ampc.GradScaler", grads)
+                _unscale_check([g for _, local in classes for g in local], found[device],
                                inv_scale.to(device=device, non_blocking=True), check_only)
+                _distributed.agree_found_inf(found[device], classes)
         return found
 
     def _inv_scale(self):
@@ -496,7 +499,11 @@ class GradScaler:
         found = torch.zeros((), dtype=torch.float32, device=device)
         inv_scale = self._inv_scale().to(device=device, non_blocking=True)
         with torch.no_grad():
-            total_norm = _unscale_check(grads, found, inv_scale, check_only=True)
+            # sharded grads: the norm of every rank's shards, found_inf agreed
+            classes = _distributed.split_grads("ampc.GradScaler.clip_grad_norm_", grads)
+            total_norm = _distributed.global_norm(
+                classes, lambda local: _unscale_check(local, found, inv_scale, check_only=True))
+            _distributed.agree_found_inf(found, classes)
             # torch.nn.utils.clip_grad_norm_'s factor, in fp32 on the device
             clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         state.update(stage=OptState.UNSCALED, folded=True, clip_coef=clip_coef,
