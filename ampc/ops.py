@@ -5,10 +5,13 @@ The ops work on lists of tensors in one call (one parallel region on the CPU, a 
 kernel launches on CUDA) and check every argument before touching any memory: bad
 input raises an error that names the op and the argument.
 """
+import ctypes
 import math
 from collections import defaultdict
 
 import torch
+
+from ._lib import lib as _clib
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -27,23 +30,22 @@ def _check_tensor(op, name, t):
         raise TypeError(f"ampc.{op}: {name} must be a Tensor, got {type(t).__name__}")
 
 
-def _mixed_dtypes(err, name):
-    """Whether the kernel refused the call only because list `name` mixes dtypes."""
-    msg = str(err)
-    return msg.startswith("ampc.") and f": {name}[" in msg and f" like {name}[0], got " in msg
+def _mixes_dtypes(tensors):
+    first = tensors[0].dtype if tensors else None
+    return any(t.dtype != first for t in tensors)
 
 
 def _per_dtype(op, lists, call):
     """Runs ``call(*lists)`` once when each list has one dtype (the fast path: no
     per-tensor Python work), otherwise once per group of positions whose tensors share
     their dtypes. The kernels check everything before writing, so a refused call
-    changed nothing and can be split and run again."""
+    changed nothing; when a list mixes dtypes it is split and run again."""
     try:
         return [call(*lists.values())]
-    except (TypeError, RuntimeError) as err:
+    except (TypeError, RuntimeError):
         for name, tensors in lists.items():
             _check_list(op, name, tensors)
-        if not any(_mixed_dtypes(err, name) for name in lists):
+        if not any(_mixes_dtypes(tensors) for tensors in lists.values()):
             raise
     groups = defaultdict(list)
     for i, key in enumerate(zip(*[[t.dtype for t in ts] for ts in lists.values()])):
@@ -60,14 +62,17 @@ def cast(tensors, dtype, *, stochastic=False, seed=0):
     that make the result unbiased; the random bits depend only on ``seed`` and on the
     element's position, counted across the tensors of the call (across those that
     share their dtype, when the inputs mix dtypes), so a call is reproducible on any
-    thread count and on CPU and CUDA alike.
+    thread count and on CPU and CUDA alike. A seed given as a 1-element int64 tensor
+    is read on the device when the cast runs: a captured CUDA graph that advances it
+    (``seed.add_(1)``) draws new bits on every replay, which a Python int cannot do.
 
     Args:
         tensors (list of Tensor): the inputs; non-contiguous ones are read through
             a contiguous copy.
         dtype (torch.dtype): the output dtype.
         stochastic (bool): stochastic rounding instead of round to nearest. Default: False.
-        seed (int): the seed of the stochastic rounding. Default: 0.
+        seed (int or Tensor): the seed of the stochastic rounding, or a 1-element int64
+            tensor on the inputs' device holding it. Default: 0.
 
     Example::
 
@@ -95,12 +100,15 @@ def cast_(dst, src, *, stochastic=False, seed=0):
         dst (list of Tensor): the outputs, written in place.
         src (list of Tensor): the inputs.
         stochastic (bool): stochastic rounding instead of round to nearest. Default: False.
-        seed (int): the seed of the stochastic rounding. Default: 0.
+        seed (int or Tensor): as for :func:`cast`. Default: 0.
     """
     if isinstance(src, (list, tuple)) and isinstance(dst, (list, tuple)) and not src and not dst:
         return      # nothing to do, and no tensor for the dispatcher to pick a device from
-    _per_dtype("cast", {"src": src, "dst": dst},
-               lambda s, d: torch.ops.ampc.cast(s, d, bool(stochastic), int(seed)))
+    seed_tensor = []
+    if isinstance(seed, torch.Tensor):
+        seed_tensor, seed = [seed], 0
+    _per_dtype("cast", {"dst": dst, "src": src},
+               lambda d, s: torch.ops.ampc.cast(d, s, seed_tensor, bool(stochastic), _int64(seed)))
 
 
 def unscale_check(grads, found_inf, inv_scale, *, check_only=False):
@@ -215,7 +223,10 @@ def adam_master(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, masters=None
         decoupled (bool): AdamW's weight decay (True) or Adam's L2 term (False).
         maximize (bool): ascend instead of descend.
         inv_scale, clip_coef, found_inf (Tensor, optional): 1-element float32 tensors.
-        stochastic (bool): stochastic rounding of 16-bit params. seed (int): its seed.
+        stochastic (bool): stochastic rounding of 16-bit params.
+        seed (int): its seed; the bits of each step also depend on the param's step
+            count, read on the device (see :func:`step_seed`), so successive steps and
+            replays of a captured CUDA graph round differently with one seed.
     """
     op = "adam_master"
     for name, value in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
@@ -233,7 +244,41 @@ def adam_master(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, masters=None
         lr_tensor, _optional(op, "inv_scale", inv_scale),
         _optional(op, "clip_coef", clip_coef), _optional(op, "found_inf", found_inf),
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-        bool(decoupled), bool(maximize), bool(stochastic), int(seed))
+        bool(decoupled), bool(maximize), bool(stochastic), _int64(seed))
+
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15       # AMPC_SEED_STRIDE in csrc/dtype.h
+
+
+def step_seed(seed, step):
+    """The seed of the stochastic rounding of :func:`adam_master`'s step ``step`` (the
+    param's step count after the step, 1 on the first): a param's 16-bit values are
+    rounded exactly as ``cast(..., stochastic=True, seed=step_seed(seed, step))`` rounds
+    the new weights. The step count lives on the device, so replays of a captured CUDA
+    graph draw new bits (Note [random bits that advance on the device] in csrc/dtype.h)."""
+    bits = int(torch.tensor([float(step)], dtype=torch.float32).view(torch.int32).item())
+    return _int64(int(seed) + (bits & 0xFFFFFFFF) * _SEED_STRIDE)
+
+
+def _int64(seed):
+    """A seed as the schemas' int (int64) holds it: the same 64 bits, signed."""
+    return (int(seed) + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+_clib.ampc_cpu_isa_name.restype = ctypes.c_char_p
+_clib.ampc_cache_bytes.restype = ctypes.c_int64
+
+
+def cpu_isa():
+    """The SIMD path the CPU kernels run: "avx512", "avx2" or "scalar" (the best the CPU
+    has, capped by the environment variable AMPC_CPU_ISA=avx2 or =scalar)."""
+    return _clib.ampc_cpu_isa_name().decode()
+
+
+def stream_bytes():
+    """Calls that move more bytes than this (the last-level cache, or the environment
+    variable AMPC_STREAM_BYTES) write their outputs with streaming stores on the CPU."""
+    return int(_clib.ampc_cache_bytes())
 
 
 # ---- version counters ----
@@ -303,8 +348,8 @@ def _same_device(op, **args):
 
 
 @torch.library.register_fake("ampc::cast")
-def _cast_fake(src, dst, stochastic=False, seed=0):
-    _same_device("cast", src=src, dst=dst)
+def _cast_fake(dst, src, seed_tensor, stochastic=False, seed=0):
+    _same_device("cast", dst=dst, src=src, seed_tensor=seed_tensor)
 
 
 @torch.library.register_fake("ampc::unscale_check")

@@ -250,7 +250,7 @@ static void adam_span(void *ctx, const struct ampc_span *s)
         struct adam_ptrs q = ptrs_at(l, s->tensor, s->begin + i);
         q.out = buf;
         adam_block(&q, pt, gt, k, c);
-        ampc_store_stochastic(q.param, pt, buf, k, job->args->seed, s->index + i);
+        ampc_store_stochastic(q.param, pt, buf, k, c->seed, s->index + i);
     }
 }
 

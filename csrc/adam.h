@@ -49,6 +49,7 @@ struct ampc_adam_coef {
     float eps;
     float neg_step_size;        /* -lr / (1 - beta1^t) */
     int flags;
+    uint64_t seed;              /* stochastic rounding: ampc_step_seed(args seed, t) */
 };
 
 AMPC_HD struct ampc_adam_coef ampc_adam_coef(const struct ampc_adam_args *a, double lr,
@@ -69,6 +70,7 @@ AMPC_HD struct ampc_adam_coef ampc_adam_coef(const struct ampc_adam_args *a, dou
     c.eps = (float)a->eps;
     c.neg_step_size = (float)(-(lr / bc1));
     c.flags = (a->maximize ? AMPC_ADAM_MAXIMIZE : 0) | (amsgrad ? AMPC_ADAM_AMSGRAD : 0);
+    c.seed = ampc_step_seed(a->seed, (float)step);
     if (a->weight_decay != 0)
         c.flags |= a->decoupled ? AMPC_ADAM_DECAY : AMPC_ADAM_L2;
     return c;

@@ -48,6 +48,8 @@ struct ampc_list {
 struct ampc_cast_args {
     int stochastic;         /* 0: round to nearest even (bit-identical to Tensor.to) */
     uint64_t seed;
+    const int64_t *seed_tensor; /* NULL, or read on the device at run time in place of seed
+                                 * (Note [random bits that advance on the device], dtype.h) */
 };
 
 /* Dynamic loss-scale update, see scale.h for the exact rule. */
@@ -101,7 +103,9 @@ struct ampc_adam_args {
     int decoupled;          /* 1: AdamW, p *= 1 - lr * wd; 0: Adam, g += wd * p */
     int maximize;           /* g = -g */
     int stochastic;         /* 16-bit params written with stochastic rounding */
-    uint64_t seed;          /* Note [stochastic rounding], counting elements of params */
+    uint64_t seed;          /* a param's bits on step t (its count after the step):
+                             * Note [stochastic rounding] with seed ampc_step_seed(seed, t),
+                             * counting elements of params (dtype.h) */
 };
 
 /* Values that live on the device, read there (no host sync); each NULL when absent. */

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "ampc.h"
+#include "dtype.h"          // defines: ampc_dtype_size
 #include "torch_shim.h"
 
 #define EXPORT __attribute__((visibility("default")))
@@ -157,6 +158,10 @@ static void describe(struct call *c, struct tensor *t)
     if (!contiguous)
         fail(c, "%s must be contiguous (call .contiguous() on it first)",
              tensor_name(t, a, sizeof(a)));
+    /* FSDP frees a parameter's storage this way between uses */
+    if (t->numel > 0 && !t->data)
+        fail(c, "%s has %lld elements and no data (its storage was freed or resized to 0)",
+             tensor_name(t, a, sizeof(a)), (long long)t->numel);
 }
 
 /* Takes ownership of a Tensor[] argument and of each of its tensors. */
@@ -188,6 +193,16 @@ static struct list *take_list(struct call *c, StableIValue v, const char *name, 
         ls->t[i].index = i;
         ls->t[i].written = written;
     }
+    return ls;
+}
+
+/* A list of zero or one value that lives on the device (see option()): named without an
+ * index in messages. */
+static struct list *take_option(struct call *c, StableIValue v, const char *name)
+{
+    struct list *ls = take_list(c, v, name, 0);
+    for (int64_t i = 0; i < ls->count; i++)
+        ls->t[i].index = -1;
     return ls;
 }
 
@@ -311,7 +326,8 @@ static int by_begin(const void *x, const void *y)
 static size_t add_range(struct range *r, size_t n, const struct tensor *t)
 {
     ampc_dtype d;
-    int64_t size = to_ampc_dtype(t->dtype, &d) ? (d == AMPC_F32 ? 4 : 2) : 4;
+    int64_t size = to_ampc_dtype(t->dtype, &d) ? ampc_dtype_size(d)
+                 : t->dtype == aoti_torch_dtype_int64() ? 8 : 4;    /* int32 and int64 */
     if (t->numel == 0)
         return n;
     r[n].begin = (uintptr_t)t->data;
@@ -399,7 +415,21 @@ static void start(struct call *c, const char *op, int on_cuda)
     c->on_cuda = on_cuda;
 }
 
-// ---- cast(Tensor[] src, Tensor(a!)[] dst, bool stochastic, int seed) ----
+/* A list of zero or one 1-element tensor of `dtype` (a value that lives on the device):
+ * its data, or NULL. An optional argument would need C++ to free on torch < 2.13 (Note in
+ * stable_abi: optionals), so the schemas take such values as lists. */
+static void *option(struct call *c, struct list *ls, const char *name, int32_t dtype)
+{
+    if (ls->count == 0)
+        return NULL;
+    if (ls->count > 1)
+        fail(c, "%s must hold at most one tensor, got %lld", name, (long long)ls->count);
+    check_scalar(c, &ls->t[0], dtype, 0);
+    return ls->t[0].data;
+}
+
+// ---- cast(Tensor(a!)[] dst, Tensor[] src, Tensor[] seed_tensor, bool stochastic,
+//           int seed) ----
 
 struct cast_job {
     struct ampc_list dst;
@@ -423,16 +453,18 @@ static void cast_kernel(StableIValue *stack, int on_cuda)
 {
     struct call c;
     start(&c, "ampc.cast", on_cuda);
-    struct list *src = take_list(&c, stack[0], "src", 0);
-    struct list *dst = take_list(&c, stack[1], "dst", 1);
+    struct list *dst = take_list(&c, stack[0], "dst", 1);
+    struct list *src = take_list(&c, stack[1], "src", 0);
+    struct list *seed = take_option(&c, stack[2], "seed_tensor");
     describe_all(&c);
     struct cast_job job;
     job.src = float_list(&c, src);
     job.dst = float_list(&c, dst);
     check_same_shapes(&c, dst, "dst", src, "src");
+    job.args.seed_tensor = option(&c, seed, "seed_tensor", aoti_torch_dtype_int64());
     check_overlap(&c);
-    job.args.stochastic = (stack[2] & 0xff) != 0;
-    job.args.seed = (uint64_t)stack[3];
+    job.args.stochastic = (stack[3] & 0xff) != 0;
+    job.args.seed = (uint64_t)stack[4];
     run(&c, cast_on_cpu, cast_on_cuda, &job);
     call_free(&c);
 }
@@ -574,8 +606,7 @@ static void scale_kernel(StableIValue *stack, int on_cuda)
 //                  Tensor[] inv_scale, Tensor[] clip_coef, Tensor[] found_inf, float lr,
 //                  float beta1, float beta2, float eps, float weight_decay, bool decoupled,
 //                  bool maximize, bool stochastic, int seed) ----
-// The four device values are lists of zero or one tensor: an optional argument would
-// need C++ to free on torch < 2.13 (Note in stable_abi: optionals).
+// The four device values are lists of zero or one tensor (see option()).
 
 struct adam_job {
     struct ampc_adam_lists lists;
@@ -616,13 +647,7 @@ static struct ampc_list f32_list(struct call *c, const struct list *ls, const ch
 /* A list of zero or one 1-element fp32 tensor: its data, or NULL. */
 static const float *f32_option(struct call *c, struct list *ls, const char *name)
 {
-    if (ls->count == 0)
-        return NULL;
-    if (ls->count > 1)
-        fail(c, "%s must hold at most one tensor, got %lld", name, (long long)ls->count);
-    ls->t[0].index = -1;        /* a single value, named without an index */
-    check_scalar(c, &ls->t[0], aoti_torch_dtype_float32(), 0);
-    return ls->t[0].data;
+    return option(c, ls, name, aoti_torch_dtype_float32());
 }
 
 static void check_adam_args(struct call *c, const struct ampc_adam_args *a, int lr_on_device)
@@ -645,12 +670,13 @@ static void adam_kernel(StableIValue *stack, int on_cuda)
                                    "max_exp_avg_sqs", "steps", "lr_tensor", "inv_scale",
                                    "clip_coef", "found_inf" };
     static const int written[] = { 1, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0 };
-    enum { N_LISTS = sizeof(names) / sizeof(names[0]) };
+    enum { N_LISTS = sizeof(names) / sizeof(names[0]), FIRST_OPTION = 7 };
     struct call c;
     struct list *ls[N_LISTS];
     start(&c, "ampc.adam_master", on_cuda);
     for (int i = 0; i < N_LISTS; i++)
-        ls[i] = take_list(&c, stack[i], names[i], written[i]);
+        ls[i] = i < FIRST_OPTION ? take_list(&c, stack[i], names[i], written[i])
+                                 : take_option(&c, stack[i], names[i]);
     describe_all(&c);
     struct adam_job job;
     struct ampc_adam_lists *l = &job.lists;
@@ -707,7 +733,8 @@ struct op {
 };
 
 static const struct op ops[] = {
-    { "cast(Tensor[] src, Tensor(a!)[] dst, bool stochastic=False, int seed=0) -> ()",
+    { "cast(Tensor(a!)[] dst, Tensor[] src, Tensor[] seed_tensor, bool stochastic=False, "
+      "int seed=0) -> ()",
       "cast", cast_cpu, cast_cuda },
     { "unscale_check(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) -> ()",
       "unscale_check", unscale_cpu, unscale_cuda },

@@ -13,7 +13,8 @@
 struct cast_job {
     const struct ampc_list *dst;
     const struct ampc_list *src;
-    const struct ampc_cast_args *args;
+    int stochastic;
+    uint64_t seed;          /* args->seed, or the value of args->seed_tensor */
     int stream;             /* Note [streaming stores] */
 };
 
@@ -87,7 +88,7 @@ static void cast_span(void *ctx, const struct ampc_span *s)
     const char *src = (const char *)job->src->ptr[s->tensor] + s->begin * ampc_dtype_size(sd);
     char *dst = (char *)job->dst->ptr[s->tensor] + s->begin * ampc_dtype_size(dd);
     int64_t n = s->end - s->begin;
-    if (!job->args->stochastic || dd == AMPC_F32 || sd == dd) {    /* nothing random */
+    if (!job->stochastic || dd == AMPC_F32 || sd == dd) {    /* nothing random */
         ampc_cast_block(dst, dd, src, sd, n, job->stream);
         return;
     }
@@ -99,7 +100,7 @@ static void cast_span(void *ctx, const struct ampc_span *s)
             ampc_cast_block(buf, AMPC_F32, src + i * ampc_dtype_size(sd), sd, m, 0);
             f = buf;
         }
-        ampc_store_stochastic((uint16_t *)dst + i, dd, f, m, job->args->seed, s->index + i);
+        ampc_store_stochastic((uint16_t *)dst + i, dd, f, m, job->seed, s->index + i);
     }
 }
 
@@ -109,6 +110,7 @@ ampc_status ampc_cast_cpu(const struct ampc_list *dst, const struct ampc_list *s
     int64_t moved = 0;      /* bytes read plus written */
     for (int64_t i = 0; i < dst->count; i++)
         moved += dst->numel[i] * (ampc_dtype_size(dst->dtype) + ampc_dtype_size(src->dtype));
-    struct cast_job job = { dst, src, args, moved > ampc_cache_bytes() };
+    uint64_t seed = args->seed_tensor ? (uint64_t)*args->seed_tensor : args->seed;
+    struct cast_job job = { dst, src, args->stochastic, seed, moved > ampc_cache_bytes() };
     return ampc_for_each_chunk(src, cast_span, &job);
 }

@@ -20,7 +20,8 @@ struct walk {
 
 /* The last-level cache, as the C library reports it (32 MB when it cannot tell);
  * AMPC_STREAM_BYTES overrides it, so the tests can reach the streaming path. */
-int64_t ampc_cache_bytes(void)
+/* exported for ampc.ops.stream_bytes() */
+__attribute__((visibility("default"))) int64_t ampc_cache_bytes(void)
 {
     static int64_t bytes = -1;  /* threads may race to set it: all set the same */
     int64_t seen = __atomic_load_n(&bytes, __ATOMIC_RELAXED);
@@ -33,11 +34,6 @@ int64_t ampc_cache_bytes(void)
         __atomic_store_n(&bytes, seen, __ATOMIC_RELAXED);
     }
     return seen;
-}
-
-int64_t ampc_dtype_size(ampc_dtype dtype)
-{
-    return dtype == AMPC_F32 ? 4 : 2;
 }
 
 static int64_t chunks_of(int64_t numel)

@@ -16,6 +16,7 @@
 #define AMPC_CPU_H
 
 #include "ampc.h"
+#include "dtype.h"      // defines: ampc_dtype_size
 
 #define AMPC_CHUNK 65536
 #define AMPC_BLOCK 1024
@@ -46,9 +47,6 @@ ampc_status ampc_for_each_chunk(const struct ampc_list *list, ampc_span_fn fn, v
  * large copies; smaller ones stay in the cache for the reader that usually comes next.
  */
 int64_t ampc_cache_bytes(void);
-
-/* Size of one element of a dtype in bytes. */
-int64_t ampc_dtype_size(ampc_dtype dtype);
 
 /* Stochastic rounding of n fp32 values to 16-bit dtype (cast.c); element i uses the
  * random bits of list-wide element `index + i` (Note [stochastic rounding]). */

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "ampc.h"       // defines: ampc_dtype
+
 #ifdef __CUDACC__
 #define AMPC_HD __host__ __device__ __forceinline__
 #else
@@ -34,6 +36,20 @@ AMPC_HD float ampc_bits_f32(uint32_t u)
     float f;
     memcpy(&f, &u, sizeof(f));
     return f;
+}
+
+/* Bytes per element: fp32 is stored as float, fp16 and bf16 as uint16_t. */
+AMPC_HD int64_t ampc_dtype_size(ampc_dtype dtype)
+{
+    return dtype == AMPC_F32 ? 4 : 2;
+}
+
+#define AMPC_EXP_BITS 0x7f800000u
+
+/* True for inf and nan: all exponent bits set. */
+AMPC_HD int ampc_non_finite(float f)
+{
+    return (ampc_f32_bits(f) & AMPC_EXP_BITS) == AMPC_EXP_BITS;
 }
 
 // ---- up-conversions (exact) ----
@@ -119,6 +135,19 @@ AMPC_HD uint32_t ampc_random_bits(uint64_t seed, uint64_t index)
 {
     return ampc_random_bits_keyed(ampc_random_key(seed, (uint32_t)(index >> 32)),
                                   (uint32_t)index);
+}
+
+/* Note [random bits that advance on the device]: a seed passed by value is frozen into a
+ * captured CUDA graph, so every replay would draw the same bits. The ops mix in a value
+ * that the device advances instead: Adam the step count it is taking (stored + 1, as
+ * fp32, which it already reads for the bias corrections), cast an optional int64 seed
+ * tensor read at run time. The step's seed is seed + bits(step) * the golden-ratio odd
+ * constant (mod 2^64): distinct steps give distinct seeds. */
+#define AMPC_SEED_STRIDE 0x9E3779B97F4A7C15ull
+
+AMPC_HD uint64_t ampc_step_seed(uint64_t seed, float step)
+{
+    return seed + (uint64_t)ampc_f32_bits(step) * AMPC_SEED_STRIDE;
 }
 
 /* bf16 keeps the top 16 bits: adding 16 random bits below them carries into the kept

@@ -45,7 +45,7 @@ AMPC_HD void ampc_update_scale_step(float *scale, int32_t *growth_tracker,
         if (grown > a->max_scale)
             grown = a->max_scale;
         float s = (float)grown;
-        if ((ampc_f32_bits(s) & 0x7f800000u) != 0x7f800000u)      /* finite */
+        if (!ampc_non_finite(s))
             *scale = s;
         *growth_tracker = 0;
     } else {

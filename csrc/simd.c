@@ -39,6 +39,16 @@ enum ampc_isa ampc_cpu_isa(void)
     return seen;
 }
 
+/* The path's name, for ampc.ops.cpu_isa() (tests and CI check which path ran). */
+__attribute__((visibility("default"))) const char *ampc_cpu_isa_name(void)
+{
+    switch (ampc_cpu_isa()) {
+    case ISA_AVX512: return "avx512";
+    case ISA_AVX2: return "avx2";
+    default: return "scalar";
+    }
+}
+
 // ---- scalar: the reference, and the tails of the vector loops ----
 
 static void cast_scalar(void *dst, ampc_dtype dt, const void *src, ampc_dtype st, int64_t i,
@@ -53,7 +63,7 @@ static int unscale_scalar(void *g, ampc_dtype t, float s, int64_t i, int64_t n)
     int bad = 0;
     for (; i < n; i++) {
         float f = load1(g, t, i);
-        bad |= nonfinite1(f);
+        bad |= ampc_non_finite(f);
         store1(g, t, i, f * s);
     }
     return bad;
@@ -65,7 +75,7 @@ static int square_sum_scalar(const void *g, ampc_dtype t, int64_t i, int64_t n, 
     double s = 0;
     for (; i < n; i++) {
         float f = load1(g, t, i);
-        bad |= nonfinite1(f);
+        bad |= ampc_non_finite(f);
         s += (double)f * f;
     }
     *sum += s;

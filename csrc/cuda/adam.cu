@@ -118,7 +118,7 @@ __device__ __forceinline__ void adam_elements(const struct adam_chunk *q, int u,
         m[e] = ampc_f32_bits(mf);
         v[e] = ampc_f32_bits(vf);
         vmax[e] = ampc_f32_bits(vmaxf);
-        p[e] = round_f32<PD>(wf, args->stochastic, args->seed, k + (uint64_t)(W * u + e));
+        p[e] = round_f32<PD>(wf, args->stochastic, c->seed, k + (uint64_t)(W * u + e));
     }
     store_w<AMPC_F32, W>(q->m, u, m);
     store_w<AMPC_F32, W>(q->v, u, v);
@@ -151,8 +151,8 @@ static __device__ struct adam_chunk chunk_at(const struct adam_table *tab, int t
     float *master = (float *)tab->ptr[ADAM_MASTER][t];
     float *vmax = (float *)tab->ptr[ADAM_MAX_EXP_AVG_SQ][t];
 
-    q.param = (char *)tab->ptr[ADAM_PARAM][t] + start * ELEM_SIZE(pd);
-    q.grad = (const char *)tab->ptr[ADAM_GRAD][t] + start * ELEM_SIZE(gd);
+    q.param = (char *)tab->ptr[ADAM_PARAM][t] + start * ampc_dtype_size(pd);
+    q.grad = (const char *)tab->ptr[ADAM_GRAD][t] + start * ampc_dtype_size(gd);
     q.master = master ? master + start : NULL;
     q.m = (float *)tab->ptr[ADAM_EXP_AVG][t] + start;
     q.v = (float *)tab->ptr[ADAM_EXP_AVG_SQ][t] + start;

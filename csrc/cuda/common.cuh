@@ -24,7 +24,6 @@
 #include "torch_shim.h"     // defines: AOTITorchError, aoti_torch_get_current_cuda_stream
 
 #define CEIL_DIV(a, b) (((a) + (b) - 1) / (b))
-#define ELEM_SIZE(dt) ((dt) == AMPC_F32 ? 4 : 2)
 
 // ---- errors (api.cu) ----
 
@@ -91,7 +90,7 @@ __device__ __forceinline__ uint32_t round_f32(float f, int stochastic, uint64_t 
 template <ampc_dtype DT>
 __device__ __forceinline__ char *elem_ptr(void *p, int64_t i)
 {
-    return (char *)p + i * ELEM_SIZE(DT);
+    return (char *)p + i * ampc_dtype_size(DT);
 }
 
 template <ampc_dtype DT>
@@ -150,12 +149,6 @@ __device__ __forceinline__ void store8(void *p, int u, const uint32_t v[8])
         ((uint4 *)p)[u] = make_uint4(v[0] | v[1] << 16, v[2] | v[3] << 16,
                                      v[4] | v[5] << 16, v[6] | v[7] << 16);
     }
-}
-
-/* True for inf and nan. */
-__device__ __forceinline__ bool non_finite(float f)
-{
-    return (ampc_f32_bits(f) & 0x7f800000u) == 0x7f800000u;
 }
 
 // ---- reductions ----

@@ -21,7 +21,7 @@ template <ampc_dtype DT>
 __device__ __forceinline__ uint32_t unscale1(uint32_t x, float inv, bool *bad)
 {
     float g = to_f32<DT>(x);
-    *bad |= non_finite(g);
+    *bad |= ampc_non_finite(g);
     return from_f32<DT>(inv == 1.0f ? g : g * inv);
 }
 
@@ -56,7 +56,7 @@ norm_kernel(const __grid_constant__ struct mt_table tab, double *partial, float 
 
     mt_visit<DT, DT>(g, NULL, len, [&](uint32_t x, int) {
         float f = to_f32<DT>(x);
-        bad |= non_finite(f);
+        bad |= ampc_non_finite(f);
         sum += (double)f * f;
         return x;
     });
