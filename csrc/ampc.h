@@ -146,9 +146,16 @@ ampc_status ampc_adam_cpu(const struct ampc_adam_lists *lists,
  * values (inv_scale, found_inf, scale) on the device and never synchronizes.
  */
 struct ampc_cuda_api {
-    /* Makes `device` current, returning the previous device and torch's current stream. */
-    ampc_status (*begin)(int device, int *prev_device, void **stream);
-    void (*end)(int prev_device);
+    /* The CUDA versions of the installed driver (0: none) and of the runtime the library
+     * was built with (1000 * major + 10 * minor); creates no context. First in the table,
+     * so a loader can check it before touching the rest. */
+    void (*probe)(int *driver_version, int *runtime_version);
+    /* Makes `device` current through torch's CUDA guard (*guard restores the previous
+     * device in end()) and returns torch's current stream on it. Clears an error left
+     * by earlier work and refuses to start when the context is broken, so a failure is
+     * reported before any kernel of the op is queued. */
+    ampc_status (*begin)(int device, void **guard, void **stream);
+    void (*end)(void *guard);
     ampc_status (*cast)(const struct ampc_list *dst, const struct ampc_list *src,
                         const struct ampc_cast_args *args, void *stream);
     ampc_status (*unscale_check)(const struct ampc_list *grads, float *found_inf,

@@ -24,6 +24,9 @@
 #define MAX_SINGLES 4
 
 static const struct ampc_cuda_api *g_cuda;
+/* Why CUDA calls are refused while g_cuda is NULL. */
+static char g_cuda_refusal[512] = "this build of ampc has no CUDA kernels (nvcc was not found "
+                                  "when it was built)";
 
 /* What the kernel knows of one tensor argument. */
 struct tensor {
@@ -231,8 +234,7 @@ static void describe_all(struct call *c)
     for (int s = 0; s < c->n_singles; s++)
         describe(c, &c->singles[s]);
     if (c->on_cuda && !g_cuda)
-        fail(c, "this build of ampc has no CUDA kernels (nvcc was not found when it was "
-                "built, or the CUDA library failed to load)");
+        fail(c, "%s", g_cuda_refusal);
 }
 
 static double take_double(StableIValue v)
@@ -391,13 +393,13 @@ static void run(struct call *c, ampc_status (*cpu)(void *job),
     if (!c->on_cuda) {
         st = cpu(job);
     } else {
-        int prev = 0;
+        void *guard = NULL;
         void *stream = NULL;
         int device = c->first ? c->first->device_index : 0;
-        st = g_cuda->begin(device, &prev, &stream);
+        st = g_cuda->begin(device, &guard, &stream);
         if (st == AMPC_OK) {
             st = cuda(job, stream);
-            g_cuda->end(prev);
+            g_cuda->end(guard);
         }
         if (st == AMPC_ERR_CUDA)
             why = g_cuda->last_error();
@@ -787,9 +789,41 @@ EXPORT int ampc_register(void)
     return 0;
 }
 
-/* Hands over the CUDA library's launchers (csrc/cuda/api.cu). Until then a CUDA call
- * raises a clear error instead of failing in the dispatcher. */
-EXPORT void ampc_set_cuda_api(const struct ampc_cuda_api *api)
+/* CUDA calls are refused with this reason (the loader could not load the CUDA library). */
+EXPORT void ampc_refuse_cuda(const char *why)
 {
+    g_cuda = NULL;
+    snprintf(g_cuda_refusal, sizeof(g_cuda_refusal), "%s", why);
+}
+
+/* The reason CUDA calls are refused, or NULL when they run. */
+EXPORT const char *ampc_cuda_refusal(void)
+{
+    return g_cuda ? NULL : g_cuda_refusal;
+}
+
+/*
+ * Hands over the CUDA library's launchers (csrc/cuda/api.cu) once its probe says they can
+ * run: the library links its CUDA runtime statically, and a runtime newer than the driver
+ * fails every call ("CUDA driver version is insufficient") while torch, built for another
+ * CUDA, works. Returns 0 when handed over (also without a driver: no CUDA tensor can
+ * exist then), 1 when the driver is too old for the runtime (the loader warns once).
+ */
+EXPORT int ampc_set_cuda_api(const struct ampc_cuda_api *api)
+{
+    int driver = 0;
+    int runtime = 0;
+    api->probe(&driver, &runtime);
+    if (driver > 0 && driver / 1000 < runtime / 1000) {
+        snprintf(g_cuda_refusal, sizeof(g_cuda_refusal),
+                 "ampc's CUDA kernels cannot run: they were built with CUDA runtime %d.%d, "
+                 "which needs a driver for CUDA %d.0 or newer, and the NVIDIA driver supports "
+                 "CUDA %d.%d; update the driver, or rebuild ampc with a CUDA toolkit of major "
+                 "version %d", runtime / 1000, runtime % 1000 / 10, runtime / 1000,
+                 driver / 1000, driver % 1000 / 10, driver / 1000);
+        g_cuda = NULL;
+        return 1;
+    }
     g_cuda = api;
+    return 0;
 }
