@@ -27,7 +27,7 @@
 #include <math.h>
 
 #include "ampc.h"
-#include "dtype.h"
+#include "cast.h"           // defines: ampc_step_seed, ampc_round_bits
 
 enum {
     AMPC_ADAM_MAXIMIZE = 1,

@@ -52,7 +52,7 @@ struct ampc_cast_args {
                                  * (Note [random bits that advance on the device], dtype.h) */
 };
 
-/* Dynamic loss-scale update, see scale.h for the exact rule. */
+/* Dynamic loss-scale update, see update_scale.h for the exact rule. */
 struct ampc_scale_args {
     double growth_factor;
     double backoff_factor;
@@ -79,13 +79,13 @@ ampc_status ampc_unscale_check_cpu(const struct ampc_list *grads, float *found_i
  * untouched and writes *norm = |inv_scale| * sqrt(sum of grads^2), the global L2 norm
  * of the unscaled grads. Squares never overflow or underflow unnoticed (runs of them
  * are summed in fp32 only where that is safe, in double otherwise: Note [fp32 squares
- * when safe] in simd.c), in a fixed order, so the result does not depend on the thread
+ * when safe] in check_norm.h), in a fixed order, so the result does not depend on the thread
  * count.
  */
 ampc_status ampc_check_norm_cpu(const struct ampc_list *grads, float *found_inf,
                                 float *norm, const float *inv_scale);
 
-/* One dynamic loss-scale step on 1-element state, see scale.h. */
+/* One dynamic loss-scale step on 1-element state, see update_scale.h. */
 ampc_status ampc_update_scale_cpu(float *scale, int32_t *growth_tracker,
                                   int32_t *hysteresis_tracker, const float *found_inf,
                                   const struct ampc_scale_args *args);

@@ -1,7 +1,8 @@
 /*
- * simd.h: the building blocks of the CPU inner loops (simd.c, adam.c): the choice of
- * SIMD path at run time, and loads and stores that widen fp16/bf16 to fp32 and narrow
- * back in registers, for 16 lanes (AVX-512), 8 lanes (AVX2 + F16C) and one (scalar).
+ * simd.h: the building blocks of the CPU inner loops (cast.c, unscale_check.c,
+ * check_norm.c, adam.c): the choice of SIMD path at run time, and loads and stores that
+ * widen fp16/bf16 to fp32 and narrow back in registers, for 16 lanes (AVX-512), 8 lanes
+ * (AVX2 + F16C) and one (scalar).
  *
  * fp16 uses the hardware conversions (vcvtph2ps, vcvtps2ph with round to nearest even).
  * bf16 uses integer arithmetic: the AVX-512 BF16 instruction vcvtneps2bf16 flushes
@@ -25,7 +26,7 @@
 
 enum ampc_isa { ISA_UNKNOWN, ISA_SCALAR, ISA_AVX2, ISA_AVX512 };
 
-/* The best path the CPU has; AMPC_CPU_ISA=avx2 or =scalar caps it (simd.c). */
+/* The best path the CPU has; AMPC_CPU_ISA=avx2 or =scalar caps it (cpu.c). */
 enum ampc_isa ampc_cpu_isa(void);
 
 // ---- scalar ----

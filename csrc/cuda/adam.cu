@@ -118,7 +118,7 @@ __device__ __forceinline__ void adam_elements(const struct adam_chunk *q, int u,
         m[e] = ampc_f32_bits(mf);
         v[e] = ampc_f32_bits(vf);
         vmax[e] = ampc_f32_bits(vmaxf);
-        p[e] = round_f32<PD>(wf, args->stochastic, c->seed, k + (uint64_t)(W * u + e));
+        p[e] = ampc_round_bits(wf, PD, args->stochastic, c->seed, k + (uint64_t)(W * u + e));
     }
     store_w<AMPC_F32, W>(q->m, u, m);
     store_w<AMPC_F32, W>(q->v, u, v);

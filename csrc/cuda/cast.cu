@@ -11,6 +11,7 @@
  * mt_visit: 16-byte vectors when both chunk starts are aligned, one element a thread when
  * a storage offset breaks the alignment).
  */
+#include "cast.h"
 #include "common.cuh"
 #include "multi_tensor.cuh"
 
@@ -20,7 +21,7 @@ __device__ __forceinline__ uint32_t cast1(uint32_t x, int stochastic, uint64_t s
 {
     if (S == D)
         return x;
-    return round_f32<D>(to_f32<S>(x), stochastic, seed, k);
+    return ampc_round_bits(to_f32<S>(x), D, stochastic, seed, k);
 }
 
 template <ampc_dtype S, ampc_dtype D>

@@ -10,8 +10,8 @@
  *   the CPU computes;
  * - 16-byte vector loads and stores of 8 elements (one uint4 of a 16-bit type, two of fp32);
  * - a deterministic block sum;
- * - the launchers of each op (defined in cast.cu, unscale.cu, scale.cu, adam.cu) and the few torch
- *   functions they call.
+ * - the launchers of each op (defined in cast.cu, unscale_check.cu, check_norm.cu,
+ *   update_scale.cu, adam.cu) and the few torch functions they call.
  */
 #ifndef AMPC_CUDA_COMMON_CUH
 #define AMPC_CUDA_COMMON_CUH
@@ -72,18 +72,6 @@ __device__ __forceinline__ uint32_t from_f32(float f)
     if (DT == AMPC_F16)
         return ampc_f32_to_f16(f);
     return ampc_f32_to_bf16(f);
-}
-
-/* The raw bits of f rounded to 16-bit dtype DT (or kept as fp32): to nearest even, or with
- * `stochastic` by the random bits of list element k (Note [stochastic rounding]). */
-template <ampc_dtype DT>
-__device__ __forceinline__ uint32_t round_f32(float f, int stochastic, uint64_t seed,
-                                              uint64_t k)
-{
-    if (DT == AMPC_F32 || !stochastic)
-        return from_f32<DT>(f);
-    uint32_t rnd = ampc_random_bits(seed, k);
-    return DT == AMPC_F16 ? ampc_f32_to_f16_sr(f, rnd) : ampc_f32_to_bf16_sr(f, rnd);
 }
 
 /* p advanced by i elements of dtype DT. */
