@@ -118,9 +118,8 @@ def unscale_check(grads, found_inf, inv_scale, *, check_only=False):
     and also accepts bfloat16 grads: one pass over memory, ``found_inf`` set to 1 when
     any input element is inf or nan (never cleared, so the caller zeroes it).
 
-    With ``check_only=True`` the grads are only read, not written, and the global L2
-    norm of the unscaled grads (``|inv_scale| * ||grads||``) is returned as a 0-dim
-    float32 tensor on the grads' device.
+    With ``check_only=True`` this is :func:`check_norm`: the grads are only read, and
+    the global L2 norm of the unscaled grads is returned.
 
     Args:
         grads (list of Tensor): float32, float16 or bfloat16 gradients, contiguous, on
@@ -134,13 +133,30 @@ def unscale_check(grads, found_inf, inv_scale, *, check_only=False):
         >>> found_inf = torch.zeros(1); inv_scale = torch.full((1,), 2.0 ** -16)
         >>> ampc.ops.unscale_check([p.grad for p in model.parameters()], found_inf, inv_scale)
     """
+    if check_only:
+        return check_norm(grads, found_inf, inv_scale)
     _check_tensor("unscale_check", "found_inf", found_inf)
     _check_tensor("unscale_check", "inv_scale", inv_scale)
-    op = torch.ops.ampc.check_norm if check_only else torch.ops.ampc.unscale_check
-    norms = _per_dtype("unscale_check", {"grads": grads},
-                       lambda g: op(g, found_inf, inv_scale))
-    if not check_only:
-        return None
+    _per_dtype("unscale_check", {"grads": grads},
+               lambda g: torch.ops.ampc.unscale_check(g, found_inf, inv_scale))
+
+
+def check_norm(grads, found_inf, inv_scale):
+    """The read-only twin of :func:`unscale_check`: flags any inf or nan in ``found_inf``
+    (never cleared) and returns the global L2 norm of the unscaled grads,
+    ``|inv_scale| * ||grads||``, as a 0-dim float32 tensor on the grads' device, in one
+    pass that leaves the grads as they are (what gradient clipping of scaled grads needs).
+
+    Args:
+        grads (list of Tensor): float32, float16 or bfloat16 gradients, contiguous, on
+            the device of ``found_inf``.
+        found_inf (Tensor): 1-element float32 flag.
+        inv_scale (Tensor): 1-element float32 factor.
+    """
+    _check_tensor("check_norm", "found_inf", found_inf)
+    _check_tensor("check_norm", "inv_scale", inv_scale)
+    norms = _per_dtype("check_norm", {"grads": grads},
+                       lambda g: torch.ops.ampc.check_norm(g, found_inf, inv_scale))
     return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
 

@@ -472,60 +472,89 @@ static void cast_kernel(StableIValue *stack, int on_cuda)
 }
 
 // ---- unscale_check(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) ----
+
+struct unscale_check_job {
+    struct ampc_list grads;
+    float *found_inf;
+    const float *inv_scale;
+};
+
+static ampc_status unscale_check_on_cpu(void *j)
+{
+    struct unscale_check_job *job = j;
+    return ampc_unscale_check_cpu(&job->grads, job->found_inf, job->inv_scale);
+}
+
+static ampc_status unscale_check_on_cuda(void *j, void *stream)
+{
+    struct unscale_check_job *job = j;
+    return g_cuda->unscale_check(&job->grads, job->found_inf, job->inv_scale, stream);
+}
+
+/* grads (written when `written`), found_inf and inv_scale, taken and checked. */
+static struct ampc_list take_grads(struct call *c, StableIValue *stack, int written,
+                                   float **found_inf, const float **inv_scale)
+{
+    struct list *grads = take_list(c, stack[0], "grads", written);
+    struct tensor *found = take_tensor(c, stack[1], "found_inf", 1);
+    struct tensor *inv = take_tensor(c, stack[2], "inv_scale", 0);
+    describe_all(c);
+    struct ampc_list out = float_list(c, grads);
+    check_scalar(c, found, aoti_torch_dtype_float32(), 0);
+    check_scalar(c, inv, aoti_torch_dtype_float32(), 0);
+    check_overlap(c);
+    *found_inf = found->data;
+    *inv_scale = inv->data;
+    return out;
+}
+
+static void unscale_check_kernel(StableIValue *stack, int on_cuda)
+{
+    struct call c;
+    struct unscale_check_job job;
+    start(&c, "ampc.unscale_check", on_cuda);
+    job.grads = take_grads(&c, stack, 1, &job.found_inf, &job.inv_scale);
+    run(&c, unscale_check_on_cpu, unscale_check_on_cuda, &job);
+    call_free(&c);
+}
+
 // ---- check_norm(Tensor[] grads, Tensor(a!) found_inf, Tensor inv_scale) -> Tensor ----
 
-struct unscale_job {
+struct check_norm_job {
     struct ampc_list grads;
     float *found_inf;
     const float *inv_scale;
     float *norm;
 };
 
-static ampc_status unscale_on_cpu(void *j)
+static ampc_status check_norm_on_cpu(void *j)
 {
-    struct unscale_job *job = j;
-    if (job->norm)
-        return ampc_check_norm_cpu(&job->grads, job->found_inf, job->norm, job->inv_scale);
-    return ampc_unscale_check_cpu(&job->grads, job->found_inf, job->inv_scale);
+    struct check_norm_job *job = j;
+    return ampc_check_norm_cpu(&job->grads, job->found_inf, job->norm, job->inv_scale);
 }
 
-static ampc_status unscale_on_cuda(void *j, void *stream)
+static ampc_status check_norm_on_cuda(void *j, void *stream)
 {
-    struct unscale_job *job = j;
-    if (job->norm)
-        return g_cuda->check_norm(&job->grads, job->found_inf, job->norm, job->inv_scale,
-                                  stream);
-    return g_cuda->unscale_check(&job->grads, job->found_inf, job->inv_scale, stream);
+    struct check_norm_job *job = j;
+    return g_cuda->check_norm(&job->grads, job->found_inf, job->norm, job->inv_scale, stream);
 }
 
-static void unscale_kernel(StableIValue *stack, int on_cuda, int check_only)
+static void check_norm_kernel(StableIValue *stack, int on_cuda)
 {
     struct call c;
-    start(&c, check_only ? "ampc.check_norm" : "ampc.unscale_check", on_cuda);
-    struct list *grads = take_list(&c, stack[0], "grads", !check_only);
-    struct tensor *found_inf = take_tensor(&c, stack[1], "found_inf", 1);
-    struct tensor *inv_scale = take_tensor(&c, stack[2], "inv_scale", 0);
-    describe_all(&c);
-    struct unscale_job job;
-    job.grads = float_list(&c, grads);
-    check_scalar(&c, found_inf, aoti_torch_dtype_float32(), 0);
-    check_scalar(&c, inv_scale, aoti_torch_dtype_float32(), 0);
-    check_overlap(&c);
-    job.found_inf = found_inf->data;
-    job.inv_scale = inv_scale->data;
-    job.norm = NULL;
+    struct check_norm_job job;
     AtenTensorHandle norm = NULL;
-    if (check_only) {
-        shim(&c, aoti_torch_empty_strided(0, NULL, NULL, aoti_torch_dtype_float32(),
-                                          found_inf->device_type, found_inf->device_index,
-                                          &norm), "empty_strided");
-        shim(&c, torch_get_mutable_data_ptr(norm, (void **)&job.norm), "get_data_ptr");
-        /* owned by the call until the kernel succeeds, so a failure frees it */
-        c.singles[c.n_singles++] = (struct tensor){ .h = norm, .name = "norm" };
-    }
-    run(&c, unscale_on_cpu, unscale_on_cuda, &job);
-    if (norm)
-        c.n_singles--;      /* the norm goes to the caller */
+    start(&c, "ampc.check_norm", on_cuda);
+    job.grads = take_grads(&c, stack, 0, &job.found_inf, &job.inv_scale);
+    /* a 0-dim fp32 tensor on the grads' device, named by the tensor that fixed it */
+    shim(&c, aoti_torch_empty_strided(0, NULL, NULL, aoti_torch_dtype_float32(),
+                                      c.first->device_type, c.first->device_index, &norm),
+         "empty_strided");
+    /* owned by the call until the kernel succeeds, so a failure frees it */
+    c.singles[c.n_singles++] = (struct tensor){ .h = norm, .name = "norm" };
+    shim(&c, torch_get_mutable_data_ptr(norm, (void **)&job.norm), "get_data_ptr");
+    run(&c, check_norm_on_cpu, check_norm_on_cuda, &job);
+    c.n_singles--;          /* the norm goes to the caller */
     call_free(&c);
     stack[0] = (StableIValue)(uintptr_t)norm;
 }
@@ -535,7 +564,7 @@ static void unscale_kernel(StableIValue *stack, int on_cuda, int check_only)
 //                   float backoff_factor, int growth_interval, int hysteresis,
 //                   float min_scale, float max_scale) ----
 
-struct scale_job {
+struct update_scale_job {
     float *scale;
     int32_t *growth_tracker;
     int32_t *hysteresis_tracker;
@@ -543,21 +572,21 @@ struct scale_job {
     struct ampc_scale_args args;
 };
 
-static ampc_status scale_on_cpu(void *j)
+static ampc_status update_scale_on_cpu(void *j)
 {
-    struct scale_job *job = j;
+    struct update_scale_job *job = j;
     return ampc_update_scale_cpu(job->scale, job->growth_tracker, job->hysteresis_tracker,
                                  job->found_inf, &job->args);
 }
 
-static ampc_status scale_on_cuda(void *j, void *stream)
+static ampc_status update_scale_on_cuda(void *j, void *stream)
 {
-    struct scale_job *job = j;
+    struct update_scale_job *job = j;
     return g_cuda->update_scale(job->scale, job->growth_tracker, job->hysteresis_tracker,
                                 job->found_inf, &job->args, stream);
 }
 
-static void check_scale_args(struct call *c, const struct ampc_scale_args *a)
+static void check_update_scale_args(struct call *c, const struct ampc_scale_args *a)
 {
     if (!(a->growth_factor > 0 && isfinite(a->growth_factor)))
         fail(c, "growth_factor must be a positive finite number, got %g", a->growth_factor);
@@ -572,7 +601,7 @@ static void check_scale_args(struct call *c, const struct ampc_scale_args *a)
                 "and %g", a->min_scale, a->max_scale);
 }
 
-static void scale_kernel(StableIValue *stack, int on_cuda)
+static void update_scale_kernel(StableIValue *stack, int on_cuda)
 {
     struct call c;
     start(&c, "ampc.update_scale", on_cuda);
@@ -581,7 +610,7 @@ static void scale_kernel(StableIValue *stack, int on_cuda)
     struct tensor *hyst = take_tensor(&c, stack[2], "hysteresis_tracker", 1);
     struct tensor *found_inf = take_tensor(&c, stack[3], "found_inf", 0);
     describe_all(&c);
-    struct scale_job job;
+    struct update_scale_job job;
     job.args.growth_factor = take_double(stack[4]);
     job.args.backoff_factor = take_double(stack[5]);
     job.args.growth_interval = (int64_t)stack[6];
@@ -592,13 +621,13 @@ static void scale_kernel(StableIValue *stack, int on_cuda)
     check_scalar(&c, growth, aoti_torch_dtype_int32(), 0);
     check_scalar(&c, hyst, aoti_torch_dtype_int32(), job.args.hysteresis == 1);
     check_scalar(&c, found_inf, aoti_torch_dtype_float32(), 0);
-    check_scale_args(&c, &job.args);
+    check_update_scale_args(&c, &job.args);
     check_overlap(&c);
     job.scale = scale->data;
     job.growth_tracker = growth->data;
     job.hysteresis_tracker = hyst->data;
     job.found_inf = found_inf->data;
-    run(&c, scale_on_cpu, scale_on_cuda, &job);
+    run(&c, update_scale_on_cpu, update_scale_on_cuda, &job);
     call_free(&c);
 }
 
@@ -716,16 +745,16 @@ static void adam_kernel(StableIValue *stack, int on_cuda)
 
 // ---- boxed entry points ----
 
-static void cast_cpu(StableIValue *s, uint64_t n, uint64_t o) { cast_kernel(s, 0); }
-static void cast_cuda(StableIValue *s, uint64_t n, uint64_t o) { cast_kernel(s, 1); }
-static void unscale_cpu(StableIValue *s, uint64_t n, uint64_t o) { unscale_kernel(s, 0, 0); }
-static void unscale_cuda(StableIValue *s, uint64_t n, uint64_t o) { unscale_kernel(s, 1, 0); }
-static void norm_cpu(StableIValue *s, uint64_t n, uint64_t o) { unscale_kernel(s, 0, 1); }
-static void norm_cuda(StableIValue *s, uint64_t n, uint64_t o) { unscale_kernel(s, 1, 1); }
-static void scale_cpu(StableIValue *s, uint64_t n, uint64_t o) { scale_kernel(s, 0); }
-static void scale_cuda(StableIValue *s, uint64_t n, uint64_t o) { scale_kernel(s, 1); }
-static void adam_cpu(StableIValue *s, uint64_t n, uint64_t o) { adam_kernel(s, 0); }
-static void adam_cuda(StableIValue *s, uint64_t n, uint64_t o) { adam_kernel(s, 1); }
+/* name_cpu and name_cuda, the boxed kernels torch calls, from name_kernel(stack, on_cuda) */
+#define BOXED(name)                                                                       \
+    static void name##_cpu(StableIValue *s, uint64_t n, uint64_t o) { name##_kernel(s, 0); } \
+    static void name##_cuda(StableIValue *s, uint64_t n, uint64_t o) { name##_kernel(s, 1); }
+
+BOXED(cast)
+BOXED(unscale_check)
+BOXED(check_norm)
+BOXED(update_scale)
+BOXED(adam)
 
 struct op {
     const char *schema;
@@ -739,14 +768,14 @@ static const struct op ops[] = {
       "int seed=0) -> ()",
       "cast", cast_cpu, cast_cuda },
     { "unscale_check(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) -> ()",
-      "unscale_check", unscale_cpu, unscale_cuda },
+      "unscale_check", unscale_check_cpu, unscale_check_cuda },
     { "check_norm(Tensor[] grads, Tensor(a!) found_inf, Tensor inv_scale) -> Tensor",
-      "check_norm", norm_cpu, norm_cuda },
+      "check_norm", check_norm_cpu, check_norm_cuda },
     { "update_scale(Tensor(a!) scale, Tensor(b!) growth_tracker, "
       "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
       "float backoff_factor, int growth_interval, int hysteresis, float min_scale, "
       "float max_scale) -> ()",
-      "update_scale", scale_cpu, scale_cuda },
+      "update_scale", update_scale_cpu, update_scale_cuda },
     { "adam_master(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, "
       "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, "
       "Tensor(f!)[] steps, Tensor[] lr_tensor, Tensor[] inv_scale, Tensor[] clip_coef, "

@@ -1,6 +1,7 @@
 /*
  * update_scale.cu: one dynamic loss-scale step on the device (the CUDA twin of
- * ampc_update_scale_cpu; the rule is ampc_update_scale_step in update_scale.h, shared with the CPU).
+ * ampc_update_scale_cpu; the rule is ampc_update_scale_step in update_scale.h, shared
+ * with the CPU).
  *
  * Launch shape: a single thread (<<<1, 1>>>), as torch's _amp_update_scale_: the state is
  * three scalars, and keeping the step on the device means found_inf never travels to the
