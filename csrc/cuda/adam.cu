@@ -52,16 +52,6 @@ struct adam_steps {
 static_assert(sizeof(struct adam_steps) + sizeof(float *) <= 4096,
               "adam step arguments over 4 KB");
 
-/* A chunk's pointers, at its first element. */
-struct adam_chunk {
-    char *param;
-    const char *grad;
-    float *master;          /* NULL: the param is the weight */
-    float *m;
-    float *v;
-    float *vmax;            /* NULL without amsgrad */
-};
-
 __device__ __forceinline__ bool skipped(const float *found_inf)
 {
     return found_inf && *found_inf != 0.0f;
@@ -92,7 +82,7 @@ __device__ __forceinline__ void store_w(void *p, int u, const uint32_t x[W])
  * loads come first so that they are in flight together.
  */
 template <ampc_dtype PD, ampc_dtype GD, int W>
-__device__ __forceinline__ void adam_elements(const struct adam_chunk *q, int u, uint64_t k,
+__device__ __forceinline__ void adam_elements(const struct ampc_adam_ptrs *q, int u, uint64_t k,
                                               const struct ampc_adam_coef *c,
                                               const struct ampc_adam_args *args)
 {
@@ -131,36 +121,15 @@ __device__ __forceinline__ void adam_elements(const struct adam_chunk *q, int u,
 
 // ---- kernels ----
 
-/* Tensor t's constants, from its step and the control values (adam.c does the same). */
-__device__ struct ampc_adam_coef tensor_coef(const struct adam_table *tab, int t,
-                                             const struct ampc_adam_control *control,
-                                             const struct ampc_adam_args *args)
+static __device__ struct ampc_adam_ptrs chunk_at(const struct adam_table *tab, int t,
+                                                 int64_t start, ampc_dtype pd, ampc_dtype gd)
 {
-    float step = *(const float *)tab->ptr[ADAM_STEP][t] + 1.0f;    /* fp32, as stored */
-    double lr = control->lr ? (double)*control->lr : args->lr;
-    float inv_scale = control->inv_scale ? *control->inv_scale : 1.0f;
-    float clip = control->clip_coef ? *control->clip_coef : 1.0f;
-    int amsgrad = tab->ptr[ADAM_MAX_EXP_AVG_SQ][t] != NULL;
-    return ampc_adam_coef(args, lr, (double)step, inv_scale, clip, amsgrad);
+    return ampc_adam_ptrs_at(tab->ptr[ADAM_PARAM][t], pd, tab->ptr[ADAM_GRAD][t], gd,
+                             tab->ptr[ADAM_MASTER][t], tab->ptr[ADAM_EXP_AVG][t],
+                             tab->ptr[ADAM_EXP_AVG_SQ][t], tab->ptr[ADAM_MAX_EXP_AVG_SQ][t], start);
 }
 
-static __device__ struct adam_chunk chunk_at(const struct adam_table *tab, int t,
-                                             int64_t start, ampc_dtype pd, ampc_dtype gd)
-{
-    struct adam_chunk q;
-    float *master = (float *)tab->ptr[ADAM_MASTER][t];
-    float *vmax = (float *)tab->ptr[ADAM_MAX_EXP_AVG_SQ][t];
-
-    q.param = (char *)tab->ptr[ADAM_PARAM][t] + start * ampc_dtype_size(pd);
-    q.grad = (const char *)tab->ptr[ADAM_GRAD][t] + start * ampc_dtype_size(gd);
-    q.master = master ? master + start : NULL;
-    q.m = (float *)tab->ptr[ADAM_EXP_AVG][t] + start;
-    q.v = (float *)tab->ptr[ADAM_EXP_AVG_SQ][t] + start;
-    q.vmax = vmax ? vmax + start : NULL;
-    return q;
-}
-
-static __device__ bool chunk_vec_ok(const struct adam_chunk *q)
+static __device__ bool chunk_vec_ok(const struct ampc_adam_ptrs *q)
 {
     return vec_ok(q->param) && vec_ok(q->grad) && (!q->master || vec_ok(q->master)) &&
            vec_ok(q->m) && vec_ok(q->v) && (!q->vmax || vec_ok(q->vmax));
@@ -182,13 +151,15 @@ adam_kernel(const __grid_constant__ struct adam_table tab,
     if (threadIdx.x == 0) {
         skip = skipped(control.found_inf);
         if (!skip)
-            block_coef = tensor_coef(&tab, t, &control, &args);
+            block_coef = ampc_adam_tensor_coef(&args, &control,
+                                               *(const float *)tab.ptr[ADAM_STEP][t],
+                                               tab.ptr[ADAM_MAX_EXP_AVG_SQ][t] != NULL);
     }
     __syncthreads();
     if (skip)
         return;
     struct ampc_adam_coef c = block_coef;
-    struct adam_chunk q = chunk_at(&tab, t, start, PD, GD);
+    struct ampc_adam_ptrs q = chunk_at(&tab, t, start, PD, GD);
     uint64_t k = (uint64_t)(tab.first[t] + start);
 
     if (chunk_vec_ok(&q)) {
