@@ -7,12 +7,15 @@
  * (to nearest even, or stochastically with the random bits of its list index). With masters
  * the param is only written, never read: 2 + 8 + 16 + 2 = 28 bytes a bf16 parameter.
  *
- * Launch shape: multi_tensor.cuh's walk (one 512-thread block per 65536-element chunk, all
- * chunks of up to ADAM_MAX_TENSORS tensors in one launch) with a 7-list table. Thread 0 of a
- * block reads found_inf, lr, inv_scale, clip_coef and the tensor's step on the device and
- * computes the tensor's constants once (in double, as adam.h does) for the whole block.
- * Each thread then moves 8 elements at a time with 16-byte accesses, 7 independent loads in
- * flight, when every chunk start is aligned; one element a thread otherwise.
+ * Launch shape: multi_tensor.cuh's walk (one block per chunk of 4,096 to 65,536 elements,
+ * Note [chunk per call], all chunks of up to ADAM_MAX_TENSORS tensors in one launch) with a
+ * 7-list table. Blocks of 256 threads, two per SM at most 128 registers a thread (the
+ * kernel needs 70-112): 16 warps an SM as with one 512-thread block, but one block's
+ * start overlaps the other's work. At the start, five lanes of warp 0 read found_inf, lr,
+ * inv_scale, clip_coef and the tensor's step at once (one round trip), and lane 0 computes
+ * the tensor's constants (in double, as adam.h does) for the whole block. Each thread then
+ * moves 8 elements at a time with 16-byte accesses, 7 independent loads in flight, when
+ * every chunk start is aligned; one element a thread otherwise.
  *
  * Steps: every block of a tensor reads its step, so no block may advance it. After all the
  * update launches, a one-block launch on the same stream adds 1 to every step count (empty
@@ -35,6 +38,7 @@ enum {
     ADAM_LISTS,
 };
 
+#define ADAM_THREADS 256
 #define ADAM_MAX_TENSORS 48
 #define ADAM_MAX_STEPS 480
 
@@ -135,8 +139,40 @@ static __device__ bool chunk_vec_ok(const struct ampc_adam_ptrs *q)
            vec_ok(q->m) && vec_ok(q->v) && (!q->vmax || vec_ok(q->vmax));
 }
 
+/* The block's constants, or *skip: lanes 0-4 of warp 0 each read one device value, so
+ * the five reads are in flight together; lane 0 computes from them. */
+static __device__ void block_start(const struct adam_table *tab, int t,
+                                   const struct ampc_adam_control *control,
+                                   const struct ampc_adam_args *args,
+                                   struct ampc_adam_coef *coef, bool *skip)
+{
+    const unsigned all = 0xffffffffu;
+    int lane = threadIdx.x;
+    const float *from = lane == 0 ? control->found_inf
+                      : lane == 1 ? control->lr
+                      : lane == 2 ? control->inv_scale
+                      : lane == 3 ? control->clip_coef
+                      : lane == 4 ? (const float *)tab->ptr[ADAM_STEP][t] : NULL;
+    float x = from ? *from : 0.0f;
+    float found = __shfl_sync(all, x, 0);
+    float lr = __shfl_sync(all, x, 1);
+    float inv_scale = __shfl_sync(all, x, 2);
+    float clip = __shfl_sync(all, x, 3);
+    float step = __shfl_sync(all, x, 4);
+
+    if (lane != 0)
+        return;
+    *skip = found != 0.0f;          /* a NULL found_inf reads as 0: never skipped */
+    if (*skip)
+        return;
+    struct ampc_adam_control read = {control->lr ? &lr : NULL,
+                                     control->inv_scale ? &inv_scale : NULL,
+                                     control->clip_coef ? &clip : NULL, NULL};
+    *coef = ampc_adam_tensor_coef(args, &read, step, tab->ptr[ADAM_MAX_EXP_AVG_SQ][t] != NULL);
+}
+
 template <ampc_dtype PD, ampc_dtype GD>
-__global__ void __launch_bounds__(MT_THREADS)
+__global__ void __launch_bounds__(ADAM_THREADS, 2)
 adam_kernel(const __grid_constant__ struct adam_table tab,
             const __grid_constant__ struct ampc_adam_control control,
             const __grid_constant__ struct ampc_adam_args args)
@@ -148,13 +184,8 @@ adam_kernel(const __grid_constant__ struct adam_table tab,
     int t = mt_chunk(&tab, &start, &len);
     int tail = 0;
 
-    if (threadIdx.x == 0) {
-        skip = skipped(control.found_inf);
-        if (!skip)
-            block_coef = ampc_adam_tensor_coef(&args, &control,
-                                               *(const float *)tab.ptr[ADAM_STEP][t],
-                                               tab.ptr[ADAM_MAX_EXP_AVG_SQ][t] != NULL);
-    }
+    if (threadIdx.x < 32)
+        block_start(&tab, t, &control, &args, &block_coef, &skip);
     __syncthreads();
     if (skip)
         return;
@@ -164,11 +195,11 @@ adam_kernel(const __grid_constant__ struct adam_table tab,
 
     if (chunk_vec_ok(&q)) {
         int nvec = len / 8;
-        for (int u = threadIdx.x; u < nvec; u += MT_THREADS)
+        for (int u = threadIdx.x; u < nvec; u += ADAM_THREADS)
             adam_elements<PD, GD, 8>(&q, u, k, &c, &args);
         tail = nvec * 8;
     }
-    for (int i = tail + threadIdx.x; i < len; i += MT_THREADS)
+    for (int i = tail + threadIdx.x; i < len; i += ADAM_THREADS)
         adam_elements<PD, GD, 1>(&q, i, k, &c, &args);
 }
 
@@ -205,7 +236,7 @@ struct adam_ctx {
 static ampc_status adam_launch(const struct adam_table *tab, int nblocks, void *ctx)
 {
     const struct adam_ctx *c = (const struct adam_ctx *)ctx;
-    c->kernel<<<nblocks, MT_THREADS, 0, c->stream>>>(*tab, c->control, c->args);
+    c->kernel<<<nblocks, ADAM_THREADS, 0, c->stream>>>(*tab, c->control, c->args);
     return ampc_cuda_status(cudaGetLastError());
 }
 
@@ -243,7 +274,9 @@ extern "C" ampc_status ampc_adam_cuda_impl(const struct ampc_adam_lists *lists,
     c.control = *control;
     c.args = *args;
     c.stream = (cudaStream_t)stream;
-    ampc_status st = mt_apply_lists<struct adam_table>(table_lists, adam_launch, &c);
+    ampc_status st = mt_apply_lists<struct adam_table>(table_lists,
+                                                       mt_chunk_size(&lists->params),
+                                                       adam_launch, &c);
     if (st != AMPC_OK)
         return st;
     return advance_steps(&lists->steps, control->found_inf, c.stream);

@@ -7,9 +7,9 @@
  * the seed may be a device tensor read at run time, so replays of a captured graph that
  * advance it draw new bits (Note [random bits that advance on the device] in dtype.h).
  *
- * Launch shape: multi_tensor.cuh (one 512-thread block per 65536-element chunk, walked by
- * mt_visit: 16-byte vectors when both chunk starts are aligned, one element a thread when
- * a storage offset breaks the alignment).
+ * Launch shape: multi_tensor.cuh (one 512-thread block per chunk of 4,096 to 65,536
+ * elements, Note [chunk per call]), walked by mt_visit: 16-byte vectors when both chunk
+ * starts are aligned, one element a thread when a storage offset breaks the alignment.
  */
 #include "cast.h"
 #include "common.cuh"
@@ -83,5 +83,5 @@ extern "C" ampc_status ampc_cast_cuda_impl(const struct ampc_list *dst,
     c.seed = args->seed;
     c.seed_tensor = args->seed_tensor;
     c.stream = (cudaStream_t)stream;
-    return mt_apply(dst, src, cast_launch, &c);
+    return mt_apply(dst, src, mt_chunk_size(src), cast_launch, &c);
 }

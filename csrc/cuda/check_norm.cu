@@ -4,10 +4,11 @@
  * is sticky]) and norm = |inv_scale| * sqrt(sum g^2), the L2 norm of the unscaled grads,
  * all on the device.
  *
- * Launch shape: multi_tensor.cuh (one 512-thread block per 65536-element chunk, walked by
- * mt_visit). Each thread sums its squares in fp32 and tracks its largest |g| (Note [fp32
- * squares when safe] in check_norm.h: one FMA per element, not three fp64 operations);
- * a thread whose run is not safe reads its elements again and sums them in double. Each
+ * Launch shape: multi_tensor.cuh (one 512-thread block per chunk of 4,096 to 65,536
+ * elements, Note [chunk per call], walked by mt_visit). Each thread sums its squares in
+ * fp32 and tracks its largest |g| (Note [fp32 squares when safe] in check_norm.h: one FMA
+ * per element, not three fp64 operations); a thread whose run is not safe reads its
+ * elements again and sums them in double. Each
  * block writes the double sum of its chunk (a fixed tree) to slot (launch offset + block)
  * of a scratch array from torch's caching allocator, and one 512-thread block adds the
  * slots in a fixed order and writes the norm: the result depends on the inputs only.
@@ -96,7 +97,8 @@ extern "C" ampc_status ampc_check_norm_cuda_impl(const struct ampc_list *grads,
                                                  const float *inv_scale, void *stream)
 {
     struct check_norm_ctx c = {grads->dtype, found_inf, NULL, (cudaStream_t)stream};
-    int64_t nchunks = mt_list_chunks(grads);
+    int64_t chunk = mt_chunk_size(grads);
+    int64_t nchunks = mt_list_chunks(grads, chunk);
     void *scratch = NULL;
     ampc_status st;
 
@@ -105,7 +107,7 @@ extern "C" ampc_status ampc_check_norm_cuda_impl(const struct ampc_list *grads,
     if (aoti_torch_cuda_caching_allocator_raw_alloc(nchunks * sizeof(double), &scratch) != 0)
         return ampc_cuda_fail(AMPC_ERR_NOMEM, "out of memory for the check_norm scratch");
     c.partial = (double *)scratch;
-    st = mt_apply(grads, NULL, check_norm_launch, &c);
+    st = mt_apply(grads, NULL, chunk, check_norm_launch, &c);
     if (st == AMPC_OK) {
         check_norm_finish_kernel<<<1, MT_THREADS, 0, c.stream>>>(norm, c.partial, nchunks,
                                                                   inv_scale);

@@ -5,8 +5,8 @@
  * fp32 math, 16-bit results rounded to nearest even). inv_scale and found_inf are read and
  * written on the device: no host sync. Note [found_inf is sticky].
  *
- * Launch shape: multi_tensor.cuh (one 512-thread block per 65536-element chunk, walked by
- * mt_visit).
+ * Launch shape: multi_tensor.cuh (one 512-thread block per chunk of 4,096 to 65,536
+ * elements, Note [chunk per call], walked by mt_visit).
  */
 #include "common.cuh"
 #include "multi_tensor.cuh"
@@ -59,5 +59,5 @@ extern "C" ampc_status ampc_unscale_check_cuda_impl(const struct ampc_list *grad
                                                     void *stream)
 {
     struct unscale_check_ctx c = {grads->dtype, found_inf, inv_scale, (cudaStream_t)stream};
-    return mt_apply(grads, NULL, unscale_check_launch, &c);
+    return mt_apply(grads, NULL, mt_chunk_size(grads), unscale_check_launch, &c);
 }
