@@ -359,3 +359,34 @@ def test_adamw_gradscaler_clip_without_a_sync_cuda():
         torch.cuda.set_sync_debug_mode(0)
     assert any(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
     assert all(opt.state[p]["step"].item() == 4.0 for p in model.parameters())
+
+
+# ---- views that start off a 16-byte boundary ----
+
+@pytest.mark.parametrize("dtype", [f32, f16, bf16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("offset", [1, 3, 7])
+def test_misaligned_views_take_a_scalar_head_cuda(dtype, offset):
+    # grads as views into one flat buffer, each starting `offset` elements past a 16-byte
+    # boundary: the kernels handle the head one element a thread and vectorize the rest;
+    # results must equal torch's and the CPU's whatever the split
+    sizes = [offset + 1, 8 * 1000 + 5, 3 * CHUNK + 11, 2]
+    flat = torch.randn(sum(sizes) + (8 + offset) * len(sizes)).to(dtype).cuda()
+    views, at = [], offset
+    for n in sizes:
+        views.append(flat[at:at + n])
+        at = (at + n + 7) // 8 * 8 + offset     # the next starts `offset` past a boundary
+    assert all(v.data_ptr() % 16 != 0 for v in views)
+    ref = [v.clone() for v in views]
+    found, ref_found = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
+    inv = torch.full((1,), 0.125, device="cuda")
+    norm = ampc.ops.check_norm(views, found, inv)
+    want = 0.125 * math.sqrt(sum(float((r.double() ** 2).sum()) for r in ref))
+    assert abs(norm.item() - want) <= 1e-5 * want and found.item() == 0.0
+    ampc.ops.unscale_check(views, found, inv)
+    torch._amp_foreach_non_finite_check_and_unscale_(ref, ref_found, inv)
+    for i, (v, r) in enumerate(zip(views, ref)):
+        assert_bits(v, r, f"unscale view {i}")
+    copies = [torch.empty_like(v) for v in views]
+    ampc.ops.cast_(copies, views)
+    for i, (c, v) in enumerate(zip(copies, views)):
+        assert_bits(c, v, f"same-dtype copy of view {i}")

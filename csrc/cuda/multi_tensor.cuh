@@ -77,26 +77,45 @@ __device__ __forceinline__ int mt_chunk(const struct mt_table_of<L, N> *tab, int
     return lo;
 }
 
+/* Elements of dtype DT before the first 16-byte boundary at or after p (p is aligned to
+ * its element, as every tensor's data is). */
+template <ampc_dtype DT>
+__device__ __forceinline__ int head_elems(const void *p)
+{
+    return (int)(((16 - ((uintptr_t)p & 15)) & 15) / ampc_dtype_size(DT));
+}
+
 /*
  * Visits elements [0, len) of the calling block's chunk: x = op(x, i) on the raw bits x of
  * element i, read as dtype S from `in` and, unless `out` is NULL (a read-only visit),
- * written as dtype D to `out`. When both pointers allow it, each thread moves 16-byte
- * vectors of 8 elements, MT_ILP of them loaded before the first is used, to keep enough
- * bytes in flight; otherwise (a storage offset that breaks alignment) one element a thread.
+ * written as dtype D to `out`. Each thread moves 16-byte vectors of 8 elements, MT_ILP of
+ * them loaded before the first is used, to keep enough bytes in flight. A view into a flat
+ * buffer may start off a 16-byte boundary: when the input and the output are off by the
+ * same number of elements (always so for unscale_check, check_norm and a same-dtype copy),
+ * the first `head` elements go one a thread and the vectors start after them; otherwise
+ * the whole chunk goes one element a thread.
  */
 template <ampc_dtype S, ampc_dtype D, typename Op>
 __device__ __forceinline__ void mt_visit(const char *in, char *out, int len, Op op)
 {
+    int head = head_elems<S>(in);
     int tail = 0;
 
-    if (vec_ok(in) && (out == NULL || vec_ok(out))) {
-        int nvec = len / 8;
+    if (head < len && (out == NULL || head_elems<D>(out) == head)) {
+        for (int i = threadIdx.x; i < head; i += MT_THREADS) {
+            uint32_t x = op(load1<S>(in, i), i);
+            if (out)
+                store1<D>(out, i, x);
+        }
+        const char *vin = in + head * ampc_dtype_size(S);
+        char *vout = out ? out + head * ampc_dtype_size(D) : NULL;
+        int nvec = (len - head) / 8;
         for (int u0 = threadIdx.x; u0 < nvec; u0 += MT_THREADS * MT_ILP) {
             uint32_t v[MT_ILP][8];
 #pragma unroll
             for (int j = 0; j < MT_ILP; j++)
                 if (u0 + j * MT_THREADS < nvec)
-                    load8<S>(v[j], in, u0 + j * MT_THREADS);
+                    load8<S>(v[j], vin, u0 + j * MT_THREADS);
 #pragma unroll
             for (int j = 0; j < MT_ILP; j++) {
                 int u = u0 + j * MT_THREADS;
@@ -104,12 +123,12 @@ __device__ __forceinline__ void mt_visit(const char *in, char *out, int len, Op 
                     break;
 #pragma unroll
                 for (int e = 0; e < 8; e++)
-                    v[j][e] = op(v[j][e], 8 * u + e);
-                if (out)
-                    store8<D>(out, u, v[j]);
+                    v[j][e] = op(v[j][e], head + 8 * u + e);
+                if (vout)
+                    store8<D>(vout, u, v[j]);
             }
         }
-        tail = nvec * 8;
+        tail = head + nvec * 8;
     }
     for (int i = tail + threadIdx.x; i < len; i += MT_THREADS) {
         uint32_t x = op(load1<S>(in, i), i);
