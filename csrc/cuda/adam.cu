@@ -217,14 +217,7 @@ typedef void (*adam_kernel_fn)(const struct adam_table, const struct ampc_adam_c
                                const struct ampc_adam_args);
 
 /* [param dtype][grad dtype], in ampc_dtype order */
-static const adam_kernel_fn adam_kernels[3][3] = {
-    {adam_kernel<AMPC_F32, AMPC_F32>, adam_kernel<AMPC_F32, AMPC_F16>,
-     adam_kernel<AMPC_F32, AMPC_BF16>},
-    {adam_kernel<AMPC_F16, AMPC_F32>, adam_kernel<AMPC_F16, AMPC_F16>,
-     adam_kernel<AMPC_F16, AMPC_BF16>},
-    {adam_kernel<AMPC_BF16, AMPC_F32>, adam_kernel<AMPC_BF16, AMPC_F16>,
-     adam_kernel<AMPC_BF16, AMPC_BF16>},
-};
+static const adam_kernel_fn adam_kernels[3][3] = DTYPE_PAIRS(adam_kernel);
 
 struct adam_ctx {
     adam_kernel_fn kernel;

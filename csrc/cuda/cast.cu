@@ -47,14 +47,7 @@ cast_kernel(const __grid_constant__ struct mt_table tab, int stochastic, uint64_
 typedef void (*cast_kernel_fn)(const struct mt_table, int, uint64_t, const int64_t *);
 
 /* [src dtype][dst dtype], in ampc_dtype order */
-static const cast_kernel_fn cast_kernels[3][3] = {
-    {cast_kernel<AMPC_F32, AMPC_F32>, cast_kernel<AMPC_F32, AMPC_F16>,
-     cast_kernel<AMPC_F32, AMPC_BF16>},
-    {cast_kernel<AMPC_F16, AMPC_F32>, cast_kernel<AMPC_F16, AMPC_F16>,
-     cast_kernel<AMPC_F16, AMPC_BF16>},
-    {cast_kernel<AMPC_BF16, AMPC_F32>, cast_kernel<AMPC_BF16, AMPC_F16>,
-     cast_kernel<AMPC_BF16, AMPC_BF16>},
-};
+static const cast_kernel_fn cast_kernels[3][3] = DTYPE_PAIRS(cast_kernel);
 
 struct cast_ctx {
     cast_kernel_fn kernel;

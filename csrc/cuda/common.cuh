@@ -50,6 +50,14 @@ ampc_status ampc_adam_cuda_impl(const struct ampc_adam_lists *lists,
                                 const struct ampc_adam_args *args, void *stream);
 }
 
+/* The 3 x 3 table of a kernel template on two dtypes, [first][second] in ampc_dtype order. */
+#define DTYPE_PAIRS(k)                                                                    \
+    {                                                                                     \
+        {k<AMPC_F32, AMPC_F32>, k<AMPC_F32, AMPC_F16>, k<AMPC_F32, AMPC_BF16>},           \
+        {k<AMPC_F16, AMPC_F32>, k<AMPC_F16, AMPC_F16>, k<AMPC_F16, AMPC_BF16>},           \
+        {k<AMPC_BF16, AMPC_F32>, k<AMPC_BF16, AMPC_F16>, k<AMPC_BF16, AMPC_BF16>},        \
+    }
+
 // ---- element access ----
 
 /* The value of raw bits x of dtype DT, exactly. */
