@@ -13,9 +13,10 @@
  * kernel needs 70-112): 16 warps an SM as with one 512-thread block, but one block's
  * start overlaps the other's work. At the start, five lanes of warp 0 read found_inf, lr,
  * inv_scale, clip_coef and the tensor's step at once (one round trip), and lane 0 computes
- * the tensor's constants (in double, as adam.h does) for the whole block. Each thread then
- * moves 8 elements at a time with 16-byte accesses, 7 independent loads in flight, when
- * every chunk start is aligned; one element a thread otherwise.
+ * the tensor's constants (in double, as adam.h does) for the whole block, while every
+ * thread's first loads are already in flight. Each thread moves 8 elements at a time with
+ * 16-byte accesses, 7 independent loads in flight, when every chunk start is aligned; one
+ * element a thread otherwise.
  *
  * Steps: every block of a tensor reads its step, so no block may advance it. After all the
  * update launches, a one-block launch on the same stream adds 1 to every step count (empty
@@ -81,26 +82,39 @@ __device__ __forceinline__ void store_w(void *p, int u, const uint32_t x[W])
         store1<DT>(p, u, x[0]);
 }
 
-/*
- * Elements [W u, W u + W) of the chunk; k is the list index of the chunk's element 0. All
- * loads come first so that they are in flight together.
- */
-template <ampc_dtype PD, ampc_dtype GD, int W>
-__device__ __forceinline__ void adam_elements(const struct ampc_adam_ptrs *q, int u, uint64_t k,
-                                              const struct ampc_adam_coef *c,
-                                              const struct ampc_adam_args *args)
-{
-    uint32_t g[W], w[W], m[W], v[W], vmax[W], p[W];
+/* The raw bits of elements [W u, W u + W) of a chunk, as loaded. */
+template <int W>
+struct adam_regs {
+    uint32_t g[W], w[W], m[W], v[W], vmax[W];
+};
 
-    load_w<GD, W>(g, q->grad, u);
+/* Issues every load of elements [W u, W u + W), so that they are in flight together. */
+template <ampc_dtype PD, ampc_dtype GD, int W>
+__device__ __forceinline__ void adam_load(const struct ampc_adam_ptrs *q, int u,
+                                          struct adam_regs<W> *r)
+{
+    load_w<GD, W>(r->g, q->grad, u);
     if (q->master)
-        load_w<AMPC_F32, W>(w, q->master, u);
+        load_w<AMPC_F32, W>(r->w, q->master, u);
     else
-        load_w<PD, W>(w, q->param, u);
-    load_w<AMPC_F32, W>(m, q->m, u);
-    load_w<AMPC_F32, W>(v, q->v, u);
+        load_w<PD, W>(r->w, q->param, u);
+    load_w<AMPC_F32, W>(r->m, q->m, u);
+    load_w<AMPC_F32, W>(r->v, q->v, u);
     if (q->vmax)
-        load_w<AMPC_F32, W>(vmax, q->vmax, u);
+        load_w<AMPC_F32, W>(r->vmax, q->vmax, u);
+}
+
+/* Updates and stores elements [W u, W u + W) from their loaded bits; k is the list index
+ * of the chunk's element 0. */
+template <ampc_dtype PD, ampc_dtype GD, int W>
+__device__ __forceinline__ void adam_update(const struct ampc_adam_ptrs *q, int u, uint64_t k,
+                                            const struct ampc_adam_coef *c,
+                                            const struct ampc_adam_args *args,
+                                            struct adam_regs<W> *r)
+{
+    uint32_t *g = r->g, *w = r->w, *m = r->m, *v = r->v, *vmax = r->vmax;
+    uint32_t p[W];
+
 #pragma unroll
     for (int e = 0; e < W; e++) {
         float wf = q->master ? ampc_bits_f32(w[e]) : to_f32<PD>(w[e]);
@@ -121,6 +135,17 @@ __device__ __forceinline__ void adam_elements(const struct ampc_adam_ptrs *q, in
     if (q->master)
         store_w<AMPC_F32, W>(q->master, u, w);
     store_w<PD, W>(q->param, u, p);
+}
+
+template <ampc_dtype PD, ampc_dtype GD, int W>
+__device__ __forceinline__ void adam_elements(const struct ampc_adam_ptrs *q, int u, uint64_t k,
+                                              const struct ampc_adam_coef *c,
+                                              const struct ampc_adam_args *args)
+{
+    struct adam_regs<W> r;
+
+    adam_load<PD, GD, W>(q, u, &r);
+    adam_update<PD, GD, W>(q, u, k, c, args, &r);
 }
 
 // ---- kernels ----
@@ -182,24 +207,27 @@ adam_kernel(const __grid_constant__ struct adam_table tab,
     int64_t start;
     int len;
     int t = mt_chunk(&tab, &start, &len);
-    int tail = 0;
+    struct ampc_adam_ptrs q = chunk_at(&tab, t, start, PD, GD);
+    int nvec = chunk_vec_ok(&q) ? len / 8 : 0;
+    int u = threadIdx.x;
+    struct adam_regs<8> first;
 
+    if (u < nvec)       /* in flight while warp 0 reads the controls and computes */
+        adam_load<PD, GD, 8>(&q, u, &first);
     if (threadIdx.x < 32)
         block_start(&tab, t, &control, &args, &block_coef, &skip);
     __syncthreads();
-    if (skip)
+    if (skip)           /* the loads were reads only: nothing moves */
         return;
     struct ampc_adam_coef c = block_coef;
-    struct ampc_adam_ptrs q = chunk_at(&tab, t, start, PD, GD);
     uint64_t k = (uint64_t)(tab.first[t] + start);
 
-    if (chunk_vec_ok(&q)) {
-        int nvec = len / 8;
-        for (int u = threadIdx.x; u < nvec; u += ADAM_THREADS)
+    if (u < nvec) {
+        adam_update<PD, GD, 8>(&q, u, k, &c, &args, &first);
+        for (u += ADAM_THREADS; u < nvec; u += ADAM_THREADS)
             adam_elements<PD, GD, 8>(&q, u, k, &c, &args);
-        tail = nvec * 8;
     }
-    for (int i = tail + threadIdx.x; i < len; i += ADAM_THREADS)
+    for (int i = nvec * 8 + threadIdx.x; i < len; i += ADAM_THREADS)
         adam_elements<PD, GD, 1>(&q, i, k, &c, &args);
 }
 
