@@ -150,8 +150,10 @@ static inline int64_t mt_list_chunks(const struct ampc_list *a, int64_t chunk)
  * Note [chunk per call]: with a fixed 65,536-element chunk a list fills the 132 SMs of an
  * H100/H200 only from ~17M elements on. The chunk of a call is the largest power of two
  * from MT_MIN_CHUNK to MT_CHUNK that still gives MT_BLOCKS_PER_SM blocks per SM of the
- * current device (begin() made it the tensors' device). It changes no result: element
- * numbering and every per-element rule are the same whatever the chunk.
+ * current device (begin() made it the tensors' device). Cast, unscale_check and Adam
+ * give the same bits whatever the chunk (element numbering and the per-element rules do not
+ * depend on it); check_norm's sums follow the chunks, which the list and the device fix,
+ * so it stays deterministic.
  */
 static inline int64_t mt_chunk_size(const struct ampc_list *a)
 {
