@@ -71,20 +71,6 @@ static const check_norm_kernel_fn check_norm_kernels[3] = {
     check_norm_kernel<AMPC_F32>, check_norm_kernel<AMPC_F16>, check_norm_kernel<AMPC_BF16>,
 };
 
-struct check_norm_ctx {
-    ampc_dtype dtype;
-    float *found_inf;
-    double *partial;
-    cudaStream_t stream;
-};
-
-static ampc_status check_norm_launch(const struct mt_table *tab, int nblocks, void *ctx)
-{
-    const struct check_norm_ctx *c = (const struct check_norm_ctx *)ctx;
-    check_norm_kernels[c->dtype]<<<nblocks, MT_THREADS, 0, c->stream>>>(*tab, c->partial,
-                                                                        c->found_inf);
-    return ampc_cuda_status(cudaGetLastError());
-}
 
 /*
  * The scratch array lives in torch's caching allocator on the current device, which
@@ -96,7 +82,8 @@ extern "C" ampc_status ampc_check_norm_cuda_impl(const struct ampc_list *grads,
                                                  float *found_inf, float *norm,
                                                  const float *inv_scale, void *stream)
 {
-    struct check_norm_ctx c = {grads->dtype, found_inf, NULL, (cudaStream_t)stream};
+    struct mt_launch2<double *, float *> c = {check_norm_kernels[grads->dtype], NULL,
+                                              found_inf, (cudaStream_t)stream};
     int64_t chunk = mt_chunk_size(grads);
     int64_t nchunks = mt_list_chunks(grads, chunk);
     void *scratch = NULL;
@@ -106,10 +93,10 @@ extern "C" ampc_status ampc_check_norm_cuda_impl(const struct ampc_list *grads,
         return ampc_cuda_status(cudaMemsetAsync(norm, 0, sizeof(*norm), c.stream));
     if (aoti_torch_cuda_caching_allocator_raw_alloc(nchunks * sizeof(double), &scratch) != 0)
         return ampc_cuda_fail(AMPC_ERR_NOMEM, "out of memory for the check_norm scratch");
-    c.partial = (double *)scratch;
-    st = mt_apply(grads, NULL, chunk, check_norm_launch, &c);
+    c.a = (double *)scratch;            /* the kernel's partial sums, one per block */
+    st = mt_apply(grads, NULL, chunk, mt_launch2_fn<double *, float *>, &c);
     if (st == AMPC_OK) {
-        check_norm_finish_kernel<<<1, MT_THREADS, 0, c.stream>>>(norm, c.partial, nchunks,
+        check_norm_finish_kernel<<<1, MT_THREADS, 0, c.stream>>>(norm, c.a, nchunks,
                                                                   inv_scale);
         st = ampc_cuda_status(cudaGetLastError());
     }

@@ -231,6 +231,23 @@ static inline ampc_status mt_apply_lists(const struct ampc_list *const lists[], 
 /* Launches one kernel for `tab` with `nblocks` blocks; returns the launch's status. */
 typedef ampc_status (*mt_launch_fn)(const struct mt_table *tab, int nblocks, void *ctx);
 
+/* The launch of a one-list kernel that takes the table and two more arguments. */
+template <typename A, typename B>
+struct mt_launch2 {
+    void (*kernel)(const struct mt_table, A, B);
+    A a;
+    B b;
+    cudaStream_t stream;
+};
+
+template <typename A, typename B>
+static ampc_status mt_launch2_fn(const struct mt_table *tab, int nblocks, void *ctx)
+{
+    const struct mt_launch2<A, B> *c = (const struct mt_launch2<A, B> *)ctx;
+    c->kernel<<<nblocks, MT_THREADS, 0, c->stream>>>(*tab, c->a, c->b);
+    return ampc_cuda_status(cudaGetLastError());
+}
+
 /* mt_apply_lists over list a (and b, same numels, or NULL) with the two-list table. */
 static inline ampc_status mt_apply(const struct ampc_list *a, const struct ampc_list *b,
                                    int64_t chunk, mt_launch_fn launch, void *ctx)

@@ -39,25 +39,12 @@ static const unscale_check_kernel_fn unscale_check_kernels[3] = {
     unscale_check_kernel<AMPC_BF16>,
 };
 
-struct unscale_check_ctx {
-    ampc_dtype dtype;
-    float *found_inf;
-    const float *inv_scale;
-    cudaStream_t stream;
-};
-
-static ampc_status unscale_check_launch(const struct mt_table *tab, int nblocks, void *ctx)
-{
-    const struct unscale_check_ctx *c = (const struct unscale_check_ctx *)ctx;
-    unscale_check_kernels[c->dtype]<<<nblocks, MT_THREADS, 0, c->stream>>>(*tab, c->found_inf,
-                                                                           c->inv_scale);
-    return ampc_cuda_status(cudaGetLastError());
-}
-
 extern "C" ampc_status ampc_unscale_check_cuda_impl(const struct ampc_list *grads,
                                                     float *found_inf, const float *inv_scale,
                                                     void *stream)
 {
-    struct unscale_check_ctx c = {grads->dtype, found_inf, inv_scale, (cudaStream_t)stream};
-    return mt_apply(grads, NULL, mt_chunk_size(grads), unscale_check_launch, &c);
+    struct mt_launch2<float *, const float *> c = {unscale_check_kernels[grads->dtype],
+                                                   found_inf, inv_scale, (cudaStream_t)stream};
+    return mt_apply(grads, NULL, mt_chunk_size(grads), mt_launch2_fn<float *, const float *>,
+                    &c);
 }
