@@ -30,27 +30,18 @@ def _check_tensor(op, name, t):
         raise TypeError(f"ampc.{op}: {name} must be a Tensor, got {type(t).__name__}")
 
 
-def _mixes_dtypes(tensors):
-    first = tensors[0].dtype if tensors else None
-    return any(t.dtype != first for t in tensors)
-
-
-def _per_dtype(op, lists, call):
-    """Runs ``call(*lists)`` once when each list has one dtype (the fast path: no
-    per-tensor Python work), otherwise once per group of positions whose tensors share
-    their dtypes. The kernels check everything before writing, so a refused call
-    changed nothing; when a list mixes dtypes it is split and run again."""
+def _call(op, lists, call):
+    """``call(*lists)``, no per-tensor Python work on the way in; when it is refused, a
+    list entry that is not a tensor is named in a TypeError (the schema's own message
+    does not name it), else the kernel's error stands. Lists that mix dtypes are the
+    kernels' business: they run one group of positions per dtype pair, after checking
+    the whole call."""
     try:
-        return [call(*lists.values())]
+        return call(*lists.values())
     except (TypeError, RuntimeError):
         for name, tensors in lists.items():
             _check_list(op, name, tensors)
-        if not any(_mixes_dtypes(tensors) for tensors in lists.values()):
-            raise
-    groups = defaultdict(list)
-    for i, key in enumerate(zip(*[[t.dtype for t in ts] for ts in lists.values()])):
-        groups[key].append(i)
-    return [call(*[[ts[i] for i in g] for ts in lists.values()]) for g in groups.values()]
+        raise
 
 
 def cast(tensors, dtype, *, stochastic=False, seed=0):
@@ -107,8 +98,8 @@ def cast_(dst, src, *, stochastic=False, seed=0):
     seed_tensor = []
     if isinstance(seed, torch.Tensor):
         seed_tensor, seed = [seed], 0
-    _per_dtype("cast", {"dst": dst, "src": src},
-               lambda d, s: torch.ops.ampc.cast(d, s, seed_tensor, bool(stochastic), _int64(seed)))
+    _call("cast", {"dst": dst, "src": src},
+          lambda d, s: torch.ops.ampc.cast(d, s, seed_tensor, bool(stochastic), _int64(seed)))
 
 
 def unscale_check(grads, found_inf, inv_scale, *, check_only=False):
@@ -137,8 +128,8 @@ def unscale_check(grads, found_inf, inv_scale, *, check_only=False):
         return check_norm(grads, found_inf, inv_scale)
     _check_tensor("unscale_check", "found_inf", found_inf)
     _check_tensor("unscale_check", "inv_scale", inv_scale)
-    _per_dtype("unscale_check", {"grads": grads},
-               lambda g: torch.ops.ampc.unscale_check(g, found_inf, inv_scale))
+    _call("unscale_check", {"grads": grads},
+          lambda g: torch.ops.ampc.unscale_check(g, found_inf, inv_scale))
 
 
 def check_norm(grads, found_inf, inv_scale):
@@ -155,9 +146,17 @@ def check_norm(grads, found_inf, inv_scale):
     """
     _check_tensor("check_norm", "found_inf", found_inf)
     _check_tensor("check_norm", "inv_scale", inv_scale)
-    norms = _per_dtype("check_norm", {"grads": grads},
-                       lambda g: torch.ops.ampc.check_norm(g, found_inf, inv_scale))
-    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    try:        # one dtype, the usual case: no per-tensor Python work
+        return torch.ops.ampc.check_norm(grads, found_inf, inv_scale)
+    except (TypeError, RuntimeError):
+        _check_list("check_norm", "grads", grads)
+        groups = defaultdict(list)  # the kernel takes one dtype: one call per dtype
+        for g in grads:
+            groups[g.dtype].append(g)
+        if len(groups) <= 1:
+            raise
+    norms = [torch.ops.ampc.check_norm(g, found_inf, inv_scale) for g in groups.values()]
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def update_scale(scale, growth_tracker, found_inf, growth_factor, backoff_factor,

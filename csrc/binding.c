@@ -57,6 +57,7 @@ struct call {
     struct tensor singles[MAX_SINGLES];
     int n_singles;
     const struct tensor *first;     /* the tensor that fixes the device */
+    void *scratch;                  /* freed with the call (the lists of dtype groups) */
     char msg[512];
 };
 
@@ -75,6 +76,8 @@ static void call_free(struct call *c)
     }
     for (int s = 0; s < c->n_singles; s++)
         aoti_torch_delete_tensor_object(c->singles[s].h);
+    free(c->scratch);
+    c->scratch = NULL;
     c->n_lists = 0;
     c->n_singles = 0;
 }
@@ -259,21 +262,36 @@ static int to_ampc_dtype(int32_t dtype, ampc_dtype *out)
     return 1;
 }
 
-/* Every tensor of the list is fp32, fp16 or bf16, all the same one. */
-static struct ampc_list float_list(struct call *c, const struct list *ls)
+/* Every tensor of the list is fp32, fp16 or bf16: the list, with the dtype of its first
+ * tensor; *mixed is set when the others do not all share it. */
+static struct ampc_list float_list_mixed(struct call *c, const struct list *ls, int *mixed)
 {
     char a[64];
     struct ampc_list out = { ls->ptr, ls->numel, ls->count, AMPC_F32 };
     for (int64_t i = 0; i < ls->count; i++) {
         const struct tensor *t = &ls->t[i];
-        ampc_dtype d = AMPC_F32;
+        ampc_dtype d;
         if (!to_ampc_dtype(t->dtype, &d))
             fail(c, "%s must be torch.float32, torch.float16 or torch.bfloat16, got %s",
                  tensor_name(t, a, sizeof(a)), dtype_name(t->dtype));
-        if (i > 0 && t->dtype != ls->t[0].dtype)
+        *mixed |= t->dtype != ls->t[0].dtype;
+    }
+    if (ls->count > 0)
+        to_ampc_dtype(ls->t[0].dtype, &out.dtype);
+    return out;
+}
+
+/* Every tensor of the list is fp32, fp16 or bf16, all the same one. */
+static struct ampc_list float_list(struct call *c, const struct list *ls)
+{
+    char a[64];
+    int mixed = 0;
+    struct ampc_list out = float_list_mixed(c, ls, &mixed);
+    for (int64_t i = 1; mixed && i < ls->count; i++) {
+        const struct tensor *t = &ls->t[i];
+        if (t->dtype != ls->t[0].dtype)
             fail(c, "%s must be %s like %s[0], got %s", tensor_name(t, a, sizeof(a)),
                  dtype_name(ls->t[0].dtype), t->name, dtype_name(t->dtype));
-        out.dtype = d;
     }
     return out;
 }
@@ -410,6 +428,47 @@ static void run(struct call *c, ampc_status (*cpu)(void *job),
         fail(c, "%s", why);
 }
 
+/*
+ * Lists that mix dtypes (checked as a whole: devices, shapes, overlaps): the kernel runs
+ * once per group of positions whose tensors share their dtypes in each of the n lists,
+ * groups in dtype order, positions in list order. out[l] (the job's lists) describe the
+ * group when the kernel runs; element numbering (Note [stochastic rounding]) restarts in
+ * each group.
+ */
+static void run_groups(struct call *c, struct list *const ls[], struct ampc_list *const out[],
+                       int n, ampc_status (*cpu)(void *job),
+                       ampc_status (*cuda)(void *job, void *stream), void *job)
+{
+    int64_t count = ls[0]->count;
+    void **ptr = malloc(sizeof(*ptr) * (size_t)(n * count) + sizeof(int64_t) * (size_t)(n * count));
+    if (!ptr)
+        fail(c, "out of memory");
+    int64_t *numel = (int64_t *)(ptr + n * count);
+    c->scratch = ptr;
+    for (int key = 0; key < 9; key++) {     /* 3 * (dtype in list 0) + dtype in list 1 */
+        int64_t m = 0;
+        for (int64_t i = 0; i < count; i++) {
+            ampc_dtype d0 = AMPC_F32;
+            ampc_dtype d1 = AMPC_F32;
+            to_ampc_dtype(ls[0]->t[i].dtype, &d0);
+            if (n > 1)
+                to_ampc_dtype(ls[1]->t[i].dtype, &d1);
+            if ((int)d0 * 3 + (int)d1 != key)
+                continue;
+            for (int l = 0; l < n; l++) {
+                ptr[l * count + m] = ls[l]->ptr[i];
+                numel[l * count + m] = ls[l]->numel[i];
+            }
+            m++;
+        }
+        for (int l = 0; m > 0 && l < n; l++)
+            *out[l] = (struct ampc_list){ ptr + l * count, numel + l * count, m,
+                                          (ampc_dtype)(l == 0 ? key / 3 : key % 3) };
+        if (m > 0)
+            run(c, cpu, cuda, job);
+    }
+}
+
 static void start(struct call *c, const char *op, int on_cuda)
 {
     memset(c, 0, sizeof(*c));
@@ -460,14 +519,21 @@ static void cast_kernel(StableIValue *stack, int on_cuda)
     struct list *seed = take_option(&c, stack[2], "seed_tensor");
     describe_all(&c);
     struct cast_job job;
-    job.src = float_list(&c, src);
-    job.dst = float_list(&c, dst);
+    int mixed = 0;
+    job.dst = float_list_mixed(&c, dst, &mixed);
+    job.src = float_list_mixed(&c, src, &mixed);
     check_same_shapes(&c, dst, "dst", src, "src");
     job.args.seed_tensor = option(&c, seed, "seed_tensor", aoti_torch_dtype_int64());
     check_overlap(&c);
     job.args.stochastic = (stack[3] & 0xff) != 0;
     job.args.seed = (uint64_t)stack[4];
-    run(&c, cast_on_cpu, cast_on_cuda, &job);
+    if (mixed) {
+        struct list *lists[2] = { dst, src };
+        struct ampc_list *outs[2] = { &job.dst, &job.src };
+        run_groups(&c, lists, outs, 2, cast_on_cpu, cast_on_cuda, &job);
+    } else {
+        run(&c, cast_on_cpu, cast_on_cuda, &job);
+    }
     call_free(&c);
 }
 
@@ -491,30 +557,39 @@ static ampc_status unscale_check_on_cuda(void *j, void *stream)
     return g_cuda->unscale_check(&job->grads, job->found_inf, job->inv_scale, stream);
 }
 
-/* grads (written when `written`), found_inf and inv_scale, taken and checked. */
-static struct ampc_list take_grads(struct call *c, StableIValue *stack, int written,
-                                   float **found_inf, const float **inv_scale)
+/* grads (written when `written`), found_inf and inv_scale, taken and checked; grads may
+ * mix dtypes when `mixed` is not NULL (it is set when they do). */
+static struct list *take_grads(struct call *c, StableIValue *stack, int written,
+                               struct ampc_list *out, int *mixed, float **found_inf,
+                               const float **inv_scale)
 {
     struct list *grads = take_list(c, stack[0], "grads", written);
     struct tensor *found = take_tensor(c, stack[1], "found_inf", 1);
     struct tensor *inv = take_tensor(c, stack[2], "inv_scale", 0);
     describe_all(c);
-    struct ampc_list out = float_list(c, grads);
+    *out = mixed ? float_list_mixed(c, grads, mixed) : float_list(c, grads);
     check_scalar(c, found, aoti_torch_dtype_float32(), 0);
     check_scalar(c, inv, aoti_torch_dtype_float32(), 0);
     check_overlap(c);
     *found_inf = found->data;
     *inv_scale = inv->data;
-    return out;
+    return grads;
 }
 
 static void unscale_check_kernel(StableIValue *stack, int on_cuda)
 {
     struct call c;
     struct unscale_check_job job;
+    int mixed = 0;
     start(&c, "ampc.unscale_check", on_cuda);
-    job.grads = take_grads(&c, stack, 1, &job.found_inf, &job.inv_scale);
-    run(&c, unscale_check_on_cpu, unscale_check_on_cuda, &job);
+    struct list *grads = take_grads(&c, stack, 1, &job.grads, &mixed, &job.found_inf,
+                                    &job.inv_scale);
+    if (mixed) {
+        struct ampc_list *out = &job.grads;
+        run_groups(&c, &grads, &out, 1, unscale_check_on_cpu, unscale_check_on_cuda, &job);
+    } else {
+        run(&c, unscale_check_on_cpu, unscale_check_on_cuda, &job);
+    }
     call_free(&c);
 }
 
@@ -545,7 +620,7 @@ static void check_norm_kernel(StableIValue *stack, int on_cuda)
     struct check_norm_job job;
     AtenTensorHandle norm = NULL;
     start(&c, "ampc.check_norm", on_cuda);
-    job.grads = take_grads(&c, stack, 0, &job.found_inf, &job.inv_scale);
+    take_grads(&c, stack, 0, &job.grads, NULL, &job.found_inf, &job.inv_scale);
     /* a 0-dim fp32 tensor on the grads' device, named by the tensor that fixed it */
     shim(&c, aoti_torch_empty_strided(0, NULL, NULL, aoti_torch_dtype_float32(),
                                       c.first->device_type, c.first->device_index, &norm),

@@ -53,10 +53,13 @@ def case_cast_dst_dtype():
     return raw_cast(src, dst), src + dst, RuntimeError, r"^ampc\.cast: dst\[0\] must be torch\.float32, torch\.float16 or torch\.bfloat16, got torch\.int32"
 
 
-def case_cast_mixed_dtypes():
-    src = [torch.randn(5), torch.randn(5)]
-    dst = [torch.zeros(5, dtype=bf16), torch.zeros(5, dtype=f16)]
-    return raw_cast(src, dst), src + dst, RuntimeError, r"^ampc\.cast: dst\[1\] must be torch\.bfloat16 like dst\[0\], got torch\.float16"
+def case_cast_mixed_dtypes_alias_across_groups():
+    # the pairs (fp32 -> fp16) and (fp32 -> bf16) run as two groups; an output of one
+    # aliasing an input of the other is refused before either runs
+    base = torch.randn(10)
+    src = [torch.randn(10), base[:5]]
+    dst = [base.view(f16)[:10], torch.zeros(5, dtype=bf16)]
+    return raw_cast(src, dst), [base] + src[:1] + dst[1:], RuntimeError, r"^ampc\.cast: (dst\[0\] overlaps src\[1\]|src\[1\] overlaps dst\[0\]) in memory"
 
 
 def case_cast_lengths():
@@ -118,9 +121,16 @@ def case_unscale_dtype():
     return raw_unscale(grads), grads, RuntimeError, r"^ampc\.unscale_check: grads\[1\] must be torch\.float32, torch\.float16 or torch\.bfloat16, got torch\.float64"
 
 
-def case_unscale_mixed_raw():
+def case_unscale_mixed_alias_across_groups():
+    base = torch.randn(8)
+    grads = [base[:4], base.view(f16)[:4]]
+    return raw_unscale(grads), [base], RuntimeError, r"^ampc\.unscale_check: (grads\[1\] overlaps grads\[0\]|grads\[0\] overlaps grads\[1\]) in memory"
+
+
+def case_norm_mixed_raw():
+    # check_norm's raw op takes one dtype (the wrapper splits and combines the norms)
     grads = [torch.randn(5), torch.randn(5).half()]
-    return raw_unscale(grads), grads, RuntimeError, r"^ampc\.unscale_check: grads\[1\] must be torch\.float32 like grads\[0\], got torch\.float16"
+    return raw_norm(grads, scalar(), scalar(1.0)), grads, RuntimeError, r"^ampc\.check_norm: grads\[1\] must be torch\.float32 like grads\[0\], got torch\.float16"
 
 
 def case_unscale_found_inf_dtype():
@@ -371,3 +381,21 @@ def test_freed_storage_refused_through_the_wrappers():
     empty = torch.randn(0)
     empty.untyped_storage().resize_(0)
     assert ampc.ops.cast([empty], bf16)[0].numel() == 0
+
+
+def test_mixed_dtype_lists_run_in_one_call():
+    # the raw ops take lists that mix dtypes: one group of positions per dtype pair
+    src = [torch.randn(7), torch.randn(9).half(), torch.randn(3), torch.randn(4).to(bf16)]
+    dst = [torch.empty(7, dtype=bf16), torch.empty(9), torch.empty(3, dtype=f16),
+           torch.empty(4, dtype=bf16)]
+    torch.ops.ampc.cast(dst, src, [], False, 0)
+    for d, s in zip(dst, src):
+        assert torch.equal(d, s.to(d.dtype))
+    grads = [torch.randn(7), torch.randn(9).half(), torch.randn(3).to(bf16), torch.randn(2)]
+    grads[2][1] = float("inf")
+    ref = [g.clone() for g in grads]
+    found = torch.zeros(1)
+    torch.ops.ampc.unscale_check(grads, found, scalar(0.5))
+    assert found.item() == 1.0
+    for g, r in zip(grads, ref):
+        assert torch.equal(g, (r.float() * 0.5).to(r.dtype))
