@@ -390,3 +390,24 @@ def test_misaligned_views_take_a_scalar_head_cuda(dtype, offset):
     ampc.ops.cast_(copies, views)
     for i, (c, v) in enumerate(zip(copies, views)):
         assert_bits(c, v, f"same-dtype copy of view {i}")
+
+
+# ---- lists that mix dtypes: one group per dtype pair, in the binding ----
+
+def test_mixed_dtype_lists_match_cpu_cuda():
+    gen = torch.Generator().manual_seed(12)
+    src = [torch.randn(n, generator=gen).to(dt) for n, dt in
+           ((CHUNK + 3, f32), (100, f16), (7, f32), (4 * CHUNK, bf16))]
+    dst_dtypes = [bf16, f32, f16, bf16]
+    outs = {}
+    for dev in ("cpu", "cuda"):
+        s = [t.to(dev) for t in src]
+        d = [torch.empty(t.shape, dtype=dt, device=dev) for t, dt in zip(src, dst_dtypes)]
+        ampc.ops.cast_(d, s, stochastic=True, seed=21)
+        found = torch.zeros(1, device=dev)
+        ampc.ops.unscale_check(s, found, torch.full((1,), 0.5, device=dev))
+        outs[dev] = (d, s, found)
+    for i in range(len(src)):
+        assert_bits(outs["cuda"][0][i], outs["cpu"][0][i], f"mixed cast {i}")
+        assert_bits(outs["cuda"][1][i], outs["cpu"][1][i], f"mixed unscale {i}")
+    assert outs["cuda"][2].item() == outs["cpu"][2].item() == 0.0
