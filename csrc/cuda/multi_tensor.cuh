@@ -167,16 +167,16 @@ static inline int64_t mt_chunk_size(const struct ampc_list *a)
         cudaGetLastError();     /* not this op's error: the launches report their own */
         return MT_CHUNK;
     }
-    if (sm_count[device] <= 0) {
-        int n = 0;
-        if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-            n <= 0) {
+    int sms = __atomic_load_n(&sm_count[device], __ATOMIC_RELAXED);
+    if (sms <= 0) {
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+            sms <= 0) {
             cudaGetLastError();
             return MT_CHUNK;
         }
-        sm_count[device] = n;
+        __atomic_store_n(&sm_count[device], sms, __ATOMIC_RELAXED);
     }
-    int64_t want = total / ((int64_t)MT_BLOCKS_PER_SM * sm_count[device]);
+    int64_t want = total / ((int64_t)MT_BLOCKS_PER_SM * sms);
     int64_t chunk = MT_MIN_CHUNK;
     while (chunk * 2 <= want && chunk < MT_CHUNK)
         chunk *= 2;
