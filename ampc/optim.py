@@ -26,7 +26,6 @@ from . import _distributed, ops
 __all__ = ["Adam", "AdamW"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
-_SEED_STRIDE = 0x9E3779B97F4A7C15     # odd: successive steps get distinct seeds
 
 
 class Adam(torch.optim.Optimizer):
@@ -208,11 +207,8 @@ class Adam(torch.optim.Optimizer):
 
     def _step_group(self, group, buckets, control):
         beta1, beta2 = (float(b) for b in group["betas"])
-        seed = 0
-        if group["stochastic_rounding"]:
-            calls = group.get("rounding_calls", 0)
-            group["rounding_calls"] = calls + 1
-            seed = (int(group["seed"]) + calls * _SEED_STRIDE) % (1 << 63)
+        # the kernel mixes each param's step count into the seed, on the device
+        seed = int(group["seed"]) if group["stochastic_rounding"] else 0
         for (device, _, _, has_master), (indices, params, grads, states) in buckets.items():
             lists = self._state_lists(group, indices, params, states, has_master)
             if _distributed.is_dtensor(params[0]):      # the whole group is (add_param_group)
