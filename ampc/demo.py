@@ -1,0 +1,386 @@
+"""python -m ampc.demo: a character-level GPT trained on the source of Python's standard
+library four ways, side by side, in about two minutes on any machine.
+
+  fp32              fp32 weights, torch.optim.AdamW(fused=True)
+  torch.amp         torch.autocast (+ torch.amp.GradScaler for fp16), torch AdamW
+  ampc drop-in      ampc.autocast (+ ampc.GradScaler for fp16), ampc.optim.AdamW
+  ampc master       ampc.prepare: 16-bit weights, fp32 master weights in ampc.optim.AdamW
+
+The text is read at run time from the running interpreter's standard library (every
+tenth file held out for validation). All runs start from the same weights and see the
+same batches (ampc.validate.compare), fp32 also from a second seed for its run-to-run
+spread. The model size and step count are chosen from what this machine measures: the
+CPU's capability, bf16 against fp32 matmul speed, and the time of a few real steps.
+Output: a table, the validation summary, OUT/demo.{txt,json,png}, OUT/layers.*, and a
+sample of text written by the ampc model.
+"""
+import argparse
+import glob
+import os
+import platform
+import string
+import sys
+import sysconfig
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampc
+from ampc import validate
+from ampc.validate._compare import DEFAULT_DTYPE, evaluate, train_one
+from ampc.validate._report import NO_MATPLOTLIB, fmt, format_table, write_outputs
+
+# ---- the text ----
+
+VOCAB = [c for c in string.printable if c not in "\x0b\x0c"]   # 98 characters
+_INDEX = {c: i for i, c in enumerate(VOCAB)}
+_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3",
+              "turtledemo", "__pycache__", "ensurepip", "venv"}
+
+
+def stdlib_files():
+    """The standard library's .py files (top level and one package level down), sorted."""
+    lib = sysconfig.get_paths()["stdlib"]
+    files = glob.glob(os.path.join(lib, "*.py")) + glob.glob(os.path.join(lib, "*", "*.py"))
+    keep = [f for f in files
+            if os.path.basename(os.path.dirname(f)) not in _SKIP_DIRS or os.path.dirname(f) == lib]
+    return lib, sorted(keep)
+
+
+def encode(text):
+    unknown = _INDEX["?"]
+    return torch.tensor([_INDEX.get(c, unknown) for c in text], dtype=torch.uint8)
+
+
+def decode(ids):
+    return "".join(VOCAB[i] for i in ids)
+
+
+def load_text(max_chars=1_500_000):
+    """(train ids, val ids, description): every tenth file goes to validation."""
+    lib, files = stdlib_files()
+    train, val, n = [], [], 0
+    for i, path in enumerate(files):
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError:
+            continue
+        (val if i % 10 == 9 else train).append(text)
+        n += len(text)
+        if n >= max_chars:
+            break
+    if not train or not val:
+        raise SystemExit(f"ampc.demo: found too little Python source in {lib} "
+                         f"({len(files)} files); this demo reads the standard library's .py files")
+    tr, va = encode("\n".join(train)), encode("\n".join(val))
+    return tr, va, f"{len(train) + len(val)} files of {lib} ({len(tr):,} train / {len(va):,} val chars)"
+
+
+# ---- the model ----
+
+# width, layers, heads, context, batch
+SIZES = {"tiny": (64, 2, 2, 64, 8), "small": (128, 4, 4, 128, 16),
+         "medium": (256, 4, 4, 128, 32), "large": (384, 6, 6, 256, 32)}
+
+
+class Attention(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = Attention(width, heads)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                 nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class CharGPT(nn.Module):
+    def __init__(self, width, layers, heads, context, vocab=len(VOCAB)):
+        super().__init__()
+        self.context = context
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(context, width)
+        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(layers)])
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
+
+
+def batch_maker(data, context, batch, seed):
+    """make_batch(step): ``batch`` random windows of ``data``, the same for a given step."""
+    def make_batch(step):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        start = torch.randint(0, len(data) - context - 1, (batch,), generator=g)
+        win = torch.stack([data[s:s + context + 1] for s in start.tolist()]).long()
+        return win[:, :-1], win[:, 1:]
+    return make_batch
+
+
+@torch.no_grad()
+def sample(model, prompt, n, device, temperature=0.8, seed=0):
+    """``n`` characters after ``prompt``, drawn from the model at ``temperature``."""
+    model.eval()
+    g = torch.Generator(device=device).manual_seed(seed)
+    ids = encode(prompt).long().to(device)[None]
+    for _ in range(n):
+        logits = model(ids[:, -model.context:])[0, -1].float()
+        nxt = torch.multinomial(F.softmax(logits / temperature, -1), 1, generator=g)
+        ids = torch.cat([ids, nxt[None]], 1)
+    return decode(ids[0].tolist())
+
+
+# ---- what this machine can do ----
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def matmul_speed(dtype, device, seconds=0.4, shape=(1024, 256, 1024)):
+    """GFLOP/s of a (m x k) @ (k x n) matmul in ``dtype``, measured for about ``seconds``."""
+    m, k, n = shape
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    reps, t0 = 0, time.perf_counter()
+    while True:
+        a @ b
+        reps += 1
+        sync()
+        el = time.perf_counter() - t0
+        if el > seconds:
+            return 2 * m * k * n * reps / el / 1e9
+
+
+def matmul_flops(size):
+    """Multiply-add FLOPs of one training step (forward + backward: 3x forward)."""
+    width, layers, heads, context, batch = SIZES[size]
+    tokens = context * batch
+    per_token = layers * (12 * width * width + 2 * context * width) + width * len(VOCAB)
+    return 6 * per_token * tokens
+
+
+def choose(args, dtype, speeds, probe, log):
+    """(size, steps): the largest size that fits ``args.budget`` seconds of training with
+    at least MIN_STEPS steps, and as many steps as fit (at most MAX_STEPS)."""
+    min_steps, max_steps = (150, 1000) if args.device == "cuda" else (150, 400)
+    sizes = [args.size] if args.size != "auto" else list(SIZES)
+    chosen = None
+    for size in sizes:
+        # lower bound from the matmul speed alone: skip a size that cannot fit
+        bound = matmul_flops(size) * (2 / speeds["fp32"] + 3 / speeds["low"]) / 1e9
+        if chosen and bound * min_steps > args.budget:
+            break
+        per_step = probe(size)
+        steps = int(args.budget / per_step)
+        log(f"  {size:<7} {SIZES[size][0]}-wide x {SIZES[size][1]} layers: "
+            f"{per_step * 1e3:,.0f} ms for one step of all five runs -> {steps} steps fit")
+        if chosen and steps < min_steps:
+            break
+        chosen = (size, steps)
+    size, steps = chosen
+    if args.steps:
+        return size, args.steps
+    return size, max(20, min(max_steps, steps))
+
+
+# ---- the job ----
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        prog="python -m ampc.demo",
+        description="A character-level GPT trained on Python's standard library with fp32, "
+                    "torch.amp, the ampc drop-in and ampc master weights, side by side.")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="default: cuda when torch sees a GPU, else cpu")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16"], default="auto",
+                   help="16-bit type (default: bf16 on the CPU, fp16 on CUDA)")
+    p.add_argument("--steps", type=int, default=0,
+                   help="training steps per run (default: as many as fit the budget)")
+    p.add_argument("--size", choices=["auto"] + list(SIZES), default="auto",
+                   help="model size (default: the largest that fits the budget)")
+    p.add_argument("--budget", type=float, default=100.0,
+                   help="seconds of training for all runs together (default 100)")
+    p.add_argument("--out", default="demo-out", help="output folder (default demo-out)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.steps < 0 or 0 < args.steps < 10:
+        p.error(f"argument --steps: must be at least 10 (or 0 for automatic), got {args.steps}")
+    if not (5 <= args.budget <= 3600):
+        p.error(f"argument --budget: must be between 5 and 3600 seconds, got {args.budget:g}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"argument --out: {args.out} exists and is not a folder")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        p.error("argument --device: cuda asked for, but torch sees no GPU "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None})")
+    return args
+
+
+def main(argv=None):
+    t_start = time.perf_counter()
+    args = parse_args(argv)
+    device = args.device
+    dtype = {"auto": DEFAULT_DTYPE[device], "bf16": torch.bfloat16,
+             "fp16": torch.float16}[args.dtype]
+    dname = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    lines = []
+
+    def log(text=""):
+        print(text, flush=True)
+        lines.append(text)
+
+    # ---- machine ----
+    cap = torch.backends.cpu.get_cpu_capability()
+    speeds = {"fp32": matmul_speed(torch.float32, device), "low": matmul_speed(dtype, device)}
+    where = (torch.cuda.get_device_name() if device == "cuda"
+             else f"{cpu_name()}, torch CPU capability {cap}, {torch.get_num_threads()} threads")
+    log(f"ampc demo | {where} | torch {torch.__version__}")
+    ratio = speeds["low"] / speeds["fp32"]
+    log(f"matmul: fp32 {speeds['fp32']:,.0f} GFLOP/s, {dname} {speeds['low']:,.0f} GFLOP/s "
+        f"({ratio:.2f}x fp32)")
+    if ratio < 1:
+        log(f"note: {dname} matmuls are {1 / ratio:.0f}x slower than fp32 on this "
+            f"{'GPU' if device == 'cuda' else 'CPU (no AVX-512 BF16/AMX units)'}, so mixed "
+            "precision cannot be faster here; it still halves the memory of weights and "
+            "activations, and on GPUs and AMX/AVX-512-BF16 CPUs its matmuls run several "
+            "times faster than fp32.")
+
+    # ---- data ----
+    train, val, described = load_text()
+    log(f"text: {described}")
+
+    def make_model_for(size):
+        width, layers, heads, context, _ = SIZES[size]
+        return lambda: CharGPT(width, layers, heads, context)
+
+    lr = 2e-3
+
+    def probe(size):
+        """Seconds of one step of all five runs, from real steps of each kind (the median
+        of three, after two to warm up)."""
+        context, batch = SIZES[size][3], SIZES[size][4]
+        batches = [tuple(t.to(device) for t in batch_maker(train, context, batch, 99)(k))
+                   for k in range(5)]
+        t = {}
+        for kind in ("fp32", "ampc", "ampc.master"):
+            run = train_one(kind, dtype, make_model_for(size), batches, lr=lr, device=device)
+            t[kind] = sorted(run.step_ms[2:])[1] / 1e3
+        return 2 * t["fp32"] + 2 * t["ampc"] + t["ampc.master"]
+
+    log(f"sizing for a {args.budget:.0f} s training budget:")
+    size, steps = choose(args, dtype, speeds, probe, log)
+    width, layers, heads, context, batch = SIZES[size]
+    make_model = make_model_for(size)
+    n_params = sum(p.numel() for p in make_model().parameters())
+    log(f"model: {size}, {n_params / 1e6:.2f}M params ({layers} layers, width {width}, "
+        f"context {context}), batch {batch}, {steps} steps, AdamW lr {lr:g}, {dname} on {device}")
+
+    # ---- train ----
+    make_batch = batch_maker(train, context, batch, args.seed)
+    val_batches = [batch_maker(val, context, batch, args.seed + 1)(k) for k in range(8)]
+    t_train = time.perf_counter()
+    report = validate.compare(make_model, make_batch, steps=steps, dtype=dtype, device=device,
+                              lr=lr, seeds=(args.seed, args.seed + 1), val_batches=val_batches)
+    train_s = time.perf_counter() - t_train
+
+    # ---- results ----
+    label = {"fp32": "fp32", "torch.amp": "torch.amp", "ampc": "ampc drop-in",
+             "ampc.master": "ampc master weights"}
+    runs = [report.base] + report.runs
+    amp = next(r for r in report.runs if r.kind == "torch.amp")
+    tokens = context * batch
+    rows, table = [], []
+    for r in runs:
+        tps = tokens / (r.median_ms() / 1e3)
+        row = {"setup": label[r.kind] + ("" if r.kind == "fp32" else f" {r.dtype}"),
+               "tokens_per_s": tps, "step_ms": r.median_ms(), "peak_mib": r.peak_mib,
+               "train_loss": sum(r.losses[-report.window:]) / report.window,
+               "val_loss": r.val_loss,
+               "speed_vs_torch_amp": tps / (tokens / (amp.median_ms() / 1e3)),
+               "memory_vs_torch_amp": (r.peak_mib / amp.peak_mib
+                                       if r.peak_mib and amp.peak_mib else None)}
+        rows.append(row)
+        table.append([row["setup"], f"{tps:,.0f}", f"{row['step_ms']:.1f}",
+                      fmt(r.peak_mib, ".1f"), f"{row['train_loss']:.4f}", fmt(r.val_loss),
+                      f"{row['speed_vs_torch_amp']:.2f}x", fmt(row["memory_vs_torch_amp"], ".2f")])
+    log()
+    log(f"{steps} steps x {tokens:,} tokens per run, {train_s:.0f} s of training")
+    log(format_table(["setup", "tokens/s", "step ms", "peak MiB", "train loss", "val loss",
+                      "speed vs torch.amp", "memory vs torch.amp"], table))
+    log("step ms: median of forward + backward + optimizer step; peak MiB: memory the run "
+        "added at its peak (" + ("torch.cuda.max_memory_allocated" if device == "cuda"
+                                 else "resident set") + "); train loss: mean of the last "
+        f"{report.window} steps")
+
+    log()
+    log("validation against fp32 (ampc.validate.compare):")
+    log(report.table())
+    first = make_batch(0)
+    torch.manual_seed(args.seed)
+    layer_report = validate.layers(make_model().to(device), first, dtype=dtype)
+    log()
+    log(layer_report.table(top=8))
+
+    master = next(r for r in report.runs if r.kind == "ampc.master")
+    text = sample(master.model, "def ", 160 if device == "cpu" else 400, device, seed=args.seed)
+    log()
+    log("sample from the ampc master-weight model (prompt 'def '):")
+    log(text)
+
+    data = {"config": {"device": device, "dtype": dname, "size": size, "params": n_params,
+                       "steps": steps, "batch": batch, "context": context, "lr": lr,
+                       "seed": args.seed, "cpu_capability": cap, "cpu": cpu_name(),
+                       "matmul_gflops": speeds, "torch": torch.__version__,
+                       "text": described},
+            "table": rows, "compare": report.as_dict(), "layers": layer_report.as_dict(),
+            "sample": text}
+    throughput = {row["setup"]: row["tokens_per_s"] for row in rows}
+    paths = write_outputs(args.out, "demo", "\n".join(lines), data,
+                          lambda plt, path: report.plot(plt, path, throughput))
+    layer_paths = layer_report.save(args.out)
+    log()
+    if paths["png"]:
+        log(f"picture: {os.path.abspath(paths['png'])} (loss curves, gap to fp32, "
+            "grad-norm ratio, throughput)")
+    else:
+        log(NO_MATPLOTLIB)
+    log(f"wrote {paths['txt']}, {paths['json']}, {layer_paths['txt']}, {layer_paths['json']}"
+        + (f", {layer_paths['png']}" if layer_paths["png"] else ""))
+    log(f"done in {time.perf_counter() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
