@@ -82,7 +82,7 @@ def load_text(max_chars=1_500_000):
 # ---- the model ----
 
 # width, layers, heads, context, batch
-SIZES = {"tiny": (64, 2, 2, 64, 8), "small": (128, 4, 4, 128, 16),
+SIZES = {"micro": (32, 2, 2, 32, 8), "tiny": (64, 2, 2, 64, 8), "small": (128, 4, 4, 128, 16),
          "medium": (256, 4, 4, 128, 32), "large": (384, 6, 6, 256, 32)}
 
 
@@ -190,28 +190,41 @@ def matmul_flops(size):
     return 6 * per_token * tokens
 
 
-def choose(args, dtype, speeds, probe, log):
-    """(size, steps): the largest size that fits ``args.budget`` seconds of training with
-    at least MIN_STEPS steps, and as many steps as fit (at most MAX_STEPS)."""
-    min_steps, max_steps = (150, 1000) if args.device == "cuda" else (150, 400)
+VAL_BATCHES = 4
+MIN_STEPS, FLOOR_STEPS = 150, 20      # a larger size must fit MIN_STEPS; never under FLOOR_STEPS
+MAX_STEPS = {"cpu": 400, "cuda": 1000}
+SAFETY = 1.25         # probes are short and the machine may be busy: plan for slower steps
+AFTER_S = 8.0         # the layer report, the picture and the sample, after training
+
+
+def choose(args, speeds, probe, seconds_left, log):
+    """(size, steps): the largest size of which at least MIN_STEPS steps of all runs fit
+    the time left, and as many steps as fit (at most MAX_STEPS). ``probe(size)`` gives the
+    seconds of one step of all runs together."""
+    if args.size != "auto" and args.steps:
+        return args.size, args.steps
     sizes = [args.size] if args.size != "auto" else list(SIZES)
     chosen = None
     for size in sizes:
-        # lower bound from the matmul speed alone: skip a size that cannot fit
+        # a lower bound from the matmul speeds alone: do not even probe a size that cannot fit
         bound = matmul_flops(size) * (2 / speeds["fp32"] + 3 / speeds["low"]) / 1e9
-        if chosen and bound * min_steps > args.budget:
+        if chosen and bound * MIN_STEPS > seconds_left():
             break
-        per_step = probe(size)
-        steps = int(args.budget / per_step)
-        log(f"  {size:<7} {SIZES[size][0]}-wide x {SIZES[size][1]} layers: "
-            f"{per_step * 1e3:,.0f} ms for one step of all five runs -> {steps} steps fit")
-        if chosen and steps < min_steps:
+        per_step = SAFETY * probe(size)
+        # each run also evaluates VAL_BATCHES forward passes (a third of a step each)
+        steps = int((seconds_left() - AFTER_S) / per_step - VAL_BATCHES / 3)
+        log(f"  {size:<6} {SIZES[size][0]:>3} wide x {SIZES[size][1]} layers: "
+            f"{per_step * 1e3:,.0f} ms per step of all five runs -> {max(steps, 0)} steps fit")
+        if chosen and steps < MIN_STEPS:
             break
         chosen = (size, steps)
     size, steps = chosen
     if args.steps:
         return size, args.steps
-    return size, max(20, min(max_steps, steps))
+    if steps < FLOOR_STEPS:
+        log(f"  this machine is slow for this job: {FLOOR_STEPS} steps will take about "
+            f"{FLOOR_STEPS * per_step:.0f} s")
+    return size, max(FLOOR_STEPS, min(MAX_STEPS[args.device], steps))
 
 
 # ---- the job ----
@@ -229,15 +242,16 @@ def parse_args(argv):
                    help="training steps per run (default: as many as fit the budget)")
     p.add_argument("--size", choices=["auto"] + list(SIZES), default="auto",
                    help="model size (default: the largest that fits the budget)")
-    p.add_argument("--budget", type=float, default=100.0,
-                   help="seconds of training for all runs together (default 100)")
+    p.add_argument("--budget", type=float, default=150.0,
+                   help="seconds the whole job should take; model size and steps are chosen "
+                        "to fit (default 150)")
     p.add_argument("--out", default="demo-out", help="output folder (default demo-out)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.steps < 0 or 0 < args.steps < 10:
         p.error(f"argument --steps: must be at least 10 (or 0 for automatic), got {args.steps}")
-    if not (5 <= args.budget <= 3600):
-        p.error(f"argument --budget: must be between 5 and 3600 seconds, got {args.budget:g}")
+    if not (30 <= args.budget <= 3600):
+        p.error(f"argument --budget: must be between 30 and 3600 seconds, got {args.budget:g}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f"argument --out: {args.out} exists and is not a folder")
     if args.device == "auto":
@@ -289,18 +303,19 @@ def main(argv=None):
 
     def probe(size):
         """Seconds of one step of all five runs, from real steps of each kind (the median
-        of three, after two to warm up)."""
+        of three, after one to warm up)."""
         context, batch = SIZES[size][3], SIZES[size][4]
         batches = [tuple(t.to(device) for t in batch_maker(train, context, batch, 99)(k))
-                   for k in range(5)]
+                   for k in range(4)]
         t = {}
-        for kind in ("fp32", "ampc", "ampc.master"):
+        for kind in ("fp32", "torch.amp", "ampc", "ampc.master"):
             run = train_one(kind, dtype, make_model_for(size), batches, lr=lr, device=device)
-            t[kind] = sorted(run.step_ms[2:])[1] / 1e3
-        return 2 * t["fp32"] + 2 * t["ampc"] + t["ampc.master"]
+            t[kind] = sorted(run.step_ms[1:])[1] / 1e3
+        return 2 * t["fp32"] + t["torch.amp"] + t["ampc"] + t["ampc.master"]
 
-    log(f"sizing for a {args.budget:.0f} s training budget:")
-    size, steps = choose(args, dtype, speeds, probe, log)
+    log(f"sizing for {args.budget:.0f} s in all:")
+    size, steps = choose(args, speeds, probe,
+                         lambda: args.budget - (time.perf_counter() - t_start), log)
     width, layers, heads, context, batch = SIZES[size]
     make_model = make_model_for(size)
     n_params = sum(p.numel() for p in make_model().parameters())
@@ -309,7 +324,8 @@ def main(argv=None):
 
     # ---- train ----
     make_batch = batch_maker(train, context, batch, args.seed)
-    val_batches = [batch_maker(val, context, batch, args.seed + 1)(k) for k in range(8)]
+    val_batches = [batch_maker(val, context, batch, args.seed + 1)(k)
+                   for k in range(VAL_BATCHES)]
     t_train = time.perf_counter()
     report = validate.compare(make_model, make_batch, steps=steps, dtype=dtype, device=device,
                               lr=lr, seeds=(args.seed, args.seed + 1), val_batches=val_batches)
@@ -353,10 +369,14 @@ def main(argv=None):
     log()
     log(layer_report.table(top=8))
 
+    # the master weights, exported to a plain fp32 model: sampling runs at fp32 speed
     master = next(r for r in report.runs if r.kind == "ampc.master")
-    text = sample(master.model, "def ", 160 if device == "cpu" else 400, device, seed=args.seed)
+    exported = make_model().to(device)
+    exported.load_state_dict(ampc.fp32_state_dict(master.model, master.optimizer))
+    text = sample(exported, "def ", 300, device, seed=args.seed)
     log()
-    log("sample from the ampc master-weight model (prompt 'def '):")
+    log("sample from the ampc master-weight model, exported with ampc.fp32_state_dict "
+        "(prompt 'def '):")
     log(text)
 
     data = {"config": {"device": device, "dtype": dname, "size": size, "params": n_params,

@@ -65,14 +65,15 @@ class Run:
     step_ms: list = field(default_factory=list)      # forward + backward + optimizer
     peak_mib: float = None    # memory this run added at its peak (see _PeakMemory)
     val_loss: float = None
-    model: object = field(default=None, repr=False)  # the trained model (not serialized)
+    model: object = field(default=None, repr=False)      # the trained model and its
+    optimizer: object = field(default=None, repr=False)  # optimizer (not serialized)
 
     def median_ms(self):
         warm = self.step_ms[len(self.step_ms) // 5:] or self.step_ms
         return statistics.median(warm)
 
     def as_dict(self):
-        d = {k: v for k, v in self.__dict__.items() if k != "model"}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("model", "optimizer")}
         d["median_step_ms"] = self.median_ms()
         return d
 
@@ -183,7 +184,8 @@ def _torch_adamw(params, lr):
 def train_one(kind, dtype, make_model, batches, *, loss_fn=None, lr=1e-3, seed=0, device="cpu",
               val_batches=(), progress=False, name=None):
     """Trains one setup over ``batches`` (a list of (inputs, target) already on ``device``)
-    and returns its :class:`Run` (with the trained model in ``run.model``)."""
+    and returns its :class:`Run` (the trained model and optimizer in ``run.model`` and
+    ``run.optimizer``)."""
     import ampc
     loss_fn = loss_fn or default_loss
     dname = "fp32" if kind == "fp32" else DTYPE_NAMES[dtype]
@@ -257,7 +259,7 @@ def train_one(kind, dtype, make_model, batches, *, loss_fn=None, lr=1e-3, seed=0
     run.peak_mib = mem.peak_mib()
     if val_batches:
         run.val_loss = evaluate(model, val_batches, loss_fn, region)
-    run.model = model
+    run.model, run.optimizer = model, opt
     return run
 
 
