@@ -98,6 +98,31 @@ def test_compare_fp16_skipped_steps_match_torch():
     assert row["skipped_steps"] == len(ampc_run.skipped) and row["final_scale"] < 65536
 
 
+def dropout_model():
+    return nn.Sequential(nn.Embedding(VOCAB, 16), nn.Dropout(0.3), nn.Linear(16, VOCAB))
+
+
+def test_lockstep_gives_the_runs_of_one_after_another():
+    """Lockstep keeps each run's random draws (dropout) apart: the same curves."""
+    common = dict(steps=6, setups=("ampc", "ampc.master"), lr=1e-2, device="cpu",
+                  progress=False)
+    one = validate.compare(dropout_model, make_batch, **common)
+    lock = validate.compare(dropout_model, make_batch, time_limit=600, **common)
+    assert lock.config["lockstep"] and lock.config["steps"] == 6
+    for a, b in zip([one.base] + one.spread_runs + one.runs,
+                    [lock.base] + lock.spread_runs + lock.runs):
+        assert a.name == b.name and a.losses == b.losses and a.grad_norms == b.grad_norms
+        assert b.peak_mib is not None
+
+
+def test_lockstep_stops_every_run_at_the_same_step():
+    report = validate.compare(make_model, make_batch, steps=10_000, setups=("ampc",),
+                              device="cpu", progress=False, time_limit=1.0)
+    n = report.config["steps"]
+    assert 3 <= n < 10_000 and report.config["steps_planned"] == 10_000
+    assert all(len(r.losses) == n for r in [report.base] + report.spread_runs + report.runs)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(steps=0), ValueError, "steps must be a positive int"),
     (dict(setups=("apex",)), ValueError, "unknown setup 'apex'"),

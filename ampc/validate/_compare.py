@@ -126,7 +126,7 @@ class _PeakMemory:
 
 # ---- one run ----
 
-def _progress(total, label, enabled):
+def _progress(total, label, enabled, position=None):
     """A tqdm bar when tqdm is installed, else a line every 10% of the run."""
     if not enabled:
         return None
@@ -135,7 +135,8 @@ def _progress(total, label, enabled):
     except ImportError:
         tqdm = None
     if tqdm is not None:
-        return tqdm(total=total, desc=f"{label:<18}", unit="step", leave=True, dynamic_ncols=True)
+        return tqdm(total=total, desc=f"{label:<18}", unit="step", leave=True, dynamic_ncols=True,
+                    position=position)
 
     class Lines:
         n = 0
@@ -181,86 +182,150 @@ def _torch_adamw(params, lr):
         return torch.optim.AdamW(params, lr=lr)
 
 
-def train_one(kind, dtype, make_model, batches, *, loss_fn=None, lr=1e-3, seed=0, device="cpu",
-              val_batches=(), progress=False, name=None):
-    """Trains one setup over ``batches`` (a list of (inputs, target) already on ``device``)
-    and returns its :class:`Run` (the trained model and optimizer in ``run.model`` and
-    ``run.optimizer``)."""
-    import ampc
-    loss_fn = loss_fn or default_loss
-    dname = "fp32" if kind == "fp32" else DTYPE_NAMES[dtype]
-    run = Run(name or (kind if kind == "fp32" else f"{kind} {dname}"), kind, dname, seed)
-    mem = _PeakMemory(device)
-    mem.start()
-    torch.manual_seed(seed)
-    model = make_model()
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"ampc.validate: make_model() must return an nn.Module, "
-                        f"got {type(model).__name__}")
-    model = model.to(device)
-    for pname, p in model.named_parameters():
-        if p.is_floating_point() and p.dtype != torch.float32:
-            raise ValueError(f"ampc.validate: make_model() must return an fp32 model; "
-                             f"parameter {pname} is {p.dtype}")
-    model.train()
-    fp16 = dtype == torch.float16 and kind != "fp32"
-    scaler = None
-    if kind in ("fp32", "torch.amp"):
-        opt = _torch_adamw(model.parameters(), lr)
-        scaler = torch.amp.GradScaler(device) if fp16 else None
-    elif kind == "ampc":
-        opt = ampc.optim.AdamW(model.parameters(), lr=lr)
-    else:
-        model, opt = ampc.prepare(model, ampc.optim.AdamW, dtype, lr=lr)
-    if fp16 and kind != "torch.amp":
-        scaler = ampc.GradScaler(device)
-    if kind == "torch.amp":
-        region = lambda: torch.autocast(device, dtype=dtype)   # noqa: E731
-    elif kind == "ampc":
-        region = lambda: ampc.autocast(device, dtype=dtype)    # noqa: E731
-    else:
-        region = contextlib.nullcontext
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+class Trainer:
+    """One setup being trained: its model, optimizer, scaler, autocast region and Run.
 
-    bar = _progress(len(batches), run.name, progress)
-    torch.manual_seed(seed)                     # the same dropout draws in every setup
-    for k, (inputs, target) in enumerate(batches):
-        sync()
+    Keeps its own random state (dropout draws), so that runs trained in lockstep draw
+    the same numbers as runs trained one after another.
+    """
+
+    def __init__(self, kind, dtype, make_model, *, loss_fn=None, lr=1e-3, seed=0,
+                 device="cpu", name=None):
+        import ampc
+        self.loss_fn = loss_fn or default_loss
+        self.device = device
+        dname = "fp32" if kind == "fp32" else DTYPE_NAMES[dtype]
+        self.run = Run(name or (kind if kind == "fp32" else f"{kind} {dname}"), kind, dname, seed)
+        self.memory = _PeakMemory(device)
+        self.memory.start()
+        torch.manual_seed(seed)
+        model = make_model()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"ampc.validate: make_model() must return an nn.Module, "
+                            f"got {type(model).__name__}")
+        model = model.to(device)
+        for pname, p in model.named_parameters():
+            if p.is_floating_point() and p.dtype != torch.float32:
+                raise ValueError(f"ampc.validate: make_model() must return an fp32 model; "
+                                 f"parameter {pname} is {p.dtype}")
+        model.train()
+        fp16 = dtype == torch.float16 and kind != "fp32"
+        self.scaler = None
+        if kind in ("fp32", "torch.amp"):
+            self.opt = _torch_adamw(model.parameters(), lr)
+            self.scaler = torch.amp.GradScaler(device) if fp16 else None
+        elif kind == "ampc":
+            self.opt = ampc.optim.AdamW(model.parameters(), lr=lr)
+        else:
+            model, self.opt = ampc.prepare(model, ampc.optim.AdamW, dtype, lr=lr)
+        if fp16 and kind != "torch.amp":
+            self.scaler = ampc.GradScaler(device)
+        self.model = model
+        if kind == "torch.amp":
+            self.region = lambda: torch.autocast(device, dtype=dtype)   # noqa: E731
+        elif kind == "ampc":
+            self.region = lambda: ampc.autocast(device, dtype=dtype)    # noqa: E731
+        else:
+            self.region = contextlib.nullcontext
+        self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        torch.manual_seed(seed)                 # the same dropout draws in every setup
+        self.rng = self._get_rng()
+        self.bar = None
+
+    def _get_rng(self):
+        return (torch.get_rng_state(),
+                torch.cuda.get_rng_state() if self.device == "cuda" else None)
+
+    def _set_rng(self, state):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1])
+
+    def step(self, batch):
+        """One timed training step (forward, backward, optimizer); loss, grad norm and
+        scale are read outside the timed part (each syncs the device)."""
+        run, opt, scaler = self.run, self.opt, self.scaler
+        inputs, target = batch
+        self._set_rng(self.rng)
+        self.sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        with region():
-            out = _call(model, inputs)
-        loss = loss_fn(out, target)
+        with self.region():
+            out = _call(self.model, inputs)
+        loss = self.loss_fn(out, target)
         (scaler.scale(loss) if scaler else loss).backward()
-        sync()
+        self.sync()
         t1 = time.perf_counter()
-        # measured outside the timed part: loss, grad norm and scale each sync the device
         scale = scaler.get_scale() if scaler else 1.0
         run.losses.append(loss.item())
-        run.grad_norms.append(_grad_norm(model) / scale)
+        run.grad_norms.append(_grad_norm(self.model) / scale)
         run.scales.append(scale)
-        sync()
+        self.sync()
         t2 = time.perf_counter()
         if scaler:
             scaler.step(opt)
             scaler.update()
         else:
             opt.step()
-        sync()
+        self.sync()
         run.step_ms.append((t1 - t0 + time.perf_counter() - t2) * 1e3)
         if scaler and scaler.get_scale() < scale:
-            run.skipped.append(k)
-        if bar:
-            bar.update(1)
-            if k % 10 == 0 or k == len(batches) - 1:
-                bar.set_postfix_str(f"loss {run.losses[-1]:.3f}")
-    if bar:
-        bar.close()
-    run.peak_mib = mem.peak_mib()
-    if val_batches:
-        run.val_loss = evaluate(model, val_batches, loss_fn, region)
-    run.model, run.optimizer = model, opt
-    return run
+            run.skipped.append(len(run.losses) - 1)
+        self.rng = self._get_rng()
+        if self.bar:
+            self.bar.update(1)
+            if len(run.losses) % 10 == 1:
+                self.bar.set_postfix_str(f"loss {run.losses[-1]:.3f}")
+
+    def finish(self, val_batches=()):
+        """Closes the progress bar, evaluates, and returns the Run (with model, optimizer)."""
+        if self.bar:
+            self.bar.set_postfix_str(f"loss {self.run.losses[-1]:.3f}")
+            self.bar.close()
+        if self.run.peak_mib is None:
+            self.run.peak_mib = self.memory.peak_mib()
+        if val_batches:
+            self.run.val_loss = evaluate(self.model, val_batches, self.loss_fn, self.region)
+        self.run.model, self.run.optimizer = self.model, self.opt
+        return self.run
+
+
+def train_one(kind, dtype, make_model, batches, *, val_batches=(), progress=False, **kwargs):
+    """Trains one setup over ``batches`` (a list of (inputs, target) already on the device)
+    and returns its :class:`Run` (the trained model and optimizer in ``run.model`` and
+    ``run.optimizer``)."""
+    t = Trainer(kind, dtype, make_model, **kwargs)
+    t.bar = _progress(len(batches), t.run.name, progress)
+    for batch in batches:
+        t.step(batch)
+    return t.finish(val_batches)
+
+
+def train_lockstep(specs, make_model, batches, *, time_limit, val_batches=(), progress=False,
+                   memory_steps=3, **kwargs):
+    """Trains every (kind, dtype, seed, name) in ``specs`` step by step in turn and stops
+    all of them at the same step once the next round would pass ``time_limit`` seconds
+    (evaluation included). Each run's memory is measured over its first ``memory_steps``
+    steps, taken before the next run is built. Returns the Runs."""
+    t0 = time.perf_counter()
+    trainers = []
+    first = min(memory_steps, len(batches))
+    for i, (kind, dtype, seed, name) in enumerate(specs):
+        t = Trainer(kind, dtype, make_model, seed=seed, name=name, **kwargs)
+        t.bar = _progress(len(batches), t.run.name, progress, position=i)
+        for batch in batches[:first]:
+            t.step(batch)
+        t.run.peak_mib = t.memory.peak_mib()
+        trainers.append(t)
+    eval_rounds = len(val_batches) / 3          # a forward pass is about a third of a step
+    for k in range(first, len(batches)):
+        r0 = time.perf_counter()
+        for t in trainers:
+            t.step(batches[k])
+        round_s = time.perf_counter() - r0
+        if time.perf_counter() - t0 + round_s * (1 + eval_rounds) > time_limit:
+            break
+    return [t.finish(val_batches) for t in trainers]
 
 
 def evaluate(model, batches, loss_fn=None, region=contextlib.nullcontext):
@@ -300,7 +365,8 @@ def _finite(x):
 
 
 def compare(make_model, make_batch, loss_fn=None, steps=100, setups=SETUPS, *, dtype=None,
-            device=None, lr=1e-3, seeds=(0, 1), val_batches=None, progress=True):
+            device=None, lr=1e-3, seeds=(0, 1), val_batches=None, progress=True,
+            time_limit=None):
     """Trains fp32 and each mixed-precision setup on the same batches from the same weights.
 
     Args:
@@ -322,6 +388,10 @@ def compare(make_model, make_batch, loss_fn=None, steps=100, setups=SETUPS, *, d
             seed to measure its run-to-run spread. ``(0,)`` skips that.
         val_batches: optional list of (inputs, target): each run's final validation loss.
         progress (bool): a progress bar per run (tqdm if installed).
+        time_limit (float): seconds. When given, the runs are trained in lockstep (step k
+            of every run before step k + 1 of any; all models are held at once) and all
+            stop at the same step once the next would pass the limit; each run's memory
+            is then measured over its first steps. Default: one run after another.
 
     Returns:
         :class:`ampc.validate.Comparison`: ``.table()``, ``.as_dict()``, ``.save(dir)``.
@@ -345,16 +415,20 @@ def compare(make_model, make_batch, loss_fn=None, steps=100, setups=SETUPS, *, d
     parsed = [parse_setup(s, dtype) for s in setups]
     batches = [_to(make_batch(k), device) for k in range(steps)]
     val = [_to(b, device) for b in val_batches] if val_batches else []
+    specs = ([("fp32", None, seeds[0], None)]
+             + [("fp32", None, s, f"fp32 seed {s}") for s in seeds[1:]]
+             + [(kind, dt, seeds[0], None) for kind, dt in parsed])
     common = dict(loss_fn=loss_fn, lr=lr, device=device, val_batches=val, progress=progress)
-    base = train_one("fp32", None, make_model, batches, seed=seeds[0], **common)
-    spread = [train_one("fp32", None, make_model, batches, seed=s, name=f"fp32 seed {s}",
-                        **common) for s in seeds[1:]]
-    runs = [train_one(kind, dt, make_model, batches, seed=seeds[0], **common)
-            for kind, dt in parsed]
-    config = {"steps": steps, "device": device, "dtype": DTYPE_NAMES[dtype], "lr": lr,
-              "seeds": list(seeds), "torch": torch.__version__,
+    if time_limit is None:
+        done = [train_one(kind, dt, make_model, batches, seed=seed, name=name, **common)
+                for kind, dt, seed, name in specs]
+    else:
+        done = train_lockstep(specs, make_model, batches, time_limit=time_limit, **common)
+    config = {"steps": len(done[0].losses), "steps_planned": steps, "device": device,
+              "dtype": DTYPE_NAMES[dtype], "lr": lr, "seeds": list(seeds),
+              "lockstep": time_limit is not None, "torch": torch.__version__,
               "cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    return Comparison(base, runs, spread, config)
+    return Comparison(done[0], done[len(seeds):], done[1:len(seeds)], config)
 
 
 def _check_device(device, fn):
