@@ -141,12 +141,15 @@ def batch_maker(data, context, batch, seed):
 
 
 @torch.no_grad()
-def sample(model, prompt, n, device, temperature=0.8, seed=0):
-    """``n`` characters after ``prompt``, drawn from the model at ``temperature``."""
+def sample(model, prompt, n, device, temperature=0.8, seed=0, deadline=float("inf")):
+    """``n`` characters after ``prompt``, drawn from the model at ``temperature`` (fewer
+    if ``time.perf_counter()`` passes ``deadline``)."""
     model.eval()
     g = torch.Generator(device=device).manual_seed(seed)
     ids = encode(prompt).long().to(device)[None]
     for _ in range(n):
+        if time.perf_counter() > deadline:
+            break
         logits = model(ids[:, -model.context:])[0, -1].float()
         nxt = torch.multinomial(F.softmax(logits / temperature, -1), 1, generator=g)
         ids = torch.cat([ids, nxt[None]], 1)
@@ -196,7 +199,19 @@ VAL_BATCHES = 4
 MIN_STEPS, FLOOR_STEPS = 150, 20      # a larger size must fit MIN_STEPS; never under FLOOR_STEPS
 MAX_STEPS = {"cpu": 400, "cuda": 1000}
 SAFETY = 1.25         # probes are short and the machine may be busy: plan for slower steps
-AFTER_S = 8.0         # the layer report, the picture and the sample, after training
+AFTER_S = 15.0        # evaluation, the layer report, the picture and the sample
+
+
+def process_seconds():
+    """Seconds since this process started (imports included), 0 where unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def choose(args, speeds, probe, seconds_left, log):
@@ -267,7 +282,7 @@ def parse_args(argv):
 
 
 def main(argv=None):
-    t_start = time.perf_counter()
+    t_start = time.perf_counter() - process_seconds()     # the budget counts the imports
     args = parse_args(argv)
     device = args.device
     dtype = {"auto": DEFAULT_DTYPE[device], "bf16": torch.bfloat16,
@@ -385,7 +400,8 @@ def main(argv=None):
     master = next(r for r in report.runs if r.kind == "ampc.master")
     exported = make_model().to(device)
     exported.load_state_dict(ampc.fp32_state_dict(master.model, master.optimizer))
-    text = sample(exported, "def ", 300, device, seed=args.seed)
+    text = sample(exported, "def ", 300, device, seed=args.seed,
+                  deadline=t_start + args.budget - 4)
     log()
     log("sample from the ampc master-weight model, exported with ampc.fp32_state_dict "
         "(prompt 'def '):")

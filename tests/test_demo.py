@@ -110,3 +110,17 @@ def test_choose_takes_the_largest_size_that_fits():
     lines = []
     assert demo.choose(Args, speeds, probe, lambda: 100.0, lines.append) == ("large", 20)
     assert "slow" in lines[-1]
+
+
+def test_qat_after_amp_example():
+    """examples/qat_after_amp.py on its tiny model: the fp32 export of the master weights
+    and the int8 model after QAT both keep the accuracy of the mixed-precision model."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "qat_after_amp.py")
+    spec = importlib.util.spec_from_file_location("qat_after_amp", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    acc = example.main(["--steps", "150", "--qat-steps", "30"])
+    assert acc["fp32 export"] > 0.85                  # chance is 0.25
+    assert abs(acc["fp32 export"] - acc["bf16 (ampc master weights)"]) < 0.03
+    assert acc["int8 after QAT"] > acc["fp32 export"] - 0.03
