@@ -144,14 +144,18 @@ class Comparison:
 
     def save(self, out_dir, stem="compare", throughput=None):
         """Writes STEM.txt, STEM.json and STEM.png (loss curves, gap to fp32, grad-norm
-        ratio, and the loss scale or, given ``throughput`` {setup: tokens/s}, a bar chart of
-        it)."""
+        ratio, loss scale, and given ``throughput`` {setup: tokens/s}, a bar chart of it)."""
         return write_outputs(out_dir, stem, self.table(), self.as_dict(),
                              lambda plt, path: self.plot(plt, path, throughput))
 
     def plot(self, plt, path, throughput=None):
-        fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
-        (loss_ax, gap_ax), (ratio_ax, last_ax) = axes
+        if throughput:
+            fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
+            (loss_ax, gap_ax, speed_ax), (ratio_ax, scale_ax, spare) = axes
+            spare.axis("off")
+        else:
+            fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+            (loss_ax, gap_ax), (ratio_ax, scale_ax) = axes
         w = self.window
         ref = smooth(self.base.losses, w)
         every = [self.base] + self.spread_runs + self.runs
@@ -174,22 +178,22 @@ class Comparison:
             ax.grid(alpha=0.3)
         if throughput:
             names = list(throughput)
-            last_ax.barh(names, [throughput[n] for n in names],
-                         color=[color[id(r)] for r in [self.base] + self.runs][:len(names)])
-            last_ax.invert_yaxis()
-            last_ax.set(title="throughput, tokens/s")
-            last_ax.grid(alpha=0.3, axis="x")
+            speed_ax.barh(names, [throughput[n] for n in names],
+                          color=[color[id(r)] for r in [self.base] + self.runs][:len(names)])
+            speed_ax.invert_yaxis()
+            speed_ax.set(title="throughput, tokens/s")
+            speed_ax.grid(alpha=0.3, axis="x")
+        for run in self.runs:
+            if any(s != 1.0 for s in run.scales):
+                scale_ax.plot(run.scales, color=color[id(run)], label=run.name)
+        scale_ax.set(title="loss scale", xlabel="step")
+        scale_ax.grid(alpha=0.3)
+        if scale_ax.lines:
+            scale_ax.set_yscale("log")
+            scale_ax.legend(fontsize=7)
         else:
-            for run in self.runs:
-                if any(s != 1.0 for s in run.scales):
-                    last_ax.plot(run.scales, color=color[id(run)], label=run.name)
-            last_ax.set(title="loss scale", xlabel="step", yscale="log")
-            last_ax.grid(alpha=0.3)
-            if last_ax.lines:
-                last_ax.legend(fontsize=7)
-            else:
-                last_ax.text(0.5, 0.5, "no loss scaling (bf16)", ha="center",
-                             transform=last_ax.transAxes)
+            scale_ax.text(0.5, 0.5, "no loss scaling (bf16)", ha="center",
+                          transform=scale_ax.transAxes)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
