@@ -101,8 +101,10 @@ def test_choose_takes_the_largest_size_that_fits():
         probed.append(size)
         return per_step[size]
     size, steps = demo.choose(Args, speeds, probe, lambda: 100.0, lambda line: None)
-    # small: 100 s less the reserve over 1.25 x 0.4 s -> 184 steps; medium fits 14
-    assert size == "small" and steps == int((100 - demo.AFTER_S) / 0.5 - demo.VAL_BATCHES / 3)
+    # small: 100 s less the reserve over 1.1 x 0.4 s -> 191 steps; medium fits 14
+    per_small = demo.SAFETY * 0.4
+    assert size == "small" and steps == int((100 - demo.AFTER_S) / per_small
+                                            - demo.VAL_BATCHES / 3)
     assert probed == ["micro", "tiny", "small", "medium"]
     Args.size, Args.steps = "tiny", 25
     assert demo.choose(Args, speeds, probe, lambda: 100.0, lambda line: None) == ("tiny", 25)
