@@ -11,8 +11,8 @@ tenth file held out for validation). All runs start from the same weights and se
 same batches (ampc.validate.compare), fp32 also from a second seed for its run-to-run
 spread. The model size and step count are chosen from what this machine measures: the
 CPU's capability, bf16 against fp32 matmul speed, and the time of a few real steps. The
-runs train in lockstep, so if the machine turns out slower than measured they all stop
-at the same step when the time budget (--budget, 150 s) runs out.
+runs train in lockstep and all stop at the same step when the time budget (--budget,
+150 s) is used up, however busy the machine turns out to be.
 Output: a table, the validation summary, OUT/demo.{txt,json,png}, OUT/layers.*, and a
 sample of text written by the ampc model.
 """
@@ -216,8 +216,8 @@ def process_seconds():
 
 def choose(args, speeds, probe, seconds_left, log):
     """(size, steps): the largest size of which at least MIN_STEPS steps of all runs fit
-    the time left, and as many steps as fit (at most MAX_STEPS). ``probe(size)`` gives the
-    seconds of one step of all runs together."""
+    the time left, and how many steps of it fit (at least FLOOR_STEPS, at most MAX_STEPS).
+    ``probe(size)`` gives the seconds of one step of all runs together."""
     if args.size != "auto" and args.steps:
         return args.size, args.steps
     sizes = [args.size] if args.size != "auto" else list(SIZES)
@@ -241,8 +241,7 @@ def choose(args, speeds, probe, seconds_left, log):
     if args.steps:
         return size, args.steps
     if steps < FLOOR_STEPS:
-        log(f"  this machine is slow for this job: {FLOOR_STEPS} steps will take about "
-            f"{FLOOR_STEPS * per_step:.0f} s")
+        log(f"  this machine is slow for this job: fewer than {FLOOR_STEPS} steps fit")
     return size, max(FLOOR_STEPS, min(MAX_STEPS[args.device], steps))
 
 
@@ -335,20 +334,24 @@ def main(argv=None):
         return 2 * t["fp32"] + t["torch.amp"] + t["ampc"] + t["ampc.master"]
 
     log(f"sizing for {args.budget:.0f} s in all:")
-    size, steps = choose(args, speeds, probe,
-                         lambda: args.budget - (time.perf_counter() - t_start), log)
+    size, fit = choose(args, speeds, probe,
+                       lambda: args.budget - (time.perf_counter() - t_start), log)
+    # without --steps the runs go on until the time is up (at most MAX_STEPS)
+    steps = args.steps or MAX_STEPS[device]
     width, layers, heads, context, batch = SIZES[size]
     make_model = make_model_for(size)
     n_params = sum(p.numel() for p in make_model().parameters())
     log(f"model: {size}, {n_params / 1e6:.2f}M params ({layers} layers, width {width}, "
-        f"context {context}), batch {batch}, {steps} steps, AdamW lr {lr:g}, {dname} on {device}")
+        f"context {context}), batch {batch}, AdamW lr {lr:g}, {dname} on {device}; "
+        + (f"{steps} steps" if args.steps else
+           f"as many steps as the time allows (about {fit} by the probe, at most {steps})"))
 
     # ---- train ----
     make_batch = batch_maker(train, context, batch, args.seed)
     val_batches = [batch_maker(val, context, batch, args.seed + 1)(k)
                    for k in range(VAL_BATCHES)]
-    # lockstep: a busy machine slows every run alike, and all stop at the same step if
-    # the time runs out (with --steps given, they run to the end)
+    # lockstep: a busy machine slows every run alike, and all stop at the same step when
+    # the time is up (with --steps given, they run to the end)
     t_train = time.perf_counter()
     limit = (float("inf") if args.steps
              else args.budget - (time.perf_counter() - t_start) - AFTER_S)
@@ -357,8 +360,8 @@ def main(argv=None):
                               time_limit=limit)
     train_s = time.perf_counter() - t_train
     if report.config["steps"] < steps:
-        log(f"stopped all runs after {report.config['steps']} of {steps} steps to finish in "
-            f"{args.budget:.0f} s: the steps ran slower than the probe measured (a busy machine?)")
+        log(f"all runs stopped after {report.config['steps']} steps, to finish in "
+            f"{args.budget:.0f} s")
         steps = report.config["steps"]
 
     # ---- results ----

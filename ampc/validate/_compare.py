@@ -143,15 +143,20 @@ def _progress(total, label, enabled, position=None):
 
         def update(self, k=1):
             self.n += k
-            if self.n == total or self.n % max(1, total // 10) == 0:
-                print(f"{label}: step {self.n}/{total}", flush=True)
+            if self.n == self.total or self.n % max(1, self.total // 10) == 0:
+                print(f"{label}: step {self.n}/{self.total}", flush=True)
 
         def set_postfix_str(self, s):
             pass
 
+        def refresh(self):
+            pass
+
         def close(self):
             pass
-    return Lines()
+    bar = Lines()
+    bar.total = total
+    return bar
 
 
 def _call(model, inputs):
@@ -318,13 +323,20 @@ def train_lockstep(specs, make_model, batches, *, time_limit, val_batches=(), pr
         t.run.peak_mib = t.memory.peak_mib()
         trainers.append(t)
     eval_rounds = len(val_batches) / 3          # a forward pass is about a third of a step
+    rounds = []
     for k in range(first, len(batches)):
         r0 = time.perf_counter()
         for t in trainers:
             t.step(batches[k])
-        round_s = time.perf_counter() - r0
-        if time.perf_counter() - t0 + round_s * (1 + eval_rounds) > time_limit:
+        rounds.append(time.perf_counter() - r0)
+        round_s = statistics.mean(rounds[-5:])
+        left = time_limit - (time.perf_counter() - t0) - round_s * eval_rounds
+        if left < round_s:
             break
+        if progress and math.isfinite(left):    # the step all runs are now expected to stop at
+            for t in trainers:
+                t.bar.total = min(len(batches), k + 1 + int(left / round_s))
+                t.bar.refresh()
     return [t.finish(val_batches) for t in trainers]
 
 
