@@ -9,6 +9,7 @@ with every torch from 2.10 on. DEBUG=1 builds with -O0 -g.
 """
 import glob
 import os
+import re
 import shutil
 import subprocess
 
@@ -29,11 +30,36 @@ NVCC_FLAGS = ["-std=c++17", "--fmad=false", "-Xcompiler", "-fPIC,-fvisibility=hi
               "-Icsrc"] + (["-O0", "-g"] if DEBUG else ["-O3"])
 
 
+def warn_on_cuda_mismatch(nvcc):
+    """The CUDA library links nvcc's runtime statically: it needs a driver at least as new
+    as that runtime's major version, which torch's own CUDA does not guarantee."""
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    found = re.search(r"release (\d+)\.(\d+)", out)
+    try:
+        import torch
+        torch_cuda = torch.version.cuda
+    except ImportError:
+        return
+    if not found or not torch_cuda:
+        return
+    if found.group(1) != torch_cuda.split(".")[0]:
+        print(f"ampc: warning: nvcc is CUDA {found.group(1)}.{found.group(2)} and torch was "
+              f"built with CUDA {torch_cuda}: ampc's CUDA kernels will need a driver for CUDA "
+              f"{found.group(1)}, torch's a driver for CUDA {torch_cuda.split('.')[0]} (at import, "
+              f"ampc refuses its CUDA calls when the driver is older than its runtime)")
+
+
 class BuildLibraries(build_ext):
     """Plain shared libraries (no Python module init), named libampc*.so."""
 
     def get_ext_filename(self, ext_name):
         return os.path.join(*ext_name.split(".")) + ".so"
+
+    def run(self):
+        # setuptools clears `inplace` while it builds (it copies the registered libraries
+        # into the tree afterwards, which does not cover the CUDA one): remember it here
+        self.cuda_in_tree = bool(self.inplace or getattr(self, "editable_mode", False))
+        super().run()
 
     def build_extensions(self):
         # distutils adds Python's own CFLAGS (-O2, -DNDEBUG ...); keep only what we ask for
@@ -49,8 +75,9 @@ class BuildLibraries(build_ext):
         if nvcc is None:
             print("ampc: nvcc not found, building the CPU kernels only")
             return
+        warn_on_cuda_mismatch(nvcc)
         # in place (and for editable installs) next to the sources, else into the wheel
-        in_tree = self.inplace or getattr(self, "editable_mode", False)
+        in_tree = getattr(self, "cuda_in_tree", False)
         out = os.path.join("." if in_tree else self.build_lib, "ampc", "libampc_cuda.so")
         tmp = os.path.join(self.build_temp, "cuda")
         os.makedirs(tmp, exist_ok=True)

@@ -59,7 +59,7 @@ def raw_cast(tensors, dtype):
         if all(type(t) in _PLAIN and t.dtype is src and t.is_cpu and t.is_contiguous() and has_data(t)
                for t in tensors):
             dsts = [torch.empty_like(t, dtype=dtype) for t in tensors]
-            _CAST_OP.redispatch(_KERNEL_KEYS["cpu"], tensors, dsts, False, 0)
+            _CAST_OP.redispatch(_KERNEL_KEYS["cpu"], dsts, tensors, [], False, 0)
             return dsts
     out = [None] * len(tensors)
     groups = {}
@@ -76,7 +76,7 @@ def raw_cast(tensors, dtype):
             srcs.append(src)
             dsts.append(torch.empty_like(src, dtype=dtype))
             undo.append(u)
-        _CAST_OP.redispatch(_KERNEL_KEYS[dev], srcs, dsts, False, 0)
+        _CAST_OP.redispatch(_KERNEL_KEYS[dev], dsts, srcs, [], False, 0)
         for i, d, u in zip(idx, dsts, undo):
             out[i] = d if u is None else d.permute(u)
     return out

@@ -4,10 +4,14 @@ The libraries are linked without torch: their stable-ABI symbols resolve against
 libtorch that `import torch` loaded. torch loads its libraries privately
 (RTLD_LOCAL), so they are first made global here; then libampc.so registers the ops
 through the stable C ABI, and libampc_cuda.so, when torch has CUDA, hands its
-launchers to it.
+launchers to it once its probe says they can run on this driver.
+
+A CUDA library that fails to load or cannot run never breaks `import ampc`: it is
+said once in a warning, CUDA calls are refused with the reason, CPU calls work.
 """
 import ctypes
 import os
+import warnings
 
 import torch
 
@@ -28,6 +32,30 @@ def _make_global(name):
         raise ImportError(f"ampc: cannot reach torch's {name} ({e})") from e
 
 
+def _load_cuda(lib):
+    """The CUDA library, its launchers handed to libampc; or None, with the reason kept
+    by libampc (and, unless CUDA simply is not there, one warning)."""
+    path = os.path.join(_HERE, "libampc_cuda.so")
+    if torch.version.cuda is None or not os.path.exists(path):
+        return None
+    try:
+        _make_global("libtorch_cuda.so")
+        cuda = ctypes.CDLL(path)
+        cuda.ampc_cuda_get_api.restype = ctypes.c_void_p
+        api = cuda.ampc_cuda_get_api()
+    except (OSError, ImportError, AttributeError) as e:
+        why = f"ampc's CUDA library failed to load ({e})"
+        lib.ampc_refuse_cuda(why.encode())
+        warnings.warn(f"ampc: {why}; CUDA calls will be refused, CPU calls work",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    if lib.ampc_set_cuda_api(ctypes.c_void_p(api)) != 0:
+        warnings.warn(f"ampc: {cuda_refusal()}; CUDA calls will be refused, CPU calls work",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    return cuda
+
+
 def _load():
     if _torch_version() < MIN_TORCH:
         raise ImportError(f"ampc needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} "
@@ -41,16 +69,18 @@ def _load():
     rc = lib.ampc_register()
     if rc != 0:
         raise ImportError(f"ampc: registering torch.ops.ampc failed at step {rc}")
-    cuda = None
-    cuda_path = os.path.join(_HERE, "libampc_cuda.so")
-    if torch.version.cuda is not None and os.path.exists(cuda_path):
-        _make_global("libtorch_cuda.so")
-        cuda = ctypes.CDLL(cuda_path)
-        cuda.ampc_cuda_get_api.restype = ctypes.c_void_p
-        lib.ampc_set_cuda_api.argtypes = [ctypes.c_void_p]
-        lib.ampc_set_cuda_api(cuda.ampc_cuda_get_api())
-    return lib, cuda
+    lib.ampc_refuse_cuda.argtypes = [ctypes.c_char_p]
+    lib.ampc_set_cuda_api.argtypes = [ctypes.c_void_p]
+    lib.ampc_cuda_refusal.restype = ctypes.c_char_p
+    return lib
 
 
-lib, cuda_lib = _load()
+def cuda_refusal():
+    """Why ampc's CUDA calls are refused, or None when they run."""
+    why = lib.ampc_cuda_refusal()
+    return None if why is None else why.decode()
+
+
+lib = _load()
+cuda_lib = _load_cuda(lib)
 HAS_CUDA_KERNELS = cuda_lib is not None

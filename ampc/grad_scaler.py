@@ -1,37 +1,47 @@
-"""ampc.GradScaler: dynamic loss scaling with torch.amp.GradScaler's contract, on ampc's kernels.
+"""ampc.GradScaler: dynamic or static loss scaling with torch.amp.GradScaler's contract, on
+ampc's kernels.
 
 Loss scaling: the loss is multiplied by a scale S before backward so that small fp16
 gradients do not flush to zero; before the optimizer uses them the gradients are
 multiplied by inv_scale = float32(1 / double(S)). A step whose gradients hold an inf or
-a nan is skipped and S shrinks (S *= backoff_factor); after growth_interval clean steps
-in a row S grows (S *= growth_factor). Checking and unscaling are one pass of
-ampc.ops.unscale_check, the scale update is ampc.ops.update_scale.
+a nan is skipped; dynamic scaling then shrinks S (S *= backoff_factor) and grows it after
+growth_interval clean steps in a row (S *= growth_factor); static scaling keeps S.
+Checking and unscaling are one pass of ampc.ops.unscale_check, the scale update is
+ampc.ops.update_scale.
 
 What differs from torch (https://pytorch.org/docs/stable/amp.html#gradient-scaling):
 - with an optimizer that unscales inside its own step (_step_supports_amp_scaling:
   ampc.optim and torch's fused optimizers) nothing here waits for the device;
 - with ampc's optimizers, fp16/bf16 gradients and clipping are folded into the step;
-- skipped steps are counted on the device; optional hysteresis, min and max scale.
+- static scaling, skipped steps counted on the device, a per-step record, optional
+  hysteresis, min and max scale, all of it in state_dict.
 """
+import inspect
 import math
 import struct
 import warnings
-from collections import abc, defaultdict
+import weakref
+from collections import abc, defaultdict, deque
 from enum import Enum
+from typing import NamedTuple, Tuple, Union
 
 import torch
 
-from . import ops
+from . import _distributed, ops
 
-__all__ = ["GradScaler", "OptState"]
+__all__ = ["GradScaler", "OptState", "StepRecord", "read_step_records"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Created on the first scale(), dropped when pickling:
+# Created on the first scale(), dropped when pickling (their values travel as _init_*):
 # _skipped counts update()s whose steps found an inf/nan; _skips_at_min counts overflowing
 # steps in a row at min_scale, _host_skips is its copy on the host (_host_view: a numpy view of
 # it), _host_event says the copy landed.
 _DEVICE_STATE = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_skipped",
                  "_last_found_inf", "_skips_at_min", "_host_skips", "_host_view", "_host_event")
+_GRAD_SCALER_WARNING = (
+    "GradScaler is going to stop passing itself as a keyword argument to the passed "
+    "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+    "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.")
 
 
 class OptState(Enum):
@@ -42,9 +52,89 @@ class OptState(Enum):
 
 def _fresh_state():
     # "folded": clip_grad_norm_ left the grads scaled and the optimizer will unscale and
-    # clip them in its step (grad_scale and grad_clip_coef)
+    # clip them in its step (grad_scale and grad_clip_coef); "norm": what clip_grad_norm_
+    # returned, for the step record
     return {"stage": OptState.READY, "found_inf_per_device": {}, "folded": False,
-            "clip_coef": None}
+            "clip_coef": None, "norm": None}
+
+
+class StepRecord(NamedTuple):
+    """One iteration as device tensors, kept by ``GradScaler(step_records=N)``.
+
+    scale: 0-dim float32, the scale the iteration's gradients were scaled by.
+    skipped: 0-dim bool, whether a step of the iteration found an inf or a nan.
+    grad_norm: what :meth:`GradScaler.clip_grad_norm_` returned in the iteration (the
+        unscaled total norm), None without a clip, a tuple with several clipped optimizers.
+    """
+    scale: torch.Tensor
+    skipped: torch.Tensor
+    grad_norm: Union[None, torch.Tensor, Tuple[torch.Tensor, ...]]
+
+
+def read_step_records(records):
+    """Reads StepRecords to the host in one transfer (one wait for the device in all).
+
+    Returns a list of dicts {"scale": float, "skipped": bool, "grad_norm": float, None
+    or a list of floats}, in the order of ``records``.
+    """
+    records = list(records)
+    if not records:
+        return []
+    device, n = records[0].scale.device, len(records)
+    # float64 holds every float32 and bool exactly; a norm on another device is copied
+    # here first, blocking (a non-blocking copy to the host would not be waited for)
+    norms = [t.to(device=device, dtype=torch.float64)
+             for r in records for t in _norm_tuple(r.grad_norm)]
+    values = torch.cat([torch.stack([r.scale for r in records]).double(),
+                        torch.stack([r.skipped for r in records]).double(),
+                        torch.stack(norms) if norms else
+                        torch.zeros(0, dtype=torch.float64, device=device)]).tolist()
+    out, at = [], 2 * n
+    for i, r in enumerate(records):
+        count = len(_norm_tuple(r.grad_norm))
+        norm = values[at:at + count]
+        if not isinstance(r.grad_norm, tuple):
+            norm = norm[0] if count else None
+        out.append({"scale": values[i], "skipped": bool(values[n + i]), "grad_norm": norm})
+        at += count
+    return out
+
+
+def _norm_tuple(grad_norm):
+    if grad_norm is None:
+        return ()
+    return grad_norm if isinstance(grad_norm, tuple) else (grad_norm,)
+
+
+_TAKES_GRAD_SCALER = weakref.WeakKeyDictionary()
+
+
+def _takes_grad_scaler(optimizer):
+    """Whether optimizer.step has torch's deprecated grad_scaler keyword. Cached per step
+    function: inspecting a signature takes ~8 us of host time per step."""
+    step = optimizer.step
+    func = getattr(step, "__func__", step)
+    try:
+        return _TAKES_GRAD_SCALER[func]
+    except (KeyError, TypeError):            # TypeError: not weakly referenceable
+        pass
+    takes = "grad_scaler" in inspect.signature(step).parameters
+    try:
+        _TAKES_GRAD_SCALER[func] = takes
+    except TypeError:
+        pass
+    return takes
+
+
+def _extras_attributes(extras):
+    """GradScaler attributes from _extras_state()'s dict: the settings, and the counters'
+    host values that the device counters start from."""
+    return {"_hysteresis": extras["hysteresis"], "_min_scale": extras["min_scale"],
+            "_max_scale": extras["max_scale"], "_patience": extras["min_scale_patience"],
+            "_init_hysteresis_tracker": extras["_hysteresis_tracker"],
+            "_init_skipped": extras["_skipped_steps"],
+            "_init_last_skipped": extras["_last_step_skipped"],
+            "_init_skips_at_min": extras["_skips_at_min"]}
 
 
 def _f32(x):
@@ -73,8 +163,9 @@ class GradScaler:
     """Scales the loss and unscales the gradients for fp16 mixed precision: a drop-in for
     ``torch.amp.GradScaler`` (and the older ``torch.cuda.amp.GradScaler``).
 
-    Methods, state machine, errors and ``state_dict`` are torch's: a checkpoint of either
-    scaler loads into the other. On top of that:
+    Methods, state machine, errors, ``state_dict`` keys and the optimizer protocol are
+    torch's: a checkpoint of either scaler loads into the other, an optimizer that unscales
+    in its own step gets what torch's scaler gives it. On top of that:
 
     - With an optimizer that unscales inside its own step (``ampc.optim.AdamW``/``Adam``,
       torch's ``fused=True`` optimizers), ``step`` and ``update`` never wait for the
@@ -85,10 +176,23 @@ class GradScaler:
       gradients with torch's error: unscaling them in fp16 would flush the small values
       that loss scaling exists to keep.
     - :meth:`clip_grad_norm_` clips without a pass that unscales the gradients.
-    - :meth:`skipped_steps` and :meth:`last_step_skipped` report skips as device tensors.
+    - Static loss scaling: ``dynamic=False`` keeps ``init_scale`` for the whole run.
+    - :meth:`skipped_steps` and :meth:`last_step_skipped` report skips as device tensors;
+      ``step_records=N`` keeps the last N iterations' scale, skip and clip norm as device
+      tensors, read to the host in one transfer by :meth:`read_step_records`.
     - Optional ``hysteresis``, ``min_scale`` and ``max_scale``; with ``min_scale`` set, a
       scale stuck at the minimum with overflowing gradients raises instead of skipping
       every step forever.
+    - ``state_dict`` holds the whole state (the extras' settings and counters under keys
+      of their own), so a resumed run reports and decides as the uninterrupted one.
+
+    Static scaling is spelled ``dynamic=False`` (Keras's ``LossScaleOptimizer(dynamic=
+    False, initial_scale=...)``; DeepSpeed and Megatron speak of static and dynamic loss
+    scaling too) rather than torch's own terms, ``growth_factor=1.0, backoff_factor=1.0``:
+    those keep raising torch's errors, so code written for torch behaves as it did. In
+    the checkpoint a static scaler is exactly that, ``growth_factor`` and
+    ``backoff_factor`` 1.0: torch's scaler loads it and keeps the scale fixed as well
+    (its update multiplies by 1), and either scaler loading such a checkpoint is static.
 
     bf16 needs no loss scaling: it has fp32's exponent range, so gradients do not
     underflow. ``enabled="auto"`` turns the scaler on only when ``dtype`` (by default
@@ -103,6 +207,12 @@ class GradScaler:
         growth_interval (int): clean steps in a row before a growth. Default: 2000.
         enabled (bool or "auto"): False makes every method a pass-through. Default: True.
         dtype (torch.dtype, optional): the low-precision dtype ``enabled="auto"`` decides by.
+        dynamic (bool): False: static loss scaling, the scale stays ``init_scale`` (or
+            what ``update(new_scale)`` sets) and steps with inf/nan gradients are still
+            skipped; leave ``growth_factor`` and ``backoff_factor`` at their defaults.
+            Default: True.
+        step_records (int): keep a :class:`StepRecord` of the last this many iterations
+            (one small copy of the scale per iteration). Default: 0, none.
         hysteresis (int): back off only after this many non-finite steps in a row
             (Megatron's hysteresis). Default: 1 (at once, as torch).
         min_scale (float, optional): the scale never backs off below this.
@@ -124,7 +234,8 @@ class GradScaler:
 
     def __init__(self, device="cuda", init_scale=2.0 ** 16, growth_factor=2.0,
                  backoff_factor=0.5, growth_interval=2000, enabled=True, *, dtype=None,
-                 hysteresis=1, min_scale=None, max_scale=None, min_scale_patience=10):
+                 dynamic=True, hysteresis=1, min_scale=None, max_scale=None,
+                 min_scale_patience=10, step_records=0):
         if isinstance(device, (int, float)) and not isinstance(device, bool):
             if init_scale != 2.0 ** 16:
                 raise TypeError("ampc.GradScaler: in the legacy form without a device, pass "
@@ -152,15 +263,38 @@ class GradScaler:
         self._min_scale = min_scale
         self._max_scale = max_scale
         self._patience = min_scale_patience
+        self._init_skipped, self._init_last_skipped, self._init_skips_at_min = 0, None, 0
         self.__dict__.update(dict.fromkeys(_DEVICE_STATE))
         self._per_optimizer_states = defaultdict(_fresh_state)
+        self._records = None
         if not self._enabled:
+            return
+        self._check_factors(dynamic, growth_factor, backoff_factor)
+        if not dynamic:
+            # torch's own form of a fixed scale: update_scale multiplies by 1
+            self._growth_factor = self._backoff_factor = 1.0
+        self._check_extras(hysteresis, min_scale, max_scale, min_scale_patience)
+        if isinstance(step_records, bool) or not isinstance(step_records, int) \
+                or step_records < 0:
+            raise ValueError(f"ampc.GradScaler: step_records must be an int >= 0, "
+                             f"got {step_records!r}")
+        self._records = deque(maxlen=step_records) if step_records else None
+
+    @staticmethod
+    def _check_factors(dynamic, growth_factor, backoff_factor):
+        if not isinstance(dynamic, bool):
+            raise ValueError(f"ampc.GradScaler: dynamic must be a bool, got {dynamic!r}")
+        if not dynamic:
+            if (growth_factor, backoff_factor) != (2.0, 0.5):
+                raise ValueError(f"ampc.GradScaler: dynamic=False keeps the scale fixed, so "
+                                 f"growth_factor and backoff_factor do not apply; got "
+                                 f"growth_factor={growth_factor}, "
+                                 f"backoff_factor={backoff_factor}")
             return
         if growth_factor <= 1.0:
             raise AssertionError("The growth factor must be > 1.0.")
         if backoff_factor >= 1.0:
             raise AssertionError("The backoff factor must be < 1.0.")
-        self._check_extras(hysteresis, min_scale, max_scale, min_scale_patience)
 
     @staticmethod
     def _check_extras(hysteresis, min_scale, max_scale, patience):
@@ -189,19 +323,25 @@ class GradScaler:
         self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
         self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32,
                                           device=dev)
-        self._skipped = torch.zeros((), dtype=torch.int64, device=dev)
         self._init_extras()
 
     def _init_extras(self):
-        """The device state of hysteresis and of the min_scale watch, as configured now."""
+        """The device state beyond torch's (hysteresis, the skip counters, the min_scale
+        watch) from the _init_* values, as configured now."""
         dev = self._scale.device
         self._hysteresis_tracker = None
         if self._hysteresis > 1:
             self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker,
                                                   dtype=torch.int32, device=dev)
+        self._skipped = torch.full((), self._init_skipped, dtype=torch.int64, device=dev)
+        self._last_found_inf = None
+        if self._init_last_skipped is not None:
+            self._last_found_inf = torch.full((), self._init_last_skipped, dtype=torch.bool,
+                                              device=dev)
         self._skips_at_min = self._host_skips = self._host_view = self._host_event = None
         if self._min_scale is not None and self._patience is not None:
-            self._skips_at_min = torch.zeros((), dtype=torch.int32, device=dev)
+            self._skips_at_min = torch.full((), self._init_skips_at_min, dtype=torch.int32,
+                                            device=dev)
             self._host_skips = torch.zeros((), dtype=torch.int32, pin_memory=dev.type == "cuda")
             self._host_view = self._host_skips.numpy()     # read as plain host memory
 
@@ -258,8 +398,11 @@ class GradScaler:
         with torch.no_grad():
             for device, grads in self._grads_by_device(optimizer, allow_fp16).items():
                 found[device] = torch.zeros((), dtype=torch.float32, device=device)
-                _unscale_check(grads, found[device],
+                # DTensor grads: the check runs on the local shards, then all ranks agree
+                classes = _distributed.split_grads("ampc.GradScaler", grads)
+                _unscale_check([g for _, local in classes for g in local], found[device],
                                inv_scale.to(device=device, non_blocking=True), check_only)
+                _distributed.agree_found_inf(found[device], classes)
         return found
 
     def _inv_scale(self):
@@ -335,15 +478,18 @@ class GradScaler:
         grads = [p.grad for p in params if p.grad is not None]
         if state["stage"] is OptState.READY and self._can_fold_clip(optimizer, grads,
                                                                       norm_type):
-            return self._fold_clip(state, grads, float(max_norm))
-        if state["stage"] is OptState.READY:
-            self.unscale_(optimizer)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+            state["norm"] = self._fold_clip(state, grads, float(max_norm))
+        else:
+            if state["stage"] is OptState.READY:
+                self.unscale_(optimizer)
+            state["norm"] = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        return state["norm"]
 
     @staticmethod
     def _can_fold_clip(optimizer, grads, norm_type):
         return (getattr(optimizer, "_step_supports_amp_scaling", False)
                 and getattr(optimizer, "_ampc_supports_clip_coef", False)
+                and not _takes_grad_scaler(optimizer)
                 and float(norm_type) == 2.0 and len(grads) > 0
                 and len({g.device for g in grads}) == 1
                 and all(not g.is_sparse and g.dtype in _KERNEL_DTYPES for g in grads))
@@ -353,7 +499,11 @@ class GradScaler:
         found = torch.zeros((), dtype=torch.float32, device=device)
         inv_scale = self._inv_scale().to(device=device, non_blocking=True)
         with torch.no_grad():
-            total_norm = _unscale_check(grads, found, inv_scale, check_only=True)
+            # sharded grads: the norm of every rank's shards, found_inf agreed
+            classes = _distributed.split_grads("ampc.GradScaler.clip_grad_norm_", grads)
+            total_norm = _distributed.global_norm(
+                classes, lambda local: _unscale_check(local, found, inv_scale, check_only=True))
+            _distributed.agree_found_inf(found, classes)
             # torch.nn.utils.clip_grad_norm_'s factor, in fp32 on the device
             clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         state.update(stage=OptState.UNSCALED, folded=True, clip_coef=clip_coef,
@@ -396,10 +546,15 @@ class GradScaler:
         return retval
 
     def _fused_step(self, optimizer, state, args, kwargs):
+        """torch's protocol with an optimizer that unscales in its own step."""
+        if _takes_grad_scaler(optimizer):
+            # the deprecated form: the optimizer gets the scaler and asks it what it needs
+            warnings.warn(_GRAD_SCALER_WARNING, FutureWarning, stacklevel=3)
+            kwargs["grad_scaler"] = self
+            return optimizer.step(*args, **kwargs)
         if state["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
-        unscaled = state["stage"] is OptState.UNSCALED and not state["folded"]
-        optimizer.grad_scale = None if unscaled else self._scale
+        optimizer.grad_scale = self._grad_scale_for(optimizer, state)
         optimizer.found_inf = self._found_inf_sum(state["found_inf_per_device"].values(),
                                                   self._scale.device)
         clip = getattr(optimizer, "_ampc_supports_clip_coef", False)
@@ -413,12 +568,21 @@ class GradScaler:
             if clip:
                 del optimizer.grad_clip_coef
 
+    def _grad_scale_for(self, optimizer, state):
+        """torch's optimizer.grad_scale: after unscale_, what the optimizer holds (None if
+        nothing); else a new tensor, scale * the optimizer's own grad_scale (1 if none),
+        which later updates of the scale leave as it is."""
+        if state["stage"] is OptState.UNSCALED and not state["folded"]:
+            return getattr(optimizer, "grad_scale", None)
+        return self._scale * getattr(optimizer, "grad_scale", 1)
+
     def update(self, new_scale=None):
         """Updates the scale once per iteration, after every optimizer's step.
 
         Without ``new_scale``: backs off if any optimizer's step found an inf or a nan,
-        otherwise counts towards a growth; on the device, no wait. With ``new_scale`` (a
-        number, or a 1-element tensor on the scaler's device type): sets the scale to it.
+        otherwise counts towards a growth (a static scaler keeps the scale); on the device,
+        no wait. With ``new_scale`` (a number, or a 1-element tensor on the scaler's device
+        type): sets the scale to it.
         """
         if not self._enabled:
             return
@@ -426,23 +590,44 @@ class GradScaler:
         found = [f for st in self._per_optimizer_states.values()
                  for f in st["found_inf_per_device"].values()]
         found_inf = self._found_inf_sum(found, scale.device) if found else None
+        used_scale = scale.clone() if self._records is not None and found else None
         if new_scale is not None:
             self._set_scale(new_scale)
         elif found_inf is None:
             raise AssertionError("No inf checks were recorded prior to update.")
         else:
             self._watch_min_scale(found_inf)
-            ops.update_scale(scale, tracker, found_inf, self._growth_factor,
-                             self._backoff_factor, self._growth_interval,
-                             hysteresis=self._hysteresis,
-                             hysteresis_tracker=self._hysteresis_tracker,
-                             min_scale=self._min_scale or 0.0,
-                             max_scale=math.inf if self._max_scale is None else self._max_scale)
+            self._update_scale(found_inf)
         if found_inf is not None:
             self._last_found_inf = found_inf != 0
             self._skipped += self._last_found_inf
+            if used_scale is not None:
+                self._records.append(self._step_record(used_scale))
         self._per_optimizer_states = defaultdict(_fresh_state)
         self._raise_if_stuck_at_min()
+
+    def is_dynamic(self):
+        """False for static loss scaling: growth and backoff factors of 1, as in the
+        checkpoint (``dynamic=False``, or a loaded checkpoint that says so)."""
+        return not self._growth_factor == self._backoff_factor == 1.0
+
+    def _update_scale(self, found_inf):
+        # a static scale is multiplied by 1 (the growth tracker counts as torch's would);
+        # the bounds are the dynamic rule's and must not move it
+        dynamic = self.is_dynamic()
+        lo = (self._min_scale or 0.0) if dynamic else 0.0
+        hi = self._max_scale if dynamic and self._max_scale is not None else math.inf
+        ops.update_scale(self._scale, self._growth_tracker, found_inf, self._growth_factor,
+                         self._backoff_factor, self._growth_interval,
+                         hysteresis=self._hysteresis,
+                         hysteresis_tracker=self._hysteresis_tracker,
+                         min_scale=lo, max_scale=hi)
+
+    def _step_record(self, used_scale):
+        norms = tuple(st["norm"] for st in self._per_optimizer_states.values()
+                      if st["norm"] is not None)
+        norm = None if not norms else norms[0] if len(norms) == 1 else norms
+        return StepRecord(used_scale, self._last_found_inf, norm)
 
     def _set_scale(self, new_scale):
         if isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
@@ -506,6 +691,20 @@ class GradScaler:
             return torch.zeros((), dtype=torch.bool)
         return self._last_found_inf
 
+    def step_records(self):
+        """The kept :class:`StepRecord` s, oldest first, as device tensors (no wait); [] unless
+        built with ``step_records=N``. One is added by each update() after a step."""
+        return [] if self._records is None else list(self._records)
+
+    def read_step_records(self, clear=True):
+        """The kept records read to the host in one transfer (see
+        :func:`read_step_records`), oldest first; ``clear`` drops them once read, so that
+        the next call returns only the iterations since this one."""
+        records = self.step_records()
+        if clear and self._records is not None:
+            self._records.clear()
+        return read_step_records(records)
+
     # ---- getters, setters, persistence ----
 
     def _get_scale_async(self):
@@ -550,47 +749,77 @@ class GradScaler:
     def is_enabled(self):
         return self._enabled
 
+    def _extras_state(self):
+        """The state beyond torch's keys: ampc's settings, and its device counters as host
+        values (reading them waits for the device)."""
+        if self._scale is None:
+            skipped, last, at_min = (self._init_skipped, self._init_last_skipped,
+                                     self._init_skips_at_min)
+        else:
+            skipped = int(self._skipped)
+            last = None if self._last_found_inf is None else bool(self._last_found_inf)
+            at_min = 0 if self._skips_at_min is None else int(self._skips_at_min)
+        return {"hysteresis": self._hysteresis,
+                "_hysteresis_tracker": self._get_hysteresis_tracker(),
+                "min_scale": self._min_scale, "max_scale": self._max_scale,
+                "min_scale_patience": self._patience, "_skipped_steps": skipped,
+                "_last_step_skipped": last, "_skips_at_min": at_min}
+
     def state_dict(self):
         """torch's keys (scale, growth_factor, backoff_factor, growth_interval,
-        _growth_tracker), plus ampc's settings only where they differ from torch's
-        behaviour; {} when disabled. Take it after update()."""
+        _growth_tracker), then the rest of the state under keys of its own: hysteresis,
+        min_scale, max_scale, min_scale_patience and the counters _hysteresis_tracker,
+        _skipped_steps, _last_step_skipped, _skips_at_min. Static scaling is growth_factor
+        and backoff_factor 1.0. {} when disabled. Take it after update()."""
         if not self._enabled:
             return {}
         sd = {"scale": self.get_scale(), "growth_factor": self._growth_factor,
               "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
               "_growth_tracker": self._get_growth_tracker()}
-        if self._hysteresis > 1:
-            sd.update(hysteresis=self._hysteresis,
-                      _hysteresis_tracker=self._get_hysteresis_tracker())
-        if self._min_scale is not None:
-            sd["min_scale"] = self._min_scale
-        if self._max_scale is not None:
-            sd["max_scale"] = self._max_scale
+        sd.update(self._extras_state())
         return sd
 
     def load_state_dict(self, state_dict):
-        """Loads a state dict of this class or of torch.amp.GradScaler."""
+        """Loads a state dict of this class or of torch.amp.GradScaler. Checks it whole
+        before changing anything. A torch checkpoint keeps this scaler's own settings of
+        hysteresis and the bounds, and starts its counters again."""
         if not self._enabled:
             return
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved "
                                "from a disabled instance of GradScaler.")
+        extras = {"hysteresis": self._hysteresis, "min_scale": self._min_scale,
+                  "max_scale": self._max_scale, "min_scale_patience": self._patience,
+                  "_hysteresis_tracker": None, "_skipped_steps": 0,
+                  "_last_step_skipped": None, "_skips_at_min": 0}
+        extras.update((k, state_dict[k]) for k in extras if k in state_dict)
+        if extras["_hysteresis_tracker"] is None:
+            extras["_hysteresis_tracker"] = extras["hysteresis"]
+        self._check_extras(extras["hysteresis"], extras["min_scale"], extras["max_scale"],
+                           extras["min_scale_patience"])
+        self._check_counters(extras)
         self._init_scale = state_dict["scale"]
         self._growth_factor = state_dict["growth_factor"]
         self._backoff_factor = state_dict["backoff_factor"]
         self._growth_interval = state_dict["growth_interval"]
         self._init_growth_tracker = state_dict["_growth_tracker"]
-        hysteresis = state_dict.get("hysteresis", self._hysteresis)
-        self._check_extras(hysteresis, state_dict.get("min_scale", self._min_scale),
-                           state_dict.get("max_scale", self._max_scale), self._patience)
-        self._min_scale = state_dict.get("min_scale", self._min_scale)
-        self._max_scale = state_dict.get("max_scale", self._max_scale)
-        self._hysteresis = hysteresis
-        self._init_hysteresis_tracker = state_dict.get("_hysteresis_tracker", hysteresis)
+        self.__dict__.update(_extras_attributes(extras))
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
             self._growth_tracker.fill_(self._init_growth_tracker)
             self._init_extras()
+
+    @staticmethod
+    def _check_counters(extras):
+        for key, least in (("_hysteresis_tracker", -2 ** 31), ("_skipped_steps", 0),
+                           ("_skips_at_min", 0)):
+            value = extras[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"ampc.GradScaler.load_state_dict: {key} must be an int "
+                                 f">= {least}, got {value!r}")
+        if extras["_last_step_skipped"] not in (None, False, True):
+            raise ValueError(f"ampc.GradScaler.load_state_dict: _last_step_skipped must be "
+                             f"None or a bool, got {extras['_last_step_skipped']!r}")
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -599,12 +828,17 @@ class GradScaler:
                 raise AssertionError("A GradScaler instance may only be pickled at the "
                                      "beginning of an iteration, or at the end after "
                                      "scaler.update().")
-            # device tensors are re-created on the next scale(); counters start again
+            # device tensors are re-created on the next scale() from the _init_* values
             state["_init_scale"] = self.get_scale()
             state["_init_growth_tracker"] = self._get_growth_tracker()
-            state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
+            state.update(_extras_attributes(self._extras_state()))
             state.update(dict.fromkeys(_DEVICE_STATE))
+            if self._records is not None:         # a log of device tensors: not carried
+                state["_records"] = deque(maxlen=self._records.maxlen)
         return state
 
     def __setstate__(self, state):
+        # a scaler pickled by an earlier ampc has no skip counters nor records: they start
+        self.__dict__.update(_init_skipped=0, _init_last_skipped=None, _init_skips_at_min=0,
+                             _records=None)
         self.__dict__.update(state)

@@ -11,7 +11,7 @@ from collections import OrderedDict, defaultdict
 import torch
 from torch import nn
 
-from . import ops
+from . import _distributed, ops
 from ._walk import map_tensors
 from .optim import Adam
 
@@ -78,6 +78,7 @@ def prepare(model, optimizer, dtype=torch.bfloat16, *, keep_fp32=NORM_LAYERS,
                          f"got {dtype}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"ampc.prepare: model must be an nn.Module, got {type(model).__name__}")
+    _distributed.refuse_sharded_model(model)
     for name, p in model.named_parameters():
         if p.is_floating_point() and p.dtype != torch.float32:
             raise ValueError(f"ampc.prepare: parameter {name} is {p.dtype}; prepare takes "
@@ -122,6 +123,7 @@ def prepare(model, optimizer, dtype=torch.bfloat16, *, keep_fp32=NORM_LAYERS,
         m.register_forward_hook(_cast_outputs(dtype))
     if cast_inputs:
         model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
+    _distributed.watch_params(model, opt)
     return model, opt
 
 

@@ -5,10 +5,13 @@ The ops work on lists of tensors in one call (one parallel region on the CPU, a 
 kernel launches on CUDA) and check every argument before touching any memory: bad
 input raises an error that names the op and the argument.
 """
+import ctypes
 import math
 from collections import defaultdict
 
 import torch
+
+from ._lib import lib as _clib
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -27,28 +30,18 @@ def _check_tensor(op, name, t):
         raise TypeError(f"ampc.{op}: {name} must be a Tensor, got {type(t).__name__}")
 
 
-def _mixed_dtypes(err, name):
-    """Whether the kernel refused the call only because list `name` mixes dtypes."""
-    msg = str(err)
-    return msg.startswith("ampc.") and f": {name}[" in msg and f" like {name}[0], got " in msg
-
-
-def _per_dtype(op, lists, call):
-    """Runs ``call(*lists)`` once when each list has one dtype (the fast path: no
-    per-tensor Python work), otherwise once per group of positions whose tensors share
-    their dtypes. The kernels check everything before writing, so a refused call
-    changed nothing and can be split and run again."""
+def _call(op, lists, call):
+    """``call(*lists)``, no per-tensor Python work on the way in; when it is refused, a
+    list entry that is not a tensor is named in a TypeError (the schema's own message
+    does not name it), else the kernel's error stands. Lists that mix dtypes are the
+    kernels' business: they run one group of positions per dtype pair, after checking
+    the whole call."""
     try:
-        return [call(*lists.values())]
-    except (TypeError, RuntimeError) as err:
+        return call(*lists.values())
+    except (TypeError, RuntimeError):
         for name, tensors in lists.items():
             _check_list(op, name, tensors)
-        if not any(_mixed_dtypes(err, name) for name in lists):
-            raise
-    groups = defaultdict(list)
-    for i, key in enumerate(zip(*[[t.dtype for t in ts] for ts in lists.values()])):
-        groups[key].append(i)
-    return [call(*[[ts[i] for i in g] for ts in lists.values()]) for g in groups.values()]
+        raise
 
 
 def cast(tensors, dtype, *, stochastic=False, seed=0):
@@ -60,14 +53,17 @@ def cast(tensors, dtype, *, stochastic=False, seed=0):
     that make the result unbiased; the random bits depend only on ``seed`` and on the
     element's position, counted across the tensors of the call (across those that
     share their dtype, when the inputs mix dtypes), so a call is reproducible on any
-    thread count and on CPU and CUDA alike.
+    thread count and on CPU and CUDA alike. A seed given as a 1-element int64 tensor
+    is read on the device when the cast runs: a captured CUDA graph that advances it
+    (``seed.add_(1)``) draws new bits on every replay, which a Python int cannot do.
 
     Args:
         tensors (list of Tensor): the inputs; non-contiguous ones are read through
             a contiguous copy.
         dtype (torch.dtype): the output dtype.
         stochastic (bool): stochastic rounding instead of round to nearest. Default: False.
-        seed (int): the seed of the stochastic rounding. Default: 0.
+        seed (int or Tensor): the seed of the stochastic rounding, or a 1-element int64
+            tensor on the inputs' device holding it. Default: 0.
 
     Example::
 
@@ -95,12 +91,15 @@ def cast_(dst, src, *, stochastic=False, seed=0):
         dst (list of Tensor): the outputs, written in place.
         src (list of Tensor): the inputs.
         stochastic (bool): stochastic rounding instead of round to nearest. Default: False.
-        seed (int): the seed of the stochastic rounding. Default: 0.
+        seed (int or Tensor): as for :func:`cast`. Default: 0.
     """
     if isinstance(src, (list, tuple)) and isinstance(dst, (list, tuple)) and not src and not dst:
         return      # nothing to do, and no tensor for the dispatcher to pick a device from
-    _per_dtype("cast", {"src": src, "dst": dst},
-               lambda s, d: torch.ops.ampc.cast(s, d, bool(stochastic), int(seed)))
+    seed_tensor = []
+    if isinstance(seed, torch.Tensor):
+        seed_tensor, seed = [seed], 0
+    _call("cast", {"dst": dst, "src": src},
+          lambda d, s: torch.ops.ampc.cast(d, s, seed_tensor, bool(stochastic), _int64(seed)))
 
 
 def unscale_check(grads, found_inf, inv_scale, *, check_only=False):
@@ -110,9 +109,8 @@ def unscale_check(grads, found_inf, inv_scale, *, check_only=False):
     and also accepts bfloat16 grads: one pass over memory, ``found_inf`` set to 1 when
     any input element is inf or nan (never cleared, so the caller zeroes it).
 
-    With ``check_only=True`` the grads are only read, not written, and the global L2
-    norm of the unscaled grads (``|inv_scale| * ||grads||``) is returned as a 0-dim
-    float32 tensor on the grads' device.
+    With ``check_only=True`` this is :func:`check_norm`: the grads are only read, and
+    the global L2 norm of the unscaled grads is returned.
 
     Args:
         grads (list of Tensor): float32, float16 or bfloat16 gradients, contiguous, on
@@ -126,14 +124,39 @@ def unscale_check(grads, found_inf, inv_scale, *, check_only=False):
         >>> found_inf = torch.zeros(1); inv_scale = torch.full((1,), 2.0 ** -16)
         >>> ampc.ops.unscale_check([p.grad for p in model.parameters()], found_inf, inv_scale)
     """
+    if check_only:
+        return check_norm(grads, found_inf, inv_scale)
     _check_tensor("unscale_check", "found_inf", found_inf)
     _check_tensor("unscale_check", "inv_scale", inv_scale)
-    op = torch.ops.ampc.check_norm if check_only else torch.ops.ampc.unscale_check
-    norms = _per_dtype("unscale_check", {"grads": grads},
-                       lambda g: op(g, found_inf, inv_scale))
-    if not check_only:
-        return None
-    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    _call("unscale_check", {"grads": grads},
+          lambda g: torch.ops.ampc.unscale_check(g, found_inf, inv_scale))
+
+
+def check_norm(grads, found_inf, inv_scale):
+    """The read-only twin of :func:`unscale_check`: flags any inf or nan in ``found_inf``
+    (never cleared) and returns the global L2 norm of the unscaled grads,
+    ``|inv_scale| * ||grads||``, as a 0-dim float32 tensor on the grads' device, in one
+    pass that leaves the grads as they are (what gradient clipping of scaled grads needs).
+
+    Args:
+        grads (list of Tensor): float32, float16 or bfloat16 gradients, contiguous, on
+            the device of ``found_inf``.
+        found_inf (Tensor): 1-element float32 flag.
+        inv_scale (Tensor): 1-element float32 factor.
+    """
+    _check_tensor("check_norm", "found_inf", found_inf)
+    _check_tensor("check_norm", "inv_scale", inv_scale)
+    try:        # one dtype, the usual case: no per-tensor Python work
+        return torch.ops.ampc.check_norm(grads, found_inf, inv_scale)
+    except (TypeError, RuntimeError):
+        _check_list("check_norm", "grads", grads)
+        groups = defaultdict(list)  # the kernel takes one dtype: one call per dtype
+        for g in grads:
+            groups[g.dtype].append(g)
+        if len(groups) <= 1:
+            raise
+    norms = [torch.ops.ampc.check_norm(g, found_inf, inv_scale) for g in groups.values()]
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def update_scale(scale, growth_tracker, found_inf, growth_factor, backoff_factor,
@@ -215,7 +238,10 @@ def adam_master(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, masters=None
         decoupled (bool): AdamW's weight decay (True) or Adam's L2 term (False).
         maximize (bool): ascend instead of descend.
         inv_scale, clip_coef, found_inf (Tensor, optional): 1-element float32 tensors.
-        stochastic (bool): stochastic rounding of 16-bit params. seed (int): its seed.
+        stochastic (bool): stochastic rounding of 16-bit params.
+        seed (int): its seed; the bits of each step also depend on the param's step
+            count, read on the device (see :func:`step_seed`), so successive steps and
+            replays of a captured CUDA graph round differently with one seed.
     """
     op = "adam_master"
     for name, value in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
@@ -233,7 +259,41 @@ def adam_master(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, masters=None
         lr_tensor, _optional(op, "inv_scale", inv_scale),
         _optional(op, "clip_coef", clip_coef), _optional(op, "found_inf", found_inf),
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-        bool(decoupled), bool(maximize), bool(stochastic), int(seed))
+        bool(decoupled), bool(maximize), bool(stochastic), _int64(seed))
+
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15       # AMPC_SEED_STRIDE in csrc/dtype.h
+
+
+def step_seed(seed, step):
+    """The seed of the stochastic rounding of :func:`adam_master`'s step ``step`` (the
+    param's step count after the step, 1 on the first): a param's 16-bit values are
+    rounded exactly as ``cast(..., stochastic=True, seed=step_seed(seed, step))`` rounds
+    the new weights. The step count lives on the device, so replays of a captured CUDA
+    graph draw new bits (Note [random bits that advance on the device] in csrc/dtype.h)."""
+    bits = int(torch.tensor([float(step)], dtype=torch.float32).view(torch.int32).item())
+    return _int64(int(seed) + (bits & 0xFFFFFFFF) * _SEED_STRIDE)
+
+
+def _int64(seed):
+    """A seed as the schemas' int (int64) holds it: the same 64 bits, signed."""
+    return (int(seed) + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+_clib.ampc_cpu_isa_name.restype = ctypes.c_char_p
+_clib.ampc_cache_bytes.restype = ctypes.c_int64
+
+
+def cpu_isa():
+    """The SIMD path the CPU kernels run: "avx512", "avx2" or "scalar" (the best the CPU
+    has, capped by the environment variable AMPC_CPU_ISA=avx2 or =scalar)."""
+    return _clib.ampc_cpu_isa_name().decode()
+
+
+def stream_bytes():
+    """Calls that move more bytes than this (the last-level cache, or the environment
+    variable AMPC_STREAM_BYTES) write their outputs with streaming stores on the CPU."""
+    return int(_clib.ampc_cache_bytes())
 
 
 # ---- version counters ----
@@ -303,8 +363,8 @@ def _same_device(op, **args):
 
 
 @torch.library.register_fake("ampc::cast")
-def _cast_fake(src, dst, stochastic=False, seed=0):
-    _same_device("cast", src=src, dst=dst)
+def _cast_fake(dst, src, seed_tensor, stochastic=False, seed=0):
+    _same_device("cast", dst=dst, src=src, seed_tensor=seed_tensor)
 
 
 @torch.library.register_fake("ampc::unscale_check")

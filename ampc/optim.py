@@ -21,12 +21,11 @@ from itertools import chain
 
 import torch
 
-from . import ops
+from . import _distributed, ops
 
 __all__ = ["Adam", "AdamW"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
-_SEED_STRIDE = 0x9E3779B97F4A7C15     # odd: successive steps get distinct seeds
 
 
 class Adam(torch.optim.Optimizer):
@@ -88,6 +87,15 @@ class Adam(torch.optim.Optimizer):
             group.setdefault("stochastic_rounding", False)
             group.setdefault("seed", 0)
 
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        try:
+            _distributed.check_group(f"ampc.optim.{type(self).__name__}",
+                                     self.param_groups[-1]["params"], len(self.param_groups) - 1)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
     # ---- state ----
 
     def _wants_master(self, group, p):
@@ -99,7 +107,9 @@ class Adam(torch.optim.Optimizer):
         """Creates a param's state; ``master`` (fp32) seeds its master weight, so a
         master can start from the fp32 value a 16-bit param was rounded from."""
         state = self.state[p]
-        zeros = lambda: torch.zeros(p.shape, dtype=torch.float32, device=p.device)  # noqa: E731
+        # zeros_like: a DTensor param gets DTensor moments, sharded like it
+        zeros = lambda: torch.zeros_like(p, dtype=torch.float32,  # noqa: E731
+                                         memory_format=torch.contiguous_format)
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         state["exp_avg"] = zeros()
         state["exp_avg_sq"] = zeros()
@@ -197,13 +207,13 @@ class Adam(torch.optim.Optimizer):
 
     def _step_group(self, group, buckets, control):
         beta1, beta2 = (float(b) for b in group["betas"])
-        seed = 0
-        if group["stochastic_rounding"]:
-            calls = group.get("rounding_calls", 0)
-            group["rounding_calls"] = calls + 1
-            seed = (int(group["seed"]) + calls * _SEED_STRIDE) % (1 << 63)
+        # the kernel mixes each param's step count into the seed, on the device
+        seed = int(group["seed"]) if group["stochastic_rounding"] else 0
         for (device, _, _, has_master), (indices, params, grads, states) in buckets.items():
             lists = self._state_lists(group, indices, params, states, has_master)
+            if _distributed.is_dtensor(params[0]):      # the whole group is (add_param_group)
+                params, grads, lists = _distributed.local_lists(
+                    f"ampc.optim.{type(self).__name__}", indices, params, grads, lists)
             inv_scale, clip, found_inf = self._control(device, control)
             lr = group["lr"]
             if isinstance(lr, torch.Tensor) and lr.device != device:

@@ -16,30 +16,22 @@
 
 /* A chunk's pointers, at its first element. */
 struct adam_ptrs {
-    void *param;
-    const void *grad;
-    float *master;          /* NULL: the param is the weight */
-    float *m;
-    float *v;
-    float *vmax;            /* NULL without amsgrad */
+    struct ampc_adam_ptrs at;
     float *out;             /* stochastic rounding: new weights go here, not to param */
     int stream;             /* 16-bit params through streaming stores (Note [streaming stores]) */
 };
 
-static float *f32_at(const struct ampc_list *l, int64_t t, int64_t i)
+static void *ptr_or_null(const struct ampc_list *l, int64_t t)
 {
-    return l->count ? (float *)l->ptr[t] + i : NULL;
+    return l->count ? l->ptr[t] : NULL;
 }
 
 static struct adam_ptrs ptrs_at(const struct ampc_adam_lists *l, int64_t t, int64_t i)
 {
     struct adam_ptrs q;
-    q.param = (char *)l->params.ptr[t] + i * ampc_dtype_size(l->params.dtype);
-    q.grad = (const char *)l->grads.ptr[t] + i * ampc_dtype_size(l->grads.dtype);
-    q.master = f32_at(&l->masters, t, i);
-    q.m = f32_at(&l->exp_avgs, t, i);
-    q.v = f32_at(&l->exp_avg_sqs, t, i);
-    q.vmax = f32_at(&l->max_exp_avg_sqs, t, i);
+    q.at = ampc_adam_ptrs_at(l->params.ptr[t], l->params.dtype, l->grads.ptr[t], l->grads.dtype,
+                             ptr_or_null(&l->masters, t), l->exp_avgs.ptr[t],
+                             l->exp_avg_sqs.ptr[t], ptr_or_null(&l->max_exp_avg_sqs, t), i);
     q.out = NULL;
     q.stream = 0;
     return q;
@@ -51,15 +43,15 @@ INLINE void adam_scalar(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype gt,
                         int64_t n, const struct ampc_adam_coef *c)
 {
     for (; i < n; i++) {
-        float w = q->master ? q->master[i] : load1(q->param, pt, i);
-        ampc_adam_element(load1(q->grad, gt, i), &w, &q->m[i], &q->v[i],
-                          q->vmax ? &q->vmax[i] : NULL, c);
-        if (q->master)
-            q->master[i] = w;
+        float w = q->at.master ? q->at.master[i] : load1(q->at.param, pt, i);
+        ampc_adam_element(load1(q->at.grad, gt, i), &w, &q->at.m[i], &q->at.v[i],
+                          q->at.vmax ? &q->at.vmax[i] : NULL, c);
+        if (q->at.master)
+            q->at.master[i] = w;
         if (q->out)
             q->out[i] = w;
         else
-            store1(q->param, pt, i, w);
+            store1(q->at.param, pt, i, w);
     }
 }
 
@@ -87,36 +79,36 @@ AVX512 INLINE void adam_loop16(const struct adam_ptrs *q, ampc_dtype pt, ampc_dt
     const __m512 neg_step_size = _mm512_set1_ps(c->neg_step_size);
     const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
     /* with masters a 16-bit param is only written: streaming skips reading it first */
-    const int stream = q->stream && q->master && pt != AMPC_F32 &&
-                       ((uintptr_t)q->param & 31) == 0;
+    const int stream = q->stream && q->at.master && pt != AMPC_F32 &&
+                       ((uintptr_t)q->at.param & 31) == 0;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        __m512 g = _mm512_mul_ps(_mm512_mul_ps(load16(q->grad, gt, i), inv_scale), clip);
+        __m512 g = _mm512_mul_ps(_mm512_mul_ps(load16(q->at.grad, gt, i), inv_scale), clip);
         if (c->flags & AMPC_ADAM_MAXIMIZE)
             g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
-        __m512 w = q->master ? _mm512_loadu_ps(q->master + i) : load16(q->param, pt, i);
+        __m512 w = q->at.master ? _mm512_loadu_ps(q->at.master + i) : load16(q->at.param, pt, i);
         if (c->flags & AMPC_ADAM_L2)
             g = _mm512_fmadd_ps(w, wd, g);
         if (c->flags & AMPC_ADAM_DECAY)
             w = _mm512_mul_ps(w, decay);
-        __m512 m = _mm512_loadu_ps(q->m + i);
+        __m512 m = _mm512_loadu_ps(q->at.m + i);
         m = _mm512_fmadd_ps(w1, _mm512_sub_ps(g, m), small ? m : g);
         __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(w2, g), g,
-                                   _mm512_mul_ps(_mm512_loadu_ps(q->v + i), beta2));
-        _mm512_storeu_ps(q->m + i, m);
-        _mm512_storeu_ps(q->v + i, v);
+                                   _mm512_mul_ps(_mm512_loadu_ps(q->at.v + i), beta2));
+        _mm512_storeu_ps(q->at.m + i, m);
+        _mm512_storeu_ps(q->at.v + i, v);
         if (c->flags & AMPC_ADAM_AMSGRAD) {
-            v = max_nan16(_mm512_loadu_ps(q->vmax + i), v);
-            _mm512_storeu_ps(q->vmax + i, v);
+            v = max_nan16(_mm512_loadu_ps(q->at.vmax + i), v);
+            _mm512_storeu_ps(q->at.vmax + i, v);
         }
         __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2_sqrt), eps);
         w = _mm512_add_ps(w, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), d));
-        if (q->master)
-            _mm512_storeu_ps(q->master + i, w);
+        if (q->at.master)
+            _mm512_storeu_ps(q->at.master + i, w);
         if (q->out)
             _mm512_storeu_ps(q->out + i, w);
         else
-            store16_to(q->param, pt, i, w, stream);
+            store16_to(q->at.param, pt, i, w, stream);
     }
     if (stream)
         _mm_sfence();
@@ -146,36 +138,36 @@ AVX2 INLINE void adam_loop8(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype
     const __m256 eps = _mm256_set1_ps(c->eps);
     const __m256 neg_step_size = _mm256_set1_ps(c->neg_step_size);
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    const int stream = q->stream && q->master && pt != AMPC_F32 &&
-                       ((uintptr_t)q->param & 15) == 0;
+    const int stream = q->stream && q->at.master && pt != AMPC_F32 &&
+                       ((uintptr_t)q->at.param & 15) == 0;
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256 g = _mm256_mul_ps(_mm256_mul_ps(load8(q->grad, gt, i), inv_scale), clip);
+        __m256 g = _mm256_mul_ps(_mm256_mul_ps(load8(q->at.grad, gt, i), inv_scale), clip);
         if (c->flags & AMPC_ADAM_MAXIMIZE)
             g = _mm256_xor_ps(g, sign);
-        __m256 w = q->master ? _mm256_loadu_ps(q->master + i) : load8(q->param, pt, i);
+        __m256 w = q->at.master ? _mm256_loadu_ps(q->at.master + i) : load8(q->at.param, pt, i);
         if (c->flags & AMPC_ADAM_L2)
             g = _mm256_fmadd_ps(w, wd, g);
         if (c->flags & AMPC_ADAM_DECAY)
             w = _mm256_mul_ps(w, decay);
-        __m256 m = _mm256_loadu_ps(q->m + i);
+        __m256 m = _mm256_loadu_ps(q->at.m + i);
         m = _mm256_fmadd_ps(w1, _mm256_sub_ps(g, m), small ? m : g);
         __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(w2, g), g,
-                                   _mm256_mul_ps(_mm256_loadu_ps(q->v + i), beta2));
-        _mm256_storeu_ps(q->m + i, m);
-        _mm256_storeu_ps(q->v + i, v);
+                                   _mm256_mul_ps(_mm256_loadu_ps(q->at.v + i), beta2));
+        _mm256_storeu_ps(q->at.m + i, m);
+        _mm256_storeu_ps(q->at.v + i, v);
         if (c->flags & AMPC_ADAM_AMSGRAD) {
-            v = max_nan8(_mm256_loadu_ps(q->vmax + i), v);
-            _mm256_storeu_ps(q->vmax + i, v);
+            v = max_nan8(_mm256_loadu_ps(q->at.vmax + i), v);
+            _mm256_storeu_ps(q->at.vmax + i, v);
         }
         __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
         w = _mm256_add_ps(w, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), d));
-        if (q->master)
-            _mm256_storeu_ps(q->master + i, w);
+        if (q->at.master)
+            _mm256_storeu_ps(q->at.master + i, w);
         if (q->out)
             _mm256_storeu_ps(q->out + i, w);
         else
-            store8_to(q->param, pt, i, w, stream);
+            store8_to(q->at.param, pt, i, w, stream);
     }
     if (stream)
         _mm_sfence();
@@ -250,7 +242,7 @@ static void adam_span(void *ctx, const struct ampc_span *s)
         struct adam_ptrs q = ptrs_at(l, s->tensor, s->begin + i);
         q.out = buf;
         adam_block(&q, pt, gt, k, c);
-        ampc_store_stochastic(q.param, pt, buf, k, job->args->seed, s->index + i);
+        ampc_store_stochastic((uint16_t *)q.at.param, pt, buf, k, c->seed, s->index + i);
     }
 }
 
@@ -276,18 +268,13 @@ ampc_status ampc_adam_cpu(const struct ampc_adam_lists *lists,
     struct ampc_adam_coef *coef = malloc(sizeof(*coef) * (size_t)(count ? count : 1));
     if (!coef)
         return AMPC_ERR_NOMEM;
-    double lr = control->lr ? (double)*control->lr : args->lr;
-    float inv_scale = control->inv_scale ? *control->inv_scale : 1.0f;
-    float clip = control->clip_coef ? *control->clip_coef : 1.0f;
     int amsgrad = lists->max_exp_avg_sqs.count > 0;
-    float prev = -1.0f;
     for (int64_t t = 0; t < count; t++) {
-        float step = *(const float *)lists->steps.ptr[t] + 1.0f;   /* fp32, as stored */
-        if (step == prev)       /* params usually share their step: two pow()s saved */
-            coef[t] = coef[t - 1];
+        float stored = *(const float *)lists->steps.ptr[t];
+        if (t > 0 && stored == *(const float *)lists->steps.ptr[t - 1])
+            coef[t] = coef[t - 1];  /* params usually share their step: two pow()s saved */
         else
-            coef[t] = ampc_adam_coef(args, lr, (double)step, inv_scale, clip, amsgrad);
-        prev = step;
+            coef[t] = ampc_adam_tensor_coef(args, control, stored, amsgrad);
     }
     struct adam_job job = { lists, coef, args, bytes_moved(lists) > ampc_cache_bytes() };
     ampc_status st = ampc_for_each_chunk(&lists->params, adam_span, &job);

@@ -27,7 +27,7 @@
 #include <math.h>
 
 #include "ampc.h"
-#include "dtype.h"
+#include "cast.h"           // defines: ampc_step_seed, ampc_round_bits
 
 enum {
     AMPC_ADAM_MAXIMIZE = 1,
@@ -49,6 +49,7 @@ struct ampc_adam_coef {
     float eps;
     float neg_step_size;        /* -lr / (1 - beta1^t) */
     int flags;
+    uint64_t seed;              /* stochastic rounding: ampc_step_seed(args seed, t) */
 };
 
 AMPC_HD struct ampc_adam_coef ampc_adam_coef(const struct ampc_adam_args *a, double lr,
@@ -69,9 +70,48 @@ AMPC_HD struct ampc_adam_coef ampc_adam_coef(const struct ampc_adam_args *a, dou
     c.eps = (float)a->eps;
     c.neg_step_size = (float)(-(lr / bc1));
     c.flags = (a->maximize ? AMPC_ADAM_MAXIMIZE : 0) | (amsgrad ? AMPC_ADAM_AMSGRAD : 0);
+    c.seed = ampc_step_seed(a->seed, (float)step);
     if (a->weight_decay != 0)
         c.flags |= a->decoupled ? AMPC_ADAM_DECAY : AMPC_ADAM_L2;
     return c;
+}
+
+/* A tensor's constants on its next step: the step count as stored (fp32) plus one, and
+ * the control values that live on the device, or their defaults when absent. */
+AMPC_HD struct ampc_adam_coef ampc_adam_tensor_coef(const struct ampc_adam_args *a,
+                                                    const struct ampc_adam_control *ctl,
+                                                    float stored_step, int amsgrad)
+{
+    double lr = ctl->lr ? (double)*ctl->lr : a->lr;
+    float inv_scale = ctl->inv_scale ? *ctl->inv_scale : 1.0f;
+    float clip = ctl->clip_coef ? *ctl->clip_coef : 1.0f;
+    float step = stored_step + 1.0f;        /* in fp32, as the count is stored */
+    return ampc_adam_coef(a, lr, (double)step, inv_scale, clip, amsgrad);
+}
+
+/* One tensor's pointers at element `start` (m = exp_avg, v = exp_avg_sq, vmax =
+ * max_exp_avg_sq); master is NULL when the param is the weight, vmax without amsgrad. */
+struct ampc_adam_ptrs {
+    char *param;
+    const char *grad;
+    float *master;
+    float *m;
+    float *v;
+    float *vmax;
+};
+
+AMPC_HD struct ampc_adam_ptrs ampc_adam_ptrs_at(void *param, ampc_dtype pd, const void *grad,
+                                                ampc_dtype gd, void *master, void *m, void *v,
+                                                void *vmax, int64_t start)
+{
+    struct ampc_adam_ptrs q;
+    q.param = (char *)param + start * ampc_dtype_size(pd);
+    q.grad = (const char *)grad + start * ampc_dtype_size(gd);
+    q.master = master ? (float *)master + start : NULL;
+    q.m = (float *)m + start;
+    q.v = (float *)v + start;
+    q.vmax = vmax ? (float *)vmax + start : NULL;
+    return q;
 }
 
 /* max that keeps a nan, like torch.maximum. */

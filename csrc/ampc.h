@@ -48,9 +48,11 @@ struct ampc_list {
 struct ampc_cast_args {
     int stochastic;         /* 0: round to nearest even (bit-identical to Tensor.to) */
     uint64_t seed;
+    const int64_t *seed_tensor; /* NULL, or read on the device at run time in place of seed
+                                 * (Note [random bits that advance on the device], dtype.h) */
 };
 
-/* Dynamic loss-scale update, see scale.h for the exact rule. */
+/* Dynamic loss-scale update, see update_scale.h for the exact rule. */
 struct ampc_scale_args {
     double growth_factor;
     double backoff_factor;
@@ -77,13 +79,13 @@ ampc_status ampc_unscale_check_cpu(const struct ampc_list *grads, float *found_i
  * untouched and writes *norm = |inv_scale| * sqrt(sum of grads^2), the global L2 norm
  * of the unscaled grads. Squares never overflow or underflow unnoticed (runs of them
  * are summed in fp32 only where that is safe, in double otherwise: Note [fp32 squares
- * when safe] in simd.c), in a fixed order, so the result does not depend on the thread
+ * when safe] in check_norm.h), in a fixed order, so the result does not depend on the thread
  * count.
  */
 ampc_status ampc_check_norm_cpu(const struct ampc_list *grads, float *found_inf,
                                 float *norm, const float *inv_scale);
 
-/* One dynamic loss-scale step on 1-element state, see scale.h. */
+/* One dynamic loss-scale step on 1-element state, see update_scale.h. */
 ampc_status ampc_update_scale_cpu(float *scale, int32_t *growth_tracker,
                                   int32_t *hysteresis_tracker, const float *found_inf,
                                   const struct ampc_scale_args *args);
@@ -101,7 +103,9 @@ struct ampc_adam_args {
     int decoupled;          /* 1: AdamW, p *= 1 - lr * wd; 0: Adam, g += wd * p */
     int maximize;           /* g = -g */
     int stochastic;         /* 16-bit params written with stochastic rounding */
-    uint64_t seed;          /* Note [stochastic rounding], counting elements of params */
+    uint64_t seed;          /* a param's bits on step t (its count after the step):
+                             * Note [stochastic rounding] with seed ampc_step_seed(seed, t),
+                             * counting elements of params (dtype.h) */
 };
 
 /* Values that live on the device, read there (no host sync); each NULL when absent. */
@@ -142,9 +146,16 @@ ampc_status ampc_adam_cpu(const struct ampc_adam_lists *lists,
  * values (inv_scale, found_inf, scale) on the device and never synchronizes.
  */
 struct ampc_cuda_api {
-    /* Makes `device` current, returning the previous device and torch's current stream. */
-    ampc_status (*begin)(int device, int *prev_device, void **stream);
-    void (*end)(int prev_device);
+    /* The CUDA versions of the installed driver (0: none) and of the runtime the library
+     * was built with (1000 * major + 10 * minor); creates no context. First in the table,
+     * so a loader can check it before touching the rest. */
+    void (*probe)(int *driver_version, int *runtime_version);
+    /* Makes `device` current through torch's CUDA guard (*guard restores the previous
+     * device in end()) and returns torch's current stream on it. Clears an error left
+     * by earlier work and refuses to start when the context is broken, so a failure is
+     * reported before any kernel of the op is queued. */
+    ampc_status (*begin)(int device, void **guard, void **stream);
+    void (*end)(void *guard);
     ampc_status (*cast)(const struct ampc_list *dst, const struct ampc_list *src,
                         const struct ampc_cast_args *args, void *stream);
     ampc_status (*unscale_check)(const struct ampc_list *grads, float *found_inf,

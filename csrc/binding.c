@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "ampc.h"
+#include "dtype.h"          // defines: ampc_dtype_size
 #include "torch_shim.h"
 
 #define EXPORT __attribute__((visibility("default")))
@@ -23,6 +24,9 @@
 #define MAX_SINGLES 4
 
 static const struct ampc_cuda_api *g_cuda;
+/* Why CUDA calls are refused while g_cuda is NULL. */
+static char g_cuda_refusal[512] = "this build of ampc has no CUDA kernels (nvcc was not found "
+                                  "when it was built)";
 
 /* What the kernel knows of one tensor argument. */
 struct tensor {
@@ -53,6 +57,7 @@ struct call {
     struct tensor singles[MAX_SINGLES];
     int n_singles;
     const struct tensor *first;     /* the tensor that fixes the device */
+    void *scratch;                  /* freed with the call (the lists of dtype groups) */
     char msg[512];
 };
 
@@ -71,6 +76,8 @@ static void call_free(struct call *c)
     }
     for (int s = 0; s < c->n_singles; s++)
         aoti_torch_delete_tensor_object(c->singles[s].h);
+    free(c->scratch);
+    c->scratch = NULL;
     c->n_lists = 0;
     c->n_singles = 0;
 }
@@ -157,6 +164,10 @@ static void describe(struct call *c, struct tensor *t)
     if (!contiguous)
         fail(c, "%s must be contiguous (call .contiguous() on it first)",
              tensor_name(t, a, sizeof(a)));
+    /* FSDP frees a parameter's storage this way between uses */
+    if (t->numel > 0 && !t->data)
+        fail(c, "%s has %lld elements and no data (its storage was freed or resized to 0)",
+             tensor_name(t, a, sizeof(a)), (long long)t->numel);
 }
 
 /* Takes ownership of a Tensor[] argument and of each of its tensors. */
@@ -191,6 +202,16 @@ static struct list *take_list(struct call *c, StableIValue v, const char *name, 
     return ls;
 }
 
+/* A list of zero or one value that lives on the device (see option()): named without an
+ * index in messages. */
+static struct list *take_option(struct call *c, StableIValue v, const char *name)
+{
+    struct list *ls = take_list(c, v, name, 0);
+    for (int64_t i = 0; i < ls->count; i++)
+        ls->t[i].index = -1;
+    return ls;
+}
+
 static struct tensor *take_tensor(struct call *c, StableIValue v, const char *name, int written)
 {
     struct tensor *t = &c->singles[c->n_singles++];
@@ -216,8 +237,7 @@ static void describe_all(struct call *c)
     for (int s = 0; s < c->n_singles; s++)
         describe(c, &c->singles[s]);
     if (c->on_cuda && !g_cuda)
-        fail(c, "this build of ampc has no CUDA kernels (nvcc was not found when it was "
-                "built, or the CUDA library failed to load)");
+        fail(c, "%s", g_cuda_refusal);
 }
 
 static double take_double(StableIValue v)
@@ -242,21 +262,36 @@ static int to_ampc_dtype(int32_t dtype, ampc_dtype *out)
     return 1;
 }
 
-/* Every tensor of the list is fp32, fp16 or bf16, all the same one. */
-static struct ampc_list float_list(struct call *c, const struct list *ls)
+/* Every tensor of the list is fp32, fp16 or bf16: the list, with the dtype of its first
+ * tensor; *mixed is set when the others do not all share it. */
+static struct ampc_list float_list_mixed(struct call *c, const struct list *ls, int *mixed)
 {
     char a[64];
     struct ampc_list out = { ls->ptr, ls->numel, ls->count, AMPC_F32 };
     for (int64_t i = 0; i < ls->count; i++) {
         const struct tensor *t = &ls->t[i];
-        ampc_dtype d = AMPC_F32;
+        ampc_dtype d;
         if (!to_ampc_dtype(t->dtype, &d))
             fail(c, "%s must be torch.float32, torch.float16 or torch.bfloat16, got %s",
                  tensor_name(t, a, sizeof(a)), dtype_name(t->dtype));
-        if (i > 0 && t->dtype != ls->t[0].dtype)
+        *mixed |= t->dtype != ls->t[0].dtype;
+    }
+    if (ls->count > 0)
+        to_ampc_dtype(ls->t[0].dtype, &out.dtype);
+    return out;
+}
+
+/* Every tensor of the list is fp32, fp16 or bf16, all the same one. */
+static struct ampc_list float_list(struct call *c, const struct list *ls)
+{
+    char a[64];
+    int mixed = 0;
+    struct ampc_list out = float_list_mixed(c, ls, &mixed);
+    for (int64_t i = 1; mixed && i < ls->count; i++) {
+        const struct tensor *t = &ls->t[i];
+        if (t->dtype != ls->t[0].dtype)
             fail(c, "%s must be %s like %s[0], got %s", tensor_name(t, a, sizeof(a)),
                  dtype_name(ls->t[0].dtype), t->name, dtype_name(t->dtype));
-        out.dtype = d;
     }
     return out;
 }
@@ -311,7 +346,8 @@ static int by_begin(const void *x, const void *y)
 static size_t add_range(struct range *r, size_t n, const struct tensor *t)
 {
     ampc_dtype d;
-    int64_t size = to_ampc_dtype(t->dtype, &d) ? (d == AMPC_F32 ? 4 : 2) : 4;
+    int64_t size = to_ampc_dtype(t->dtype, &d) ? ampc_dtype_size(d)
+                 : t->dtype == aoti_torch_dtype_int64() ? 8 : 4;    /* int32 and int64 */
     if (t->numel == 0)
         return n;
     r[n].begin = (uintptr_t)t->data;
@@ -375,13 +411,13 @@ static void run(struct call *c, ampc_status (*cpu)(void *job),
     if (!c->on_cuda) {
         st = cpu(job);
     } else {
-        int prev = 0;
+        void *guard = NULL;
         void *stream = NULL;
         int device = c->first ? c->first->device_index : 0;
-        st = g_cuda->begin(device, &prev, &stream);
+        st = g_cuda->begin(device, &guard, &stream);
         if (st == AMPC_OK) {
             st = cuda(job, stream);
-            g_cuda->end(prev);
+            g_cuda->end(guard);
         }
         if (st == AMPC_ERR_CUDA)
             why = g_cuda->last_error();
@@ -392,6 +428,47 @@ static void run(struct call *c, ampc_status (*cpu)(void *job),
         fail(c, "%s", why);
 }
 
+/*
+ * Lists that mix dtypes (checked as a whole: devices, shapes, overlaps): the kernel runs
+ * once per group of positions whose tensors share their dtypes in each of the n lists,
+ * groups in dtype order, positions in list order. out[l] (the job's lists) describe the
+ * group when the kernel runs; element numbering (Note [stochastic rounding]) restarts in
+ * each group.
+ */
+static void run_groups(struct call *c, struct list *const ls[], struct ampc_list *const out[],
+                       int n, ampc_status (*cpu)(void *job),
+                       ampc_status (*cuda)(void *job, void *stream), void *job)
+{
+    int64_t count = ls[0]->count;
+    void **ptr = malloc(sizeof(*ptr) * (size_t)(n * count) + sizeof(int64_t) * (size_t)(n * count));
+    if (!ptr)
+        fail(c, "out of memory");
+    int64_t *numel = (int64_t *)(ptr + n * count);
+    c->scratch = ptr;
+    for (int key = 0; key < 9; key++) {     /* 3 * (dtype in list 0) + dtype in list 1 */
+        int64_t m = 0;
+        for (int64_t i = 0; i < count; i++) {
+            ampc_dtype d0 = AMPC_F32;
+            ampc_dtype d1 = AMPC_F32;
+            to_ampc_dtype(ls[0]->t[i].dtype, &d0);
+            if (n > 1)
+                to_ampc_dtype(ls[1]->t[i].dtype, &d1);
+            if ((int)d0 * 3 + (int)d1 != key)
+                continue;
+            for (int l = 0; l < n; l++) {
+                ptr[l * count + m] = ls[l]->ptr[i];
+                numel[l * count + m] = ls[l]->numel[i];
+            }
+            m++;
+        }
+        for (int l = 0; m > 0 && l < n; l++)
+            *out[l] = (struct ampc_list){ ptr + l * count, numel + l * count, m,
+                                          (ampc_dtype)(l == 0 ? key / 3 : key % 3) };
+        if (m > 0)
+            run(c, cpu, cuda, job);
+    }
+}
+
 static void start(struct call *c, const char *op, int on_cuda)
 {
     memset(c, 0, sizeof(*c));
@@ -399,7 +476,21 @@ static void start(struct call *c, const char *op, int on_cuda)
     c->on_cuda = on_cuda;
 }
 
-// ---- cast(Tensor[] src, Tensor(a!)[] dst, bool stochastic, int seed) ----
+/* A list of zero or one 1-element tensor of `dtype` (a value that lives on the device):
+ * its data, or NULL. An optional argument would need C++ to free on torch < 2.13 (Note in
+ * stable_abi: optionals), so the schemas take such values as lists. */
+static void *option(struct call *c, struct list *ls, const char *name, int32_t dtype)
+{
+    if (ls->count == 0)
+        return NULL;
+    if (ls->count > 1)
+        fail(c, "%s must hold at most one tensor, got %lld", name, (long long)ls->count);
+    check_scalar(c, &ls->t[0], dtype, 0);
+    return ls->t[0].data;
+}
+
+// ---- cast(Tensor(a!)[] dst, Tensor[] src, Tensor[] seed_tensor, bool stochastic,
+//           int seed) ----
 
 struct cast_job {
     struct ampc_list dst;
@@ -423,75 +514,122 @@ static void cast_kernel(StableIValue *stack, int on_cuda)
 {
     struct call c;
     start(&c, "ampc.cast", on_cuda);
-    struct list *src = take_list(&c, stack[0], "src", 0);
-    struct list *dst = take_list(&c, stack[1], "dst", 1);
+    struct list *dst = take_list(&c, stack[0], "dst", 1);
+    struct list *src = take_list(&c, stack[1], "src", 0);
+    struct list *seed = take_option(&c, stack[2], "seed_tensor");
     describe_all(&c);
     struct cast_job job;
-    job.src = float_list(&c, src);
-    job.dst = float_list(&c, dst);
+    int mixed = 0;
+    job.dst = float_list_mixed(&c, dst, &mixed);
+    job.src = float_list_mixed(&c, src, &mixed);
     check_same_shapes(&c, dst, "dst", src, "src");
+    job.args.seed_tensor = option(&c, seed, "seed_tensor", aoti_torch_dtype_int64());
     check_overlap(&c);
-    job.args.stochastic = (stack[2] & 0xff) != 0;
-    job.args.seed = (uint64_t)stack[3];
-    run(&c, cast_on_cpu, cast_on_cuda, &job);
+    job.args.stochastic = (stack[3] & 0xff) != 0;
+    job.args.seed = (uint64_t)stack[4];
+    if (mixed) {
+        struct list *lists[2] = { dst, src };
+        struct ampc_list *outs[2] = { &job.dst, &job.src };
+        run_groups(&c, lists, outs, 2, cast_on_cpu, cast_on_cuda, &job);
+    } else {
+        run(&c, cast_on_cpu, cast_on_cuda, &job);
+    }
     call_free(&c);
 }
 
 // ---- unscale_check(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) ----
+
+struct unscale_check_job {
+    struct ampc_list grads;
+    float *found_inf;
+    const float *inv_scale;
+};
+
+static ampc_status unscale_check_on_cpu(void *j)
+{
+    struct unscale_check_job *job = j;
+    return ampc_unscale_check_cpu(&job->grads, job->found_inf, job->inv_scale);
+}
+
+static ampc_status unscale_check_on_cuda(void *j, void *stream)
+{
+    struct unscale_check_job *job = j;
+    return g_cuda->unscale_check(&job->grads, job->found_inf, job->inv_scale, stream);
+}
+
+/* grads (written when `written`), found_inf and inv_scale, taken and checked; grads may
+ * mix dtypes when `mixed` is not NULL (it is set when they do). */
+static struct list *take_grads(struct call *c, StableIValue *stack, int written,
+                               struct ampc_list *out, int *mixed, float **found_inf,
+                               const float **inv_scale)
+{
+    struct list *grads = take_list(c, stack[0], "grads", written);
+    struct tensor *found = take_tensor(c, stack[1], "found_inf", 1);
+    struct tensor *inv = take_tensor(c, stack[2], "inv_scale", 0);
+    describe_all(c);
+    *out = mixed ? float_list_mixed(c, grads, mixed) : float_list(c, grads);
+    check_scalar(c, found, aoti_torch_dtype_float32(), 0);
+    check_scalar(c, inv, aoti_torch_dtype_float32(), 0);
+    check_overlap(c);
+    *found_inf = found->data;
+    *inv_scale = inv->data;
+    return grads;
+}
+
+static void unscale_check_kernel(StableIValue *stack, int on_cuda)
+{
+    struct call c;
+    struct unscale_check_job job;
+    int mixed = 0;
+    start(&c, "ampc.unscale_check", on_cuda);
+    struct list *grads = take_grads(&c, stack, 1, &job.grads, &mixed, &job.found_inf,
+                                    &job.inv_scale);
+    if (mixed) {
+        struct ampc_list *out = &job.grads;
+        run_groups(&c, &grads, &out, 1, unscale_check_on_cpu, unscale_check_on_cuda, &job);
+    } else {
+        run(&c, unscale_check_on_cpu, unscale_check_on_cuda, &job);
+    }
+    call_free(&c);
+}
+
 // ---- check_norm(Tensor[] grads, Tensor(a!) found_inf, Tensor inv_scale) -> Tensor ----
 
-struct unscale_job {
+struct check_norm_job {
     struct ampc_list grads;
     float *found_inf;
     const float *inv_scale;
     float *norm;
 };
 
-static ampc_status unscale_on_cpu(void *j)
+static ampc_status check_norm_on_cpu(void *j)
 {
-    struct unscale_job *job = j;
-    if (job->norm)
-        return ampc_check_norm_cpu(&job->grads, job->found_inf, job->norm, job->inv_scale);
-    return ampc_unscale_check_cpu(&job->grads, job->found_inf, job->inv_scale);
+    struct check_norm_job *job = j;
+    return ampc_check_norm_cpu(&job->grads, job->found_inf, job->norm, job->inv_scale);
 }
 
-static ampc_status unscale_on_cuda(void *j, void *stream)
+static ampc_status check_norm_on_cuda(void *j, void *stream)
 {
-    struct unscale_job *job = j;
-    if (job->norm)
-        return g_cuda->check_norm(&job->grads, job->found_inf, job->norm, job->inv_scale,
-                                  stream);
-    return g_cuda->unscale_check(&job->grads, job->found_inf, job->inv_scale, stream);
+    struct check_norm_job *job = j;
+    return g_cuda->check_norm(&job->grads, job->found_inf, job->norm, job->inv_scale, stream);
 }
 
-static void unscale_kernel(StableIValue *stack, int on_cuda, int check_only)
+static void check_norm_kernel(StableIValue *stack, int on_cuda)
 {
     struct call c;
-    start(&c, check_only ? "ampc.check_norm" : "ampc.unscale_check", on_cuda);
-    struct list *grads = take_list(&c, stack[0], "grads", !check_only);
-    struct tensor *found_inf = take_tensor(&c, stack[1], "found_inf", 1);
-    struct tensor *inv_scale = take_tensor(&c, stack[2], "inv_scale", 0);
-    describe_all(&c);
-    struct unscale_job job;
-    job.grads = float_list(&c, grads);
-    check_scalar(&c, found_inf, aoti_torch_dtype_float32(), 0);
-    check_scalar(&c, inv_scale, aoti_torch_dtype_float32(), 0);
-    check_overlap(&c);
-    job.found_inf = found_inf->data;
-    job.inv_scale = inv_scale->data;
-    job.norm = NULL;
+    struct check_norm_job job;
     AtenTensorHandle norm = NULL;
-    if (check_only) {
-        shim(&c, aoti_torch_empty_strided(0, NULL, NULL, aoti_torch_dtype_float32(),
-                                          found_inf->device_type, found_inf->device_index,
-                                          &norm), "empty_strided");
-        shim(&c, torch_get_mutable_data_ptr(norm, (void **)&job.norm), "get_data_ptr");
-        /* owned by the call until the kernel succeeds, so a failure frees it */
-        c.singles[c.n_singles++] = (struct tensor){ .h = norm, .name = "norm" };
-    }
-    run(&c, unscale_on_cpu, unscale_on_cuda, &job);
-    if (norm)
-        c.n_singles--;      /* the norm goes to the caller */
+    start(&c, "ampc.check_norm", on_cuda);
+    take_grads(&c, stack, 0, &job.grads, NULL, &job.found_inf, &job.inv_scale);
+    /* a 0-dim fp32 tensor on the grads' device, named by the tensor that fixed it */
+    shim(&c, aoti_torch_empty_strided(0, NULL, NULL, aoti_torch_dtype_float32(),
+                                      c.first->device_type, c.first->device_index, &norm),
+         "empty_strided");
+    /* owned by the call until the kernel succeeds, so a failure frees it */
+    c.singles[c.n_singles++] = (struct tensor){ .h = norm, .name = "norm" };
+    shim(&c, torch_get_mutable_data_ptr(norm, (void **)&job.norm), "get_data_ptr");
+    run(&c, check_norm_on_cpu, check_norm_on_cuda, &job);
+    c.n_singles--;          /* the norm goes to the caller */
     call_free(&c);
     stack[0] = (StableIValue)(uintptr_t)norm;
 }
@@ -501,7 +639,7 @@ static void unscale_kernel(StableIValue *stack, int on_cuda, int check_only)
 //                   float backoff_factor, int growth_interval, int hysteresis,
 //                   float min_scale, float max_scale) ----
 
-struct scale_job {
+struct update_scale_job {
     float *scale;
     int32_t *growth_tracker;
     int32_t *hysteresis_tracker;
@@ -509,21 +647,21 @@ struct scale_job {
     struct ampc_scale_args args;
 };
 
-static ampc_status scale_on_cpu(void *j)
+static ampc_status update_scale_on_cpu(void *j)
 {
-    struct scale_job *job = j;
+    struct update_scale_job *job = j;
     return ampc_update_scale_cpu(job->scale, job->growth_tracker, job->hysteresis_tracker,
                                  job->found_inf, &job->args);
 }
 
-static ampc_status scale_on_cuda(void *j, void *stream)
+static ampc_status update_scale_on_cuda(void *j, void *stream)
 {
-    struct scale_job *job = j;
+    struct update_scale_job *job = j;
     return g_cuda->update_scale(job->scale, job->growth_tracker, job->hysteresis_tracker,
                                 job->found_inf, &job->args, stream);
 }
 
-static void check_scale_args(struct call *c, const struct ampc_scale_args *a)
+static void check_update_scale_args(struct call *c, const struct ampc_scale_args *a)
 {
     if (!(a->growth_factor > 0 && isfinite(a->growth_factor)))
         fail(c, "growth_factor must be a positive finite number, got %g", a->growth_factor);
@@ -538,7 +676,7 @@ static void check_scale_args(struct call *c, const struct ampc_scale_args *a)
                 "and %g", a->min_scale, a->max_scale);
 }
 
-static void scale_kernel(StableIValue *stack, int on_cuda)
+static void update_scale_kernel(StableIValue *stack, int on_cuda)
 {
     struct call c;
     start(&c, "ampc.update_scale", on_cuda);
@@ -547,7 +685,7 @@ static void scale_kernel(StableIValue *stack, int on_cuda)
     struct tensor *hyst = take_tensor(&c, stack[2], "hysteresis_tracker", 1);
     struct tensor *found_inf = take_tensor(&c, stack[3], "found_inf", 0);
     describe_all(&c);
-    struct scale_job job;
+    struct update_scale_job job;
     job.args.growth_factor = take_double(stack[4]);
     job.args.backoff_factor = take_double(stack[5]);
     job.args.growth_interval = (int64_t)stack[6];
@@ -558,13 +696,13 @@ static void scale_kernel(StableIValue *stack, int on_cuda)
     check_scalar(&c, growth, aoti_torch_dtype_int32(), 0);
     check_scalar(&c, hyst, aoti_torch_dtype_int32(), job.args.hysteresis == 1);
     check_scalar(&c, found_inf, aoti_torch_dtype_float32(), 0);
-    check_scale_args(&c, &job.args);
+    check_update_scale_args(&c, &job.args);
     check_overlap(&c);
     job.scale = scale->data;
     job.growth_tracker = growth->data;
     job.hysteresis_tracker = hyst->data;
     job.found_inf = found_inf->data;
-    run(&c, scale_on_cpu, scale_on_cuda, &job);
+    run(&c, update_scale_on_cpu, update_scale_on_cuda, &job);
     call_free(&c);
 }
 
@@ -574,8 +712,7 @@ static void scale_kernel(StableIValue *stack, int on_cuda)
 //                  Tensor[] inv_scale, Tensor[] clip_coef, Tensor[] found_inf, float lr,
 //                  float beta1, float beta2, float eps, float weight_decay, bool decoupled,
 //                  bool maximize, bool stochastic, int seed) ----
-// The four device values are lists of zero or one tensor: an optional argument would
-// need C++ to free on torch < 2.13 (Note in stable_abi: optionals).
+// The four device values are lists of zero or one tensor (see option()).
 
 struct adam_job {
     struct ampc_adam_lists lists;
@@ -616,13 +753,7 @@ static struct ampc_list f32_list(struct call *c, const struct list *ls, const ch
 /* A list of zero or one 1-element fp32 tensor: its data, or NULL. */
 static const float *f32_option(struct call *c, struct list *ls, const char *name)
 {
-    if (ls->count == 0)
-        return NULL;
-    if (ls->count > 1)
-        fail(c, "%s must hold at most one tensor, got %lld", name, (long long)ls->count);
-    ls->t[0].index = -1;        /* a single value, named without an index */
-    check_scalar(c, &ls->t[0], aoti_torch_dtype_float32(), 0);
-    return ls->t[0].data;
+    return option(c, ls, name, aoti_torch_dtype_float32());
 }
 
 static void check_adam_args(struct call *c, const struct ampc_adam_args *a, int lr_on_device)
@@ -645,12 +776,13 @@ static void adam_kernel(StableIValue *stack, int on_cuda)
                                    "max_exp_avg_sqs", "steps", "lr_tensor", "inv_scale",
                                    "clip_coef", "found_inf" };
     static const int written[] = { 1, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0 };
-    enum { N_LISTS = sizeof(names) / sizeof(names[0]) };
+    enum { N_LISTS = sizeof(names) / sizeof(names[0]), FIRST_OPTION = 7 };
     struct call c;
     struct list *ls[N_LISTS];
     start(&c, "ampc.adam_master", on_cuda);
     for (int i = 0; i < N_LISTS; i++)
-        ls[i] = take_list(&c, stack[i], names[i], written[i]);
+        ls[i] = i < FIRST_OPTION ? take_list(&c, stack[i], names[i], written[i])
+                                 : take_option(&c, stack[i], names[i]);
     describe_all(&c);
     struct adam_job job;
     struct ampc_adam_lists *l = &job.lists;
@@ -688,16 +820,16 @@ static void adam_kernel(StableIValue *stack, int on_cuda)
 
 // ---- boxed entry points ----
 
-static void cast_cpu(StableIValue *s, uint64_t n, uint64_t o) { cast_kernel(s, 0); }
-static void cast_cuda(StableIValue *s, uint64_t n, uint64_t o) { cast_kernel(s, 1); }
-static void unscale_cpu(StableIValue *s, uint64_t n, uint64_t o) { unscale_kernel(s, 0, 0); }
-static void unscale_cuda(StableIValue *s, uint64_t n, uint64_t o) { unscale_kernel(s, 1, 0); }
-static void norm_cpu(StableIValue *s, uint64_t n, uint64_t o) { unscale_kernel(s, 0, 1); }
-static void norm_cuda(StableIValue *s, uint64_t n, uint64_t o) { unscale_kernel(s, 1, 1); }
-static void scale_cpu(StableIValue *s, uint64_t n, uint64_t o) { scale_kernel(s, 0); }
-static void scale_cuda(StableIValue *s, uint64_t n, uint64_t o) { scale_kernel(s, 1); }
-static void adam_cpu(StableIValue *s, uint64_t n, uint64_t o) { adam_kernel(s, 0); }
-static void adam_cuda(StableIValue *s, uint64_t n, uint64_t o) { adam_kernel(s, 1); }
+/* name_cpu and name_cuda, the boxed kernels torch calls, from name_kernel(stack, on_cuda) */
+#define BOXED(name)                                                                       \
+    static void name##_cpu(StableIValue *s, uint64_t n, uint64_t o) { name##_kernel(s, 0); } \
+    static void name##_cuda(StableIValue *s, uint64_t n, uint64_t o) { name##_kernel(s, 1); }
+
+BOXED(cast)
+BOXED(unscale_check)
+BOXED(check_norm)
+BOXED(update_scale)
+BOXED(adam)
 
 struct op {
     const char *schema;
@@ -707,17 +839,18 @@ struct op {
 };
 
 static const struct op ops[] = {
-    { "cast(Tensor[] src, Tensor(a!)[] dst, bool stochastic=False, int seed=0) -> ()",
+    { "cast(Tensor(a!)[] dst, Tensor[] src, Tensor[] seed_tensor, bool stochastic=False, "
+      "int seed=0) -> ()",
       "cast", cast_cpu, cast_cuda },
     { "unscale_check(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) -> ()",
-      "unscale_check", unscale_cpu, unscale_cuda },
+      "unscale_check", unscale_check_cpu, unscale_check_cuda },
     { "check_norm(Tensor[] grads, Tensor(a!) found_inf, Tensor inv_scale) -> Tensor",
-      "check_norm", norm_cpu, norm_cuda },
+      "check_norm", check_norm_cpu, check_norm_cuda },
     { "update_scale(Tensor(a!) scale, Tensor(b!) growth_tracker, "
       "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
       "float backoff_factor, int growth_interval, int hysteresis, float min_scale, "
       "float max_scale) -> ()",
-      "update_scale", scale_cpu, scale_cuda },
+      "update_scale", update_scale_cpu, update_scale_cuda },
     { "adam_master(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, "
       "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, "
       "Tensor(f!)[] steps, Tensor[] lr_tensor, Tensor[] inv_scale, Tensor[] clip_coef, "
@@ -760,9 +893,41 @@ EXPORT int ampc_register(void)
     return 0;
 }
 
-/* Hands over the CUDA library's launchers (csrc/cuda/api.cu). Until then a CUDA call
- * raises a clear error instead of failing in the dispatcher. */
-EXPORT void ampc_set_cuda_api(const struct ampc_cuda_api *api)
+/* CUDA calls are refused with this reason (the loader could not load the CUDA library). */
+EXPORT void ampc_refuse_cuda(const char *why)
 {
+    g_cuda = NULL;
+    snprintf(g_cuda_refusal, sizeof(g_cuda_refusal), "%s", why);
+}
+
+/* The reason CUDA calls are refused, or NULL when they run. */
+EXPORT const char *ampc_cuda_refusal(void)
+{
+    return g_cuda ? NULL : g_cuda_refusal;
+}
+
+/*
+ * Hands over the CUDA library's launchers (csrc/cuda/api.cu) once its probe says they can
+ * run: the library links its CUDA runtime statically, and a runtime newer than the driver
+ * fails every call ("CUDA driver version is insufficient") while torch, built for another
+ * CUDA, works. Returns 0 when handed over (also without a driver: no CUDA tensor can
+ * exist then), 1 when the driver is too old for the runtime (the loader warns once).
+ */
+EXPORT int ampc_set_cuda_api(const struct ampc_cuda_api *api)
+{
+    int driver = 0;
+    int runtime = 0;
+    api->probe(&driver, &runtime);
+    if (driver > 0 && driver / 1000 < runtime / 1000) {
+        snprintf(g_cuda_refusal, sizeof(g_cuda_refusal),
+                 "ampc's CUDA kernels cannot run: they were built with CUDA runtime %d.%d, "
+                 "which needs a driver for CUDA %d.0 or newer, and the NVIDIA driver supports "
+                 "CUDA %d.%d; update the driver, or rebuild ampc with a CUDA toolkit of major "
+                 "version %d", runtime / 1000, runtime % 1000 / 10, runtime / 1000,
+                 driver / 1000, driver % 1000 / 10, driver / 1000);
+        g_cuda = NULL;
+        return 1;
+    }
     g_cuda = api;
+    return 0;
 }

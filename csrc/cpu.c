@@ -1,10 +1,13 @@
 /*
- * cpu.c: the chunked, threaded walk over a list of tensors (see cpu.h).
+ * cpu.c: what every CPU kernel shares: the chunked, threaded walk over a list of
+ * tensors (see cpu.h), the SIMD path chosen once at run time (simd.h) and the size of
+ * the last-level cache (Note [streaming stores]).
  */
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
-#include "cpu.h"
+#include "simd.h"
 #include "torch_shim.h"
 
 /* Below this many elements a parallel region costs more than it saves. */
@@ -20,7 +23,8 @@ struct walk {
 
 /* The last-level cache, as the C library reports it (32 MB when it cannot tell);
  * AMPC_STREAM_BYTES overrides it, so the tests can reach the streaming path. */
-int64_t ampc_cache_bytes(void)
+/* exported for ampc.ops.stream_bytes() */
+__attribute__((visibility("default"))) int64_t ampc_cache_bytes(void)
 {
     static int64_t bytes = -1;  /* threads may race to set it: all set the same */
     int64_t seen = __atomic_load_n(&bytes, __ATOMIC_RELAXED);
@@ -33,11 +37,6 @@ int64_t ampc_cache_bytes(void)
         __atomic_store_n(&bytes, seen, __ATOMIC_RELAXED);
     }
     return seen;
-}
-
-int64_t ampc_dtype_size(ampc_dtype dtype)
-{
-    return dtype == AMPC_F32 ? 4 : 2;
 }
 
 static int64_t chunks_of(int64_t numel)
@@ -103,4 +102,40 @@ ampc_status ampc_for_each_chunk(const struct ampc_list *list, ampc_span_fn fn, v
         st = AMPC_ERR_THREADS;
     free(first);
     return st;
+}
+
+// ---- the SIMD path ----
+
+/* AMPC_CPU_ISA caps the choice, so the tests can check every path on one machine. */
+enum ampc_isa ampc_cpu_isa(void)
+{
+    static int isa = ISA_UNKNOWN;       /* threads may race to set it: all set the same */
+    enum ampc_isa seen = __atomic_load_n(&isa, __ATOMIC_RELAXED);
+    if (seen == ISA_UNKNOWN) {
+        const char *cap = getenv("AMPC_CPU_ISA");
+        enum ampc_isa best = ISA_SCALAR;
+        __builtin_cpu_init();
+        if (__builtin_cpu_supports("avx512f"))
+            best = ISA_AVX512;
+        else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                 __builtin_cpu_supports("f16c"))
+            best = ISA_AVX2;
+        if (cap && strcmp(cap, "scalar") == 0)
+            best = ISA_SCALAR;
+        else if (cap && strcmp(cap, "avx2") == 0 && best > ISA_AVX2)
+            best = ISA_AVX2;
+        __atomic_store_n(&isa, best, __ATOMIC_RELAXED);
+        seen = best;
+    }
+    return seen;
+}
+
+/* The path's name, for ampc.ops.cpu_isa() (tests and CI check which path ran). */
+__attribute__((visibility("default"))) const char *ampc_cpu_isa_name(void)
+{
+    switch (ampc_cpu_isa()) {
+    case ISA_AVX512: return "avx512";
+    case ISA_AVX2: return "avx2";
+    default: return "scalar";
+    }
 }

@@ -8,14 +8,16 @@
  * 1,000 calls. Chunk numbers are fixed by the list alone, so per-chunk partial
  * results (a norm) combine in the same order whatever the thread count.
  *
- * Within a chunk, the SIMD loops of simd.c do the work: each loads, widens, computes,
- * narrows and stores in registers, with AVX-512, AVX2+F16C or scalar code chosen at run
- * time. Stochastic rounding goes through an L1 buffer of AMPC_BLOCK fp32 values.
+ * Within a chunk, each op's SIMD loops (<op>.c, built from simd.h) do the work: each
+ * loads, widens, computes, narrows and stores in registers, with AVX-512, AVX2+F16C or
+ * scalar code chosen at run time. Stochastic rounding goes through an L1 buffer of
+ * AMPC_BLOCK fp32 values.
  */
 #ifndef AMPC_CPU_H
 #define AMPC_CPU_H
 
 #include "ampc.h"
+#include "dtype.h"      // defines: ampc_dtype_size
 
 #define AMPC_CHUNK 65536
 #define AMPC_BLOCK 1024
@@ -47,26 +49,16 @@ ampc_status ampc_for_each_chunk(const struct ampc_list *list, ampc_span_fn fn, v
  */
 int64_t ampc_cache_bytes(void);
 
-/* Size of one element of a dtype in bytes. */
-int64_t ampc_dtype_size(ampc_dtype dtype);
-
-/* Stochastic rounding of n fp32 values to 16-bit dtype (cast.c); element i uses the
- * random bits of list-wide element `index + i` (Note [stochastic rounding]). */
-void ampc_store_stochastic(uint16_t *dst, ampc_dtype dtype, const float *src, int64_t n,
-                           uint64_t seed, int64_t index);
-
-// ---- the SIMD inner loops (simd.c) ----
+// ---- cast's loops, which Adam also writes its 16-bit params with (cast.c) ----
 
 /* dst[0..n) = src[0..n) converted from st to dt, rounding to nearest even; with
  * `stream`, through streaming stores where the CPU path has them. */
 void ampc_cast_block(void *dst, ampc_dtype dt, const void *src, ampc_dtype st, int64_t n,
                      int stream);
 
-/* g[0..n) *= s in place (in fp32); nonzero when any input was inf or nan. */
-int ampc_unscale_block(void *g, ampc_dtype dtype, float s, int64_t n);
-
-/* *sum += the sum of g[0..n)^2, never overflowing (Note [fp32 squares when safe] in
- * simd.c); nonzero when any was inf or nan. */
-int ampc_square_sum_block(const void *g, ampc_dtype dtype, int64_t n, double *sum);
+/* Stochastic rounding of n fp32 values to 16-bit dtype; element i uses the random bits
+ * of list-wide element `index + i` (Note [stochastic rounding]). */
+void ampc_store_stochastic(uint16_t *dst, ampc_dtype dtype, const float *src, int64_t n,
+                           uint64_t seed, int64_t index);
 
 #endif /* AMPC_CPU_H */

@@ -1,7 +1,8 @@
 /*
- * simd.h: the building blocks of the CPU inner loops (simd.c, adam.c): the choice of
- * SIMD path at run time, and loads and stores that widen fp16/bf16 to fp32 and narrow
- * back in registers, for 16 lanes (AVX-512), 8 lanes (AVX2 + F16C) and one (scalar).
+ * simd.h: the building blocks of the CPU inner loops (cast.c, unscale_check.c,
+ * check_norm.c, adam.c): the choice of SIMD path at run time, and loads and stores that
+ * widen fp16/bf16 to fp32 and narrow back in registers, for 16 lanes (AVX-512), 8 lanes
+ * (AVX2 + F16C) and one (scalar).
  *
  * fp16 uses the hardware conversions (vcvtph2ps, vcvtps2ph with round to nearest even).
  * bf16 uses integer arithmetic: the AVX-512 BF16 instruction vcvtneps2bf16 flushes
@@ -22,11 +23,10 @@
 #define AVX512 __attribute__((target("avx512f")))
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
-#define EXP_BITS 0x7f800000u
 
 enum ampc_isa { ISA_UNKNOWN, ISA_SCALAR, ISA_AVX2, ISA_AVX512 };
 
-/* The best path the CPU has; AMPC_CPU_ISA=avx2 or =scalar caps it (simd.c). */
+/* The best path the CPU has; AMPC_CPU_ISA=avx2 or =scalar caps it (cpu.c). */
 enum ampc_isa ampc_cpu_isa(void);
 
 // ---- scalar ----
@@ -44,11 +44,6 @@ INLINE void store1(void *p, ampc_dtype t, int64_t i, float f)
         ((float *)p)[i] = f;
     else
         ((uint16_t *)p)[i] = t == AMPC_F16 ? ampc_f32_to_f16(f) : ampc_f32_to_bf16(f);
-}
-
-INLINE int nonfinite1(float f)
-{
-    return (ampc_f32_bits(f) & EXP_BITS) == EXP_BITS;
 }
 
 // ---- AVX-512: 16 lanes ----
@@ -103,7 +98,7 @@ AVX512 INLINE void store16(void *p, ampc_dtype t, int64_t i, __m512 f)
 
 AVX512 INLINE __mmask16 nonfinite16(__m512 f)
 {
-    __m512i e = _mm512_set1_epi32((int)EXP_BITS);
+    __m512i e = _mm512_set1_epi32((int)AMPC_EXP_BITS);
     return _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(f), e), e);
 }
 
@@ -157,7 +152,7 @@ AVX2 INLINE void store8(void *p, ampc_dtype t, int64_t i, __m256 f)
 
 AVX2 INLINE int nonfinite8(__m256 f)
 {
-    __m256i e = _mm256_set1_epi32((int)EXP_BITS);
+    __m256i e = _mm256_set1_epi32((int)AMPC_EXP_BITS);
     __m256i hit = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(f), e), e);
     return _mm256_movemask_epi8(hit);
 }

@@ -70,6 +70,7 @@ int32_t aoti_torch_dtype_float16(void);
 int32_t aoti_torch_dtype_bfloat16(void);
 int32_t aoti_torch_dtype_float32(void);
 int32_t aoti_torch_dtype_int32(void);
+int32_t aoti_torch_dtype_int64(void);
 int32_t aoti_torch_device_type_cpu(void);
 int32_t aoti_torch_device_type_cuda(void);
 
@@ -78,6 +79,9 @@ AOTITorchError torch_parallel_for(int64_t begin, int64_t end, int64_t grain_size
                                   ParallelFunc func, void *ctx);
 
 // ---- CUDA (libtorch_cuda; only the CUDA library calls these) ----
+typedef struct CUDAGuardOpaque *CUDAGuardHandle;
+AOTITorchError aoti_torch_create_cuda_guard(int32_t device_index, CUDAGuardHandle *ret_guard);
+AOTITorchError aoti_torch_delete_cuda_guard(CUDAGuardHandle guard);
 AOTITorchError aoti_torch_get_current_cuda_stream(int32_t device_index, void **ret_stream);
 AOTITorchError aoti_torch_cuda_caching_allocator_raw_alloc(uint64_t nbytes, void **ret_ptr);
 AOTITorchError aoti_torch_cuda_caching_allocator_raw_delete(void *ptr);

@@ -85,7 +85,7 @@ def test_sizes_all_pairs(pair):
         ampc.ops.cast_([d], [s])
         assert_same(d, s.to(dst_dt), f"cast_ {what}", nan_payload=src_dt == dst_dt)
         d = torch.empty(n, dtype=dst_dt)
-        torch.ops.ampc.cast([s], [d], False, 0)
+        torch.ops.ampc.cast([d], [s], [], False, 0)
         assert_same(d, s.to(dst_dt), f"torch.ops.ampc.cast {what}",
                     nan_payload=src_dt == dst_dt)
     check_cast(srcs, dst_dt, "all sizes in one list")
@@ -346,10 +346,10 @@ def test_non_contiguous(pair):
     # the raw op refuses them, on either side
     nc = cases[0]
     with pytest.raises(RuntimeError, match="contiguous"):
-        torch.ops.ampc.cast([nc], [torch.empty(nc.shape, dtype=dst_dt)], False, 0)
+        torch.ops.ampc.cast([torch.empty(nc.shape, dtype=dst_dt)], [nc], [], False, 0)
     dst = torch.empty(48, 64, dtype=dst_dt).t()
     with pytest.raises(RuntimeError, match="contiguous"):
-        torch.ops.ampc.cast([base], [dst], False, 0)
+        torch.ops.ampc.cast([dst], [base], [], False, 0)
 
 
 @pytest.mark.parametrize("pair", [(F32, F16), (F32, BF16), (BF16, F16)], ids=pair_id)
@@ -490,7 +490,7 @@ def test_stochastic_counts_elements_across_the_list():
     ampc.ops.cast_(dst, list(x.split(sizes)), stochastic=True, seed=42)
     assert_same(torch.cat(dst), whole, "cast_ stochastic vs cast", nan_payload=True)
     dst = [torch.empty(n, dtype=F16) for n in sizes]
-    torch.ops.ampc.cast(list(x.split(sizes)), dst, True, 42)
+    torch.ops.ampc.cast(dst, list(x.split(sizes)), [], True, 42)
     assert_same(torch.cat(dst), whole, "torch.ops.ampc.cast stochastic vs cast", nan_payload=True)
 
 

@@ -1,12 +1,35 @@
 """The CPU kernels have AVX-512, AVX2+F16C and scalar paths chosen at run time. This
 machine runs the best one; AMPC_CPU_ISA caps the choice, so each path is checked here
 against torch in a fresh process: casts bit-identical to .to() over every fp16/bf16
-bit pattern and a sweep of fp32 ones, and unscale bit-identical to torch."""
+bit pattern and a sweep of fp32 ones, and unscale bit-identical to torch. Each process
+reports the path its kernels took (ampc.ops.cpu_isa(), ampc.ops.stream_bytes()), so a
+cap that stopped working, or a CPU that silently fell back, fails here."""
 import os
 import subprocess
 import sys
 
 import pytest
+
+
+def best_isa():
+    """The best path this CPU has, from its flags (as csrc/simd.c chooses)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(line for line in f if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return None
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags else "scalar"
+
+
+def expected_isa(isa):
+    best = best_isa()
+    if best is None:
+        pytest.skip("cannot read the CPU's flags")
+    if isa == "avx2" and best == "scalar":
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    return best if isa == "best" else isa
 
 CHECK = r"""
 import torch, ampc
@@ -32,6 +55,7 @@ for dt in (f32, f16, bf16):
     ampc.ops.unscale_check([a], fa, inv)
     torch._amp_foreach_non_finite_check_and_unscale_([b], fb, inv)
     same(a, b); assert fa.item() == fb.item() == 1.0
+print(ampc.ops.cpu_isa(), ampc.ops.stream_bytes())
 print("ok")
 """
 
@@ -39,6 +63,7 @@ print("ok")
 @pytest.mark.parametrize("stream", [False, True], ids=["cached", "streaming"])
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "best"])
 def test_each_cpu_path_matches_torch(isa, stream):
+    want = expected_isa(isa)
     env = dict(os.environ)
     env.pop("AMPC_CPU_ISA", None)
     env.pop("AMPC_STREAM_BYTES", None)
@@ -48,11 +73,15 @@ def test_each_cpu_path_matches_torch(isa, stream):
         env["AMPC_STREAM_BYTES"] = "0"
     out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True,
                          text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    assert out.returncode == 0 and out.stdout.endswith("ok\n"), out.stderr[-3000:]
+    ran, threshold = out.stdout.split("\n")[-3].split()
+    assert ran == want, f"asked for {isa}, expected the {want} path, the kernels ran {ran}"
+    assert (int(threshold) == 0) == stream
 
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "best"])
 def test_fuzz_on_each_cpu_path(isa):
+    expected_isa(isa)
     # streaming stores everywhere, with the offsets that make some outputs unaligned
     env = dict(os.environ, AMPC_STREAM_BYTES="0")
     env.pop("AMPC_CPU_ISA", None)

@@ -163,7 +163,7 @@ def test_cast_zero_numel_list_cuda():
 def test_cast_raw_op_cuda():
     src = cuda_list([100, 0, CHUNK + 3], torch.float32, seed=5)
     dst = [torch.empty_like(s, dtype=torch.bfloat16) for s in src]
-    torch.ops.ampc.cast(src, dst, False, 0)
+    torch.ops.ampc.cast(dst, src, [], False, 0)
     for s, d in zip(src, dst):
         assert_bits(d, s.to(torch.bfloat16), "raw cast")
 

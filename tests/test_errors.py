@@ -1,5 +1,7 @@
 """Bad input: every case raises an error that names the op and the argument, and
 leaves every tensor it was given unchanged (the checks run before any write)."""
+import re
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ def scalar(value=0.0, dtype=f32):
 
 
 def raw_cast(src, dst):
-    return lambda: torch.ops.ampc.cast(src, dst, False, 0)
+    return lambda: torch.ops.ampc.cast(dst, src, [], False, 0)
 
 
 def raw_unscale(grads, found_inf=None, inv_scale=None):
@@ -51,10 +53,13 @@ def case_cast_dst_dtype():
     return raw_cast(src, dst), src + dst, RuntimeError, r"^ampc\.cast: dst\[0\] must be torch\.float32, torch\.float16 or torch\.bfloat16, got torch\.int32"
 
 
-def case_cast_mixed_dtypes():
-    src = [torch.randn(5), torch.randn(5)]
-    dst = [torch.zeros(5, dtype=bf16), torch.zeros(5, dtype=f16)]
-    return raw_cast(src, dst), src + dst, RuntimeError, r"^ampc\.cast: dst\[1\] must be torch\.bfloat16 like dst\[0\], got torch\.float16"
+def case_cast_mixed_dtypes_alias_across_groups():
+    # the pairs (fp32 -> fp16) and (fp32 -> bf16) run as two groups; an output of one
+    # aliasing an input of the other is refused before either runs
+    base = torch.randn(10)
+    src = [torch.randn(10), base[:5]]
+    dst = [base.view(f16)[:10], torch.zeros(5, dtype=bf16)]
+    return raw_cast(src, dst), [base] + src[:1] + dst[1:], RuntimeError, r"^ampc\.cast: (dst\[0\] overlaps src\[1\]|src\[1\] overlaps dst\[0\]) in memory"
 
 
 def case_cast_lengths():
@@ -93,7 +98,7 @@ def case_cast_device():
     src = [torch.randn(4)]
     dst = [torch.zeros(4, dtype=bf16, device="meta")]
     # a meta tensor among CPU ones goes to the fake kernel, which must refuse it by name
-    return raw_cast(src, dst), src, RuntimeError, r"^ampc\.cast: dst\[0\] must be on cpu like src\[0\], got meta"
+    return raw_cast(src, dst), src, RuntimeError, r"^ampc\.cast: src\[0\] must be on meta like dst\[0\], got cpu"
 
 
 def case_cast_non_tensor():
@@ -116,9 +121,16 @@ def case_unscale_dtype():
     return raw_unscale(grads), grads, RuntimeError, r"^ampc\.unscale_check: grads\[1\] must be torch\.float32, torch\.float16 or torch\.bfloat16, got torch\.float64"
 
 
-def case_unscale_mixed_raw():
+def case_unscale_mixed_alias_across_groups():
+    base = torch.randn(8)
+    grads = [base[:4], base.view(f16)[:4]]
+    return raw_unscale(grads), [base], RuntimeError, r"^ampc\.unscale_check: (grads\[1\] overlaps grads\[0\]|grads\[0\] overlaps grads\[1\]) in memory"
+
+
+def case_norm_mixed_raw():
+    # check_norm's raw op takes one dtype (the wrapper splits and combines the norms)
     grads = [torch.randn(5), torch.randn(5).half()]
-    return raw_unscale(grads), grads, RuntimeError, r"^ampc\.unscale_check: grads\[1\] must be torch\.float32 like grads\[0\], got torch\.float16"
+    return raw_norm(grads, scalar(), scalar(1.0)), grads, RuntimeError, r"^ampc\.check_norm: grads\[1\] must be torch\.float32 like grads\[0\], got torch\.float16"
 
 
 def case_unscale_found_inf_dtype():
@@ -227,14 +239,14 @@ def test_bad_input_raises_and_changes_nothing(name):
 def test_error_is_one_line_without_cpp_backtrace():
     src = [torch.randn(3).double()]
     with pytest.raises(RuntimeError) as info:
-        torch.ops.ampc.cast(src, [torch.zeros(3, dtype=bf16)], False, 0)
+        torch.ops.ampc.cast([torch.zeros(3, dtype=bf16)], src, [], False, 0)
     assert "\n" not in str(info.value).strip()
     assert str(info.value).startswith("ampc.cast: src[0]")
 
 
 def test_schema_rejects_non_tensor_in_raw_op():
     with pytest.raises((TypeError, RuntimeError), match=r"ampc::cast|src"):
-        torch.ops.ampc.cast([torch.randn(3), 1.0], [torch.zeros(3), torch.zeros(1)], False, 0)
+        torch.ops.ampc.cast([torch.zeros(3), torch.zeros(1)], [torch.randn(3), 1.0], [], False, 0)
 
 
 def test_failed_call_leaks_no_tensor():
@@ -244,13 +256,13 @@ def test_failed_call_leaks_no_tensor():
     refs = sys.getrefcount(src)
     for _ in range(100):
         with pytest.raises(RuntimeError):
-            torch.ops.ampc.cast([src], [torch.zeros(999, dtype=bf16)], False, 0)
+            torch.ops.ampc.cast([torch.zeros(999, dtype=bf16)], [src], [], False, 0)
     assert sys.getrefcount(src) == refs
     import weakref
     dst = torch.zeros(1000, dtype=bf16)
     ref = weakref.ref(dst)
     with pytest.raises(RuntimeError):
-        torch.ops.ampc.cast([src.double()], [dst], False, 0)
+        torch.ops.ampc.cast([dst], [src.double()], [], False, 0)
     del dst
     assert ref() is None
 
@@ -297,3 +309,93 @@ def test_tensors_that_require_grad_are_refused_in_grad_mode():
         ampc.ops.unscale_check([x], torch.zeros(1), torch.full((1,), 2.0))
         (low,) = ampc.ops.cast([x], bf16)
     assert torch.equal(low, (x.detach()).to(bf16))
+
+
+# ---- tensors with elements and no data ----
+# FSDP frees a parameter's storage between uses (storage resized to 0, sizes kept): the
+# kernels would read or write through a null pointer. Every tensor argument of every op is
+# refused by name, before anything is written.
+
+def op_arguments(op):
+    """A valid call of torch.ops.ampc.<op> on the CPU, as its argument list."""
+    r = lambda dt=f32: torch.randn(37).to(dt)                   # noqa: E731
+    one = lambda v, dt=f32: torch.full((1,), v, dtype=dt)       # noqa: E731
+    if op == "cast":
+        return [[torch.zeros(37, dtype=bf16)], [r()], [torch.tensor([3])], True, 0]
+    if op in ("unscale_check", "check_norm"):
+        return [[r(), r()], one(0.0), one(0.5)]
+    if op == "update_scale":
+        return [one(1024.0), one(0, torch.int32), one(2, torch.int32), one(0.0), 2.0, 0.5, 10,
+                2, 0.0, float("inf")]
+    assert op == "adam_master"
+    return [[r(bf16)], [r(bf16)], [r()], [r()], [r().abs()], [r().abs()], [one(2.0)],
+            [one(1e-3)], [one(1.0)], [one(1.0)], [one(0.0)], 1e-3, 0.9, 0.999, 1e-8, 0.01,
+            True, False, True, 7]
+
+
+def tensor_arguments(op):
+    """(position, index in its list or None, label in messages) of every tensor argument."""
+    schema = getattr(torch.ops.ampc, op).default._schema
+    options = {"seed_tensor", "lr_tensor", "inv_scale", "clip_coef", "found_inf"}
+    out = []
+    for pos, value in enumerate(op_arguments(op)):
+        name = schema.arguments[pos].name
+        if isinstance(value, torch.Tensor):
+            out.append((pos, None, name))
+        elif isinstance(value, list):
+            for i in range(len(value)):
+                single = isinstance(schema.arguments[pos].type, torch.ListType) and name in options
+                out.append((pos, i, name if single else f"{name}[{i}]"))
+    return out
+
+
+FREED_CASES = [(op, pos, i, label)
+               for op in ("cast", "unscale_check", "check_norm", "update_scale", "adam_master")
+               for pos, i, label in tensor_arguments(op)]
+
+
+@pytest.mark.parametrize("op, pos, index, label", FREED_CASES,
+                         ids=[f"{c[0]}-{c[3]}" for c in FREED_CASES])
+def test_tensor_without_data_refused_by_name(op, pos, index, label):
+    args = op_arguments(op)
+    victim = args[pos] if index is None else args[pos][index]
+    numel = victim.numel()
+    victim.untyped_storage().resize_(0)
+    assert victim.numel() == numel and victim.data_ptr() == 0
+    others = [t for a in args for t in (a if isinstance(a, list) else [a])
+              if isinstance(t, torch.Tensor) and t is not victim]
+    pattern = (rf"^ampc\.{op}: {re.escape(label)} has {numel} elements and no data "
+               r"\(its storage was freed or resized to 0\)")
+    call = lambda: getattr(torch.ops.ampc, op)(*args)       # noqa: E731
+    assert_refused_unchanged(f"{op} {label} freed", call, others, RuntimeError, pattern)
+
+
+def test_freed_storage_refused_through_the_wrappers():
+    w = torch.randn(10)
+    w.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match=r"^ampc\.cast: src\[0\] has 10 elements and no data"):
+        ampc.ops.cast([w], bf16)
+    with pytest.raises(RuntimeError, match=r"^ampc\.unscale_check: grads\[0\] has 10 elements"):
+        ampc.ops.unscale_check([w], torch.zeros(1), torch.ones(1))
+    # an emptied tensor whose sizes are 0 too has nothing to read: fine
+    empty = torch.randn(0)
+    empty.untyped_storage().resize_(0)
+    assert ampc.ops.cast([empty], bf16)[0].numel() == 0
+
+
+def test_mixed_dtype_lists_run_in_one_call():
+    # the raw ops take lists that mix dtypes: one group of positions per dtype pair
+    src = [torch.randn(7), torch.randn(9).half(), torch.randn(3), torch.randn(4).to(bf16)]
+    dst = [torch.empty(7, dtype=bf16), torch.empty(9), torch.empty(3, dtype=f16),
+           torch.empty(4, dtype=bf16)]
+    torch.ops.ampc.cast(dst, src, [], False, 0)
+    for d, s in zip(dst, src):
+        assert torch.equal(d, s.to(d.dtype))
+    grads = [torch.randn(7), torch.randn(9).half(), torch.randn(3).to(bf16), torch.randn(2)]
+    grads[2][1] = float("inf")
+    ref = [g.clone() for g in grads]
+    found = torch.zeros(1)
+    torch.ops.ampc.unscale_check(grads, found, scalar(0.5))
+    assert found.item() == 1.0
+    for g, r in zip(grads, ref):
+        assert torch.equal(g, (r.float() * 0.5).to(r.dtype))

@@ -11,9 +11,10 @@ f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 def cast_samples():
     for s, d in [(f32, bf16), (f32, f16), (bf16, f32), (f16, bf16)]:
         src = [torch.randn(17).to(s), torch.randn(3, 5).to(s), torch.randn(0).to(s)]
-        yield (src, [torch.empty(t.shape, dtype=d) for t in src], False, 0)
+        yield ([torch.empty(t.shape, dtype=d) for t in src], src, [], False, 0)
     src = [torch.randn(33)]
-    yield (src, [torch.empty(33, dtype=bf16)], True, 7)
+    yield ([torch.empty(33, dtype=bf16)], src, [], True, 7)
+    yield ([torch.empty(33, dtype=bf16)], src, [torch.tensor([7])], True, 0)
 
 
 def unscale_samples():

@@ -2,6 +2,8 @@
 an independent transcription of the rule in csrc/dtype.h (which the CUDA kernels run
 as written), on values that cover every fp16/bf16 regime. Equal bits here are what
 make a seeded cast give the same result on CPU and CUDA."""
+import struct
+
 import numpy as np
 import pytest
 import torch
@@ -84,3 +86,91 @@ def test_inf_and_nan_pass_through_stochastic_rounding():
     for dtype in (torch.float16, torch.bfloat16):
         (y,) = ampc.ops.cast([x], dtype, stochastic=True, seed=5)
         assert torch.equal(y[:2].float(), x[:2]) and torch.isnan(y[2::3]).all()
+
+
+# ---- bits that advance on the device (Note [random bits that advance on the device]) ----
+# A seed passed by value is frozen into a captured CUDA graph. Adam mixes in each param's
+# step count, cast can read its seed from a tensor, so both draw new bits when the device
+# state moves on; the CPU computes the same bits.
+
+STRIDE = 0x9E3779B97F4A7C15
+
+
+def step_seed(seed, step):
+    """seed + bits(fp32 step) * STRIDE mod 2^64, written independently of ampc."""
+    bits = struct.unpack("<I", struct.pack("<f", step))[0]
+    return (seed + bits * STRIDE) % (1 << 64)
+
+
+def test_step_seed_is_the_documented_formula():
+    for seed, step in [(0, 1), (1234, 1), (1234, 2), ((1 << 64) - 1, 100000), (5, 2.0 ** 24)]:
+        assert ampc.ops.step_seed(seed, step) % (1 << 64) == step_seed(seed, step)
+    assert len({step_seed(7, k) for k in range(1, 1000)}) == 999
+
+
+def adam_with_frozen_masters(params, masters, steps, seed):
+    """One stochastic Adam step with lr = 0: the masters keep their values, so the params
+    are the same values rounded again, with the bits of the step taken."""
+    n = [p.numel() for p in params]
+    ampc.ops.adam_master(params, [torch.randn(k).to(p.dtype) for k, p in zip(n, params)],
+                         [torch.zeros(k) for k in n], [torch.zeros(k) for k in n],
+                         steps, lr=0.0, masters=masters, stochastic=True, seed=seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_consecutive_adam_steps_draw_different_bits(dtype):
+    seed = 4321
+    masters = [t.contiguous() for t in sample_values()[:60001].split([20000, 40001])]
+    want_values = torch.cat(masters)
+    params = [m.to(dtype) for m in masters]
+    steps = [torch.zeros(1), torch.zeros(1)]
+    seen = []
+    for step in (1, 2, 3):
+        adam_with_frozen_masters(params, masters, steps, seed)
+        assert torch.equal(torch.cat(masters), want_values)      # lr = 0: nothing moved
+        got = torch.cat([p.view(torch.int16) for p in params])
+        rnd = random_bits(step_seed(seed, float(step)), np.arange(got.numel(), dtype=np.uint64))
+        want = f16_sr(want_values, rnd) if dtype == torch.float16 else bf16_sr(want_values, rnd)
+        assert torch.equal(got, want), f"step {step}: bits differ from the documented formula"
+        seen.append(got)
+    # the same values, rounded on three steps: each pair of steps rounds some differently
+    for a, b in [(0, 1), (1, 2), (0, 2)]:
+        assert (seen[a] != seen[b]).sum() > 1000
+
+
+def test_params_with_different_step_counts_draw_their_own_bits():
+    # a param added to the optimizer later has a lower step count than the others
+    x = sample_values()[:20000].contiguous()
+    masters = [x.clone(), x.clone()]
+    params = [m.to(torch.bfloat16) for m in masters]
+    adam_with_frozen_masters(params, masters, [torch.full((1,), 4.0), torch.zeros(1)], 11)
+    for p, step, offset in [(params[0], 5.0, 0), (params[1], 1.0, x.numel())]:
+        rnd = random_bits(step_seed(11, step), np.arange(offset, offset + x.numel(), dtype=np.uint64))
+        assert torch.equal(p.view(torch.int16), bf16_sr(x, rnd))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cast_seed_tensor_is_read_when_the_cast_runs(dtype):
+    x = [t.contiguous() for t in sample_values()[:50001].split([30000, 20001])]
+    seed = torch.tensor([99], dtype=torch.int64)
+    a = ampc.ops.cast(x, dtype, stochastic=True, seed=seed)
+    b = ampc.ops.cast(x, dtype, stochastic=True, seed=99)
+    assert all(torch.equal(u.view(torch.int16), v.view(torch.int16)) for u, v in zip(a, b))
+    seed.add_(1)
+    c = ampc.ops.cast(x, dtype, stochastic=True, seed=seed)
+    d = ampc.ops.cast(x, dtype, stochastic=True, seed=100)
+    assert all(torch.equal(u.view(torch.int16), v.view(torch.int16)) for u, v in zip(c, d))
+    assert sum(int((u.view(torch.int16) != v.view(torch.int16)).sum()) for u, v in zip(a, c)) > 1000
+    # a negative int64 is the same 64 bits as the unsigned seed
+    seed.fill_(-1)
+    e = ampc.ops.cast(x, dtype, stochastic=True, seed=seed)
+    f = ampc.ops.cast(x, dtype, stochastic=True, seed=(1 << 64) - 1)
+    assert all(torch.equal(u.view(torch.int16), v.view(torch.int16)) for u, v in zip(e, f))
+
+
+def test_cast_seed_tensor_checked():
+    x = [torch.randn(4)]
+    for bad, what in [(torch.tensor([1.0]), "torch.float32"), (torch.tensor([1, 2]), "2 elements")]:
+        with pytest.raises(RuntimeError, match=r"^ampc\.cast: seed_tensor must be a 1-element "
+                                               rf"torch\.int64 tensor, got .*{what}"):
+            ampc.ops.cast(x, torch.bfloat16, stochastic=True, seed=bad)

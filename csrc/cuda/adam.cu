@@ -7,12 +7,16 @@
  * (to nearest even, or stochastically with the random bits of its list index). With masters
  * the param is only written, never read: 2 + 8 + 16 + 2 = 28 bytes a bf16 parameter.
  *
- * Launch shape: multi_tensor.cuh's walk (one 512-thread block per 65536-element chunk, all
- * chunks of up to ADAM_MAX_TENSORS tensors in one launch) with a 7-list table. Thread 0 of a
- * block reads found_inf, lr, inv_scale, clip_coef and the tensor's step on the device and
- * computes the tensor's constants once (in double, as adam.h does) for the whole block.
- * Each thread then moves 8 elements at a time with 16-byte accesses, 7 independent loads in
- * flight, when every chunk start is aligned; one element a thread otherwise.
+ * Launch shape: multi_tensor.cuh's walk (one block per chunk of 4,096 to 65,536 elements,
+ * Note [chunk per call], all chunks of up to ADAM_MAX_TENSORS tensors in one launch) with a
+ * 7-list table. Blocks of 256 threads, two per SM at most 128 registers a thread (the
+ * kernel needs 70-112): 16 warps an SM as with one 512-thread block, but one block's
+ * start overlaps the other's work. At the start, five lanes of warp 0 read found_inf, lr,
+ * inv_scale, clip_coef and the tensor's step at once (one round trip), and lane 0 computes
+ * the tensor's constants (in double, as adam.h does) for the whole block, while every
+ * thread's first loads are already in flight. Each thread moves 8 elements at a time with
+ * 16-byte accesses, 7 independent loads in flight, when every chunk start is aligned; one
+ * element a thread otherwise.
  *
  * Steps: every block of a tensor reads its step, so no block may advance it. After all the
  * update launches, a one-block launch on the same stream adds 1 to every step count (empty
@@ -35,6 +39,7 @@ enum {
     ADAM_LISTS,
 };
 
+#define ADAM_THREADS 256
 #define ADAM_MAX_TENSORS 48
 #define ADAM_MAX_STEPS 480
 
@@ -51,16 +56,6 @@ struct adam_steps {
 
 static_assert(sizeof(struct adam_steps) + sizeof(float *) <= 4096,
               "adam step arguments over 4 KB");
-
-/* A chunk's pointers, at its first element. */
-struct adam_chunk {
-    char *param;
-    const char *grad;
-    float *master;          /* NULL: the param is the weight */
-    float *m;
-    float *v;
-    float *vmax;            /* NULL without amsgrad */
-};
 
 __device__ __forceinline__ bool skipped(const float *found_inf)
 {
@@ -87,26 +82,39 @@ __device__ __forceinline__ void store_w(void *p, int u, const uint32_t x[W])
         store1<DT>(p, u, x[0]);
 }
 
-/*
- * Elements [W u, W u + W) of the chunk; k is the list index of the chunk's element 0. All
- * loads come first so that they are in flight together.
- */
-template <ampc_dtype PD, ampc_dtype GD, int W>
-__device__ __forceinline__ void adam_elements(const struct adam_chunk *q, int u, uint64_t k,
-                                              const struct ampc_adam_coef *c,
-                                              const struct ampc_adam_args *args)
-{
-    uint32_t g[W], w[W], m[W], v[W], vmax[W], p[W];
+/* The raw bits of elements [W u, W u + W) of a chunk, as loaded. */
+template <int W>
+struct adam_regs {
+    uint32_t g[W], w[W], m[W], v[W], vmax[W];
+};
 
-    load_w<GD, W>(g, q->grad, u);
+/* Issues every load of elements [W u, W u + W), so that they are in flight together. */
+template <ampc_dtype PD, ampc_dtype GD, int W>
+__device__ __forceinline__ void adam_load(const struct ampc_adam_ptrs *q, int u,
+                                          struct adam_regs<W> *r)
+{
+    load_w<GD, W>(r->g, q->grad, u);
     if (q->master)
-        load_w<AMPC_F32, W>(w, q->master, u);
+        load_w<AMPC_F32, W>(r->w, q->master, u);
     else
-        load_w<PD, W>(w, q->param, u);
-    load_w<AMPC_F32, W>(m, q->m, u);
-    load_w<AMPC_F32, W>(v, q->v, u);
+        load_w<PD, W>(r->w, q->param, u);
+    load_w<AMPC_F32, W>(r->m, q->m, u);
+    load_w<AMPC_F32, W>(r->v, q->v, u);
     if (q->vmax)
-        load_w<AMPC_F32, W>(vmax, q->vmax, u);
+        load_w<AMPC_F32, W>(r->vmax, q->vmax, u);
+}
+
+/* Updates and stores elements [W u, W u + W) from their loaded bits; k is the list index
+ * of the chunk's element 0. */
+template <ampc_dtype PD, ampc_dtype GD, int W>
+__device__ __forceinline__ void adam_update(const struct ampc_adam_ptrs *q, int u, uint64_t k,
+                                            const struct ampc_adam_coef *c,
+                                            const struct ampc_adam_args *args,
+                                            struct adam_regs<W> *r)
+{
+    uint32_t *g = r->g, *w = r->w, *m = r->m, *v = r->v, *vmax = r->vmax;
+    uint32_t p[W];
+
 #pragma unroll
     for (int e = 0; e < W; e++) {
         float wf = q->master ? ampc_bits_f32(w[e]) : to_f32<PD>(w[e]);
@@ -118,7 +126,7 @@ __device__ __forceinline__ void adam_elements(const struct adam_chunk *q, int u,
         m[e] = ampc_f32_bits(mf);
         v[e] = ampc_f32_bits(vf);
         vmax[e] = ampc_f32_bits(vmaxf);
-        p[e] = round_f32<PD>(wf, args->stochastic, args->seed, k + (uint64_t)(W * u + e));
+        p[e] = ampc_round_bits(wf, PD, args->stochastic, c->seed, k + (uint64_t)(W * u + e));
     }
     store_w<AMPC_F32, W>(q->m, u, m);
     store_w<AMPC_F32, W>(q->v, u, v);
@@ -129,45 +137,67 @@ __device__ __forceinline__ void adam_elements(const struct adam_chunk *q, int u,
     store_w<PD, W>(q->param, u, p);
 }
 
+template <ampc_dtype PD, ampc_dtype GD, int W>
+__device__ __forceinline__ void adam_elements(const struct ampc_adam_ptrs *q, int u, uint64_t k,
+                                              const struct ampc_adam_coef *c,
+                                              const struct ampc_adam_args *args)
+{
+    struct adam_regs<W> r;
+
+    adam_load<PD, GD, W>(q, u, &r);
+    adam_update<PD, GD, W>(q, u, k, c, args, &r);
+}
+
 // ---- kernels ----
 
-/* Tensor t's constants, from its step and the control values (adam.c does the same). */
-__device__ struct ampc_adam_coef tensor_coef(const struct adam_table *tab, int t,
-                                             const struct ampc_adam_control *control,
-                                             const struct ampc_adam_args *args)
+static __device__ struct ampc_adam_ptrs chunk_at(const struct adam_table *tab, int t,
+                                                 int64_t start, ampc_dtype pd, ampc_dtype gd)
 {
-    float step = *(const float *)tab->ptr[ADAM_STEP][t] + 1.0f;    /* fp32, as stored */
-    double lr = control->lr ? (double)*control->lr : args->lr;
-    float inv_scale = control->inv_scale ? *control->inv_scale : 1.0f;
-    float clip = control->clip_coef ? *control->clip_coef : 1.0f;
-    int amsgrad = tab->ptr[ADAM_MAX_EXP_AVG_SQ][t] != NULL;
-    return ampc_adam_coef(args, lr, (double)step, inv_scale, clip, amsgrad);
+    return ampc_adam_ptrs_at(tab->ptr[ADAM_PARAM][t], pd, tab->ptr[ADAM_GRAD][t], gd,
+                             tab->ptr[ADAM_MASTER][t], tab->ptr[ADAM_EXP_AVG][t],
+                             tab->ptr[ADAM_EXP_AVG_SQ][t], tab->ptr[ADAM_MAX_EXP_AVG_SQ][t], start);
 }
 
-static __device__ struct adam_chunk chunk_at(const struct adam_table *tab, int t,
-                                             int64_t start, ampc_dtype pd, ampc_dtype gd)
-{
-    struct adam_chunk q;
-    float *master = (float *)tab->ptr[ADAM_MASTER][t];
-    float *vmax = (float *)tab->ptr[ADAM_MAX_EXP_AVG_SQ][t];
-
-    q.param = (char *)tab->ptr[ADAM_PARAM][t] + start * ELEM_SIZE(pd);
-    q.grad = (const char *)tab->ptr[ADAM_GRAD][t] + start * ELEM_SIZE(gd);
-    q.master = master ? master + start : NULL;
-    q.m = (float *)tab->ptr[ADAM_EXP_AVG][t] + start;
-    q.v = (float *)tab->ptr[ADAM_EXP_AVG_SQ][t] + start;
-    q.vmax = vmax ? vmax + start : NULL;
-    return q;
-}
-
-static __device__ bool chunk_vec_ok(const struct adam_chunk *q)
+static __device__ bool chunk_vec_ok(const struct ampc_adam_ptrs *q)
 {
     return vec_ok(q->param) && vec_ok(q->grad) && (!q->master || vec_ok(q->master)) &&
            vec_ok(q->m) && vec_ok(q->v) && (!q->vmax || vec_ok(q->vmax));
 }
 
+/* The block's constants, or *skip: lanes 0-4 of warp 0 each read one device value, so
+ * the five reads are in flight together; lane 0 computes from them. */
+static __device__ void block_start(const struct adam_table *tab, int t,
+                                   const struct ampc_adam_control *control,
+                                   const struct ampc_adam_args *args,
+                                   struct ampc_adam_coef *coef, bool *skip)
+{
+    const unsigned all = 0xffffffffu;
+    int lane = threadIdx.x;
+    const float *from = lane == 0 ? control->found_inf
+                      : lane == 1 ? control->lr
+                      : lane == 2 ? control->inv_scale
+                      : lane == 3 ? control->clip_coef
+                      : lane == 4 ? (const float *)tab->ptr[ADAM_STEP][t] : NULL;
+    float x = from ? *from : 0.0f;
+    float found = __shfl_sync(all, x, 0);
+    float lr = __shfl_sync(all, x, 1);
+    float inv_scale = __shfl_sync(all, x, 2);
+    float clip = __shfl_sync(all, x, 3);
+    float step = __shfl_sync(all, x, 4);
+
+    if (lane != 0)
+        return;
+    *skip = found != 0.0f;          /* a NULL found_inf reads as 0: never skipped */
+    if (*skip)
+        return;
+    struct ampc_adam_control read = {control->lr ? &lr : NULL,
+                                     control->inv_scale ? &inv_scale : NULL,
+                                     control->clip_coef ? &clip : NULL, NULL};
+    *coef = ampc_adam_tensor_coef(args, &read, step, tab->ptr[ADAM_MAX_EXP_AVG_SQ][t] != NULL);
+}
+
 template <ampc_dtype PD, ampc_dtype GD>
-__global__ void __launch_bounds__(MT_THREADS)
+__global__ void __launch_bounds__(ADAM_THREADS, 2)
 adam_kernel(const __grid_constant__ struct adam_table tab,
             const __grid_constant__ struct ampc_adam_control control,
             const __grid_constant__ struct ampc_adam_args args)
@@ -177,27 +207,27 @@ adam_kernel(const __grid_constant__ struct adam_table tab,
     int64_t start;
     int len;
     int t = mt_chunk(&tab, &start, &len);
-    int tail = 0;
+    struct ampc_adam_ptrs q = chunk_at(&tab, t, start, PD, GD);
+    int nvec = chunk_vec_ok(&q) ? len / 8 : 0;
+    int u = threadIdx.x;
+    struct adam_regs<8> first;
 
-    if (threadIdx.x == 0) {
-        skip = skipped(control.found_inf);
-        if (!skip)
-            block_coef = tensor_coef(&tab, t, &control, &args);
-    }
+    if (u < nvec)       /* in flight while warp 0 reads the controls and computes */
+        adam_load<PD, GD, 8>(&q, u, &first);
+    if (threadIdx.x < 32)
+        block_start(&tab, t, &control, &args, &block_coef, &skip);
     __syncthreads();
-    if (skip)
+    if (skip)           /* the loads were reads only: nothing moves */
         return;
     struct ampc_adam_coef c = block_coef;
-    struct adam_chunk q = chunk_at(&tab, t, start, PD, GD);
     uint64_t k = (uint64_t)(tab.first[t] + start);
 
-    if (chunk_vec_ok(&q)) {
-        int nvec = len / 8;
-        for (int u = threadIdx.x; u < nvec; u += MT_THREADS)
+    if (u < nvec) {
+        adam_update<PD, GD, 8>(&q, u, k, &c, &args, &first);
+        for (u += ADAM_THREADS; u < nvec; u += ADAM_THREADS)
             adam_elements<PD, GD, 8>(&q, u, k, &c, &args);
-        tail = nvec * 8;
     }
-    for (int i = tail + threadIdx.x; i < len; i += MT_THREADS)
+    for (int i = nvec * 8 + threadIdx.x; i < len; i += ADAM_THREADS)
         adam_elements<PD, GD, 1>(&q, i, k, &c, &args);
 }
 
@@ -215,14 +245,7 @@ typedef void (*adam_kernel_fn)(const struct adam_table, const struct ampc_adam_c
                                const struct ampc_adam_args);
 
 /* [param dtype][grad dtype], in ampc_dtype order */
-static const adam_kernel_fn adam_kernels[3][3] = {
-    {adam_kernel<AMPC_F32, AMPC_F32>, adam_kernel<AMPC_F32, AMPC_F16>,
-     adam_kernel<AMPC_F32, AMPC_BF16>},
-    {adam_kernel<AMPC_F16, AMPC_F32>, adam_kernel<AMPC_F16, AMPC_F16>,
-     adam_kernel<AMPC_F16, AMPC_BF16>},
-    {adam_kernel<AMPC_BF16, AMPC_F32>, adam_kernel<AMPC_BF16, AMPC_F16>,
-     adam_kernel<AMPC_BF16, AMPC_BF16>},
-};
+static const adam_kernel_fn adam_kernels[3][3] = DTYPE_PAIRS(adam_kernel);
 
 struct adam_ctx {
     adam_kernel_fn kernel;
@@ -234,7 +257,7 @@ struct adam_ctx {
 static ampc_status adam_launch(const struct adam_table *tab, int nblocks, void *ctx)
 {
     const struct adam_ctx *c = (const struct adam_ctx *)ctx;
-    c->kernel<<<nblocks, MT_THREADS, 0, c->stream>>>(*tab, c->control, c->args);
+    c->kernel<<<nblocks, ADAM_THREADS, 0, c->stream>>>(*tab, c->control, c->args);
     return ampc_cuda_status(cudaGetLastError());
 }
 
@@ -272,7 +295,9 @@ extern "C" ampc_status ampc_adam_cuda_impl(const struct ampc_adam_lists *lists,
     c.control = *control;
     c.args = *args;
     c.stream = (cudaStream_t)stream;
-    ampc_status st = mt_apply_lists<struct adam_table>(table_lists, adam_launch, &c);
+    ampc_status st = mt_apply_lists<struct adam_table>(table_lists,
+                                                       mt_chunk_size(&lists->params),
+                                                       adam_launch, &c);
     if (st != AMPC_OK)
         return st;
     return advance_steps(&lists->steps, control->found_inf, c.stream);

@@ -1,7 +1,7 @@
 /*
  * api.cu: the one exported symbol of the CUDA library, ampc_cuda_get_api(), which hands
- * the binding a table of the launchers (struct ampc_cuda_api in ampc.h), plus device
- * selection and the per-thread text of the last error.
+ * the binding a table of the launchers (struct ampc_cuda_api in ampc.h), plus the version
+ * probe, device selection and the per-thread text of the last error.
  *
  * The library is loaded at run time and only when torch has CUDA, so the CPU build never
  * depends on it; everything but the table getter is hidden. No launcher synchronizes with
@@ -36,38 +36,58 @@ const char *ampc_cuda_last_error(void)
     return last_error;
 }
 
+// ---- versions ----
+
+static void probe(int *driver_version, int *runtime_version)
+{
+    *driver_version = 0;
+    *runtime_version = CUDART_VERSION;
+    if (cudaDriverGetVersion(driver_version) != cudaSuccess)
+        *driver_version = 0;
+    cudaRuntimeGetVersion(runtime_version);
+}
+
 // ---- device and stream ----
 
-/* Makes `device` current and returns the previous one and torch's current stream on it. */
-static ampc_status begin(int device, int *prev_device, void **stream)
+/*
+ * torch's CUDAGuard (through the stable ABI) switches devices as torch does: it leaves a
+ * thread's device alone when it already is the one asked for, so no context is created on
+ * GPU 0 by a thread that never uses it, and deleting it restores the previous device. Our
+ * static runtime launches into whatever context the guard made current.
+ */
+static ampc_status begin(int device, void **guard, void **stream)
 {
-    ampc_status st = ampc_cuda_status(cudaGetDevice(prev_device));
+    CUDAGuardHandle g = NULL;
+    ampc_status st;
+
+    *guard = NULL;
+    cudaGetLastError();         /* an error of earlier work is not this op's */
+    st = ampc_cuda_status(cudaPeekAtLastError());   /* a sticky one: the context is broken */
     if (st != AMPC_OK)
         return st;
-    if (*prev_device != device) {
-        st = ampc_cuda_status(cudaSetDevice(device));
-        if (st != AMPC_OK)
-            return st;
+    if (aoti_torch_create_cuda_guard(device, &g) != 0) {
+        char msg[64];
+        snprintf(msg, sizeof(msg), "torch could not make cuda:%d current", device);
+        return ampc_cuda_fail(AMPC_ERR_CUDA, msg);
     }
     if (aoti_torch_get_current_cuda_stream(device, stream) != 0) {
-        if (*prev_device != device)
-            cudaSetDevice(*prev_device);
+        aoti_torch_delete_cuda_guard(g);
         return ampc_cuda_fail(AMPC_ERR_CUDA, "could not get torch's current CUDA stream");
     }
+    *guard = g;
     return AMPC_OK;
 }
 
-static void end(int prev_device)
+static void end(void *guard)
 {
-    int device = prev_device;
-    cudaGetDevice(&device);
-    if (device != prev_device)
-        cudaSetDevice(prev_device);
+    if (guard)
+        aoti_torch_delete_cuda_guard((CUDAGuardHandle)guard);
 }
 
 // ---- the table ----
 
 static const struct ampc_cuda_api api = {
+    probe,
     begin,
     end,
     ampc_cast_cuda_impl,

@@ -10,8 +10,8 @@
  *   the CPU computes;
  * - 16-byte vector loads and stores of 8 elements (one uint4 of a 16-bit type, two of fp32);
  * - a deterministic block sum;
- * - the launchers of each op (defined in cast.cu, unscale.cu, scale.cu, adam.cu) and the few torch
- *   functions they call.
+ * - the launchers of each op (defined in cast.cu, unscale_check.cu, check_norm.cu,
+ *   update_scale.cu, adam.cu) and the few torch functions they call.
  */
 #ifndef AMPC_CUDA_COMMON_CUH
 #define AMPC_CUDA_COMMON_CUH
@@ -24,7 +24,6 @@
 #include "torch_shim.h"     // defines: AOTITorchError, aoti_torch_get_current_cuda_stream
 
 #define CEIL_DIV(a, b) (((a) + (b) - 1) / (b))
-#define ELEM_SIZE(dt) ((dt) == AMPC_F32 ? 4 : 2)
 
 // ---- errors (api.cu) ----
 
@@ -51,6 +50,14 @@ ampc_status ampc_adam_cuda_impl(const struct ampc_adam_lists *lists,
                                 const struct ampc_adam_args *args, void *stream);
 }
 
+/* The 3 x 3 table of a kernel template on two dtypes, [first][second] in ampc_dtype order. */
+#define DTYPE_PAIRS(k)                                                                    \
+    {                                                                                     \
+        {k<AMPC_F32, AMPC_F32>, k<AMPC_F32, AMPC_F16>, k<AMPC_F32, AMPC_BF16>},           \
+        {k<AMPC_F16, AMPC_F32>, k<AMPC_F16, AMPC_F16>, k<AMPC_F16, AMPC_BF16>},           \
+        {k<AMPC_BF16, AMPC_F32>, k<AMPC_BF16, AMPC_F16>, k<AMPC_BF16, AMPC_BF16>},        \
+    }
+
 // ---- element access ----
 
 /* The value of raw bits x of dtype DT, exactly. */
@@ -75,23 +82,11 @@ __device__ __forceinline__ uint32_t from_f32(float f)
     return ampc_f32_to_bf16(f);
 }
 
-/* The raw bits of f rounded to 16-bit dtype DT (or kept as fp32): to nearest even, or with
- * `stochastic` by the random bits of list element k (Note [stochastic rounding]). */
-template <ampc_dtype DT>
-__device__ __forceinline__ uint32_t round_f32(float f, int stochastic, uint64_t seed,
-                                              uint64_t k)
-{
-    if (DT == AMPC_F32 || !stochastic)
-        return from_f32<DT>(f);
-    uint32_t rnd = ampc_random_bits(seed, k);
-    return DT == AMPC_F16 ? ampc_f32_to_f16_sr(f, rnd) : ampc_f32_to_bf16_sr(f, rnd);
-}
-
 /* p advanced by i elements of dtype DT. */
 template <ampc_dtype DT>
 __device__ __forceinline__ char *elem_ptr(void *p, int64_t i)
 {
-    return (char *)p + i * ELEM_SIZE(DT);
+    return (char *)p + i * ampc_dtype_size(DT);
 }
 
 template <ampc_dtype DT>
@@ -150,12 +145,6 @@ __device__ __forceinline__ void store8(void *p, int u, const uint32_t v[8])
         ((uint4 *)p)[u] = make_uint4(v[0] | v[1] << 16, v[2] | v[3] << 16,
                                      v[4] | v[5] << 16, v[6] | v[7] << 16);
     }
-}
-
-/* True for inf and nan. */
-__device__ __forceinline__ bool non_finite(float f)
-{
-    return (ampc_f32_bits(f) & 0x7f800000u) == 0x7f800000u;
 }
 
 // ---- reductions ----

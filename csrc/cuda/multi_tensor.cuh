@@ -2,7 +2,8 @@
  * multi_tensor.cuh: run one kernel over every element of a list of tensors (or of two
  * lists walked in step, as dst and src of a cast) in a few launches.
  *
- * Launch shape: every tensor is cut into chunks of MT_CHUNK elements; one block of
+ * Launch shape: every tensor is cut into chunks of `chunk` elements (Note [chunk per call]
+ * below: 4,096 to MT_CHUNK, a power of two); one block of
  * MT_THREADS threads works on one chunk. A launch covers up to MT_MAX_TENSORS consecutive
  * non-empty tensors with all their chunks (one launch for a single huge tensor), so the
  * grid has one block per chunk. Its table (pointers, numel, the list index of each
@@ -24,7 +25,9 @@
 
 #include "common.cuh"
 
-#define MT_CHUNK 65536          /* elements per block: a multiple of 8, so chunks stay aligned */
+#define MT_CHUNK 65536          /* largest chunk: a multiple of 8, so chunks stay aligned */
+#define MT_MIN_CHUNK 4096       /* smallest: 8 elements a thread of a 512-thread block */
+#define MT_BLOCKS_PER_SM 4
 #define MT_THREADS 512
 #define MT_ILP 4                /* 16-byte vectors in flight per thread */
 #define MT_MAX_TENSORS 96
@@ -38,6 +41,7 @@ struct mt_table_of {
     int64_t first[MAX_TENSORS];         /* list index of element 0 (Note [stochastic rounding]) */
     int32_t block_start[MAX_TENSORS];   /* first block of the launch on this tensor */
     int32_t count;
+    int32_t chunk;                      /* elements per block, for the whole call */
     int64_t block_offset;               /* blocks of the earlier launches for the same list */
 };
 
@@ -49,7 +53,7 @@ static_assert(sizeof(struct mt_table) <= 4096 - 256, "mt_table too large for a k
 
 /*
  * The chunk of the calling block: returns its tensor's slot t and sets *start (element
- * offset in tensor t) and *len (1..MT_CHUNK). Element i of the chunk has list index
+ * offset in tensor t) and *len (1..tab->chunk). Element i of the chunk has list index
  * tab->first[t] + *start + i.
  */
 template <int L, int N>
@@ -67,32 +71,51 @@ __device__ __forceinline__ int mt_chunk(const struct mt_table_of<L, N> *tab, int
         else
             hi = mid - 1;
     }
-    *start = (int64_t)(block - tab->block_start[lo]) * MT_CHUNK;
+    *start = (int64_t)(block - tab->block_start[lo]) * tab->chunk;
     int64_t left = tab->numel[lo] - *start;
-    *len = left < MT_CHUNK ? (int)left : MT_CHUNK;
+    *len = left < tab->chunk ? (int)left : tab->chunk;
     return lo;
+}
+
+/* Elements of dtype DT before the first 16-byte boundary at or after p (p is aligned to
+ * its element, as every tensor's data is). */
+template <ampc_dtype DT>
+__device__ __forceinline__ int head_elems(const void *p)
+{
+    return (int)(((16 - ((uintptr_t)p & 15)) & 15) / ampc_dtype_size(DT));
 }
 
 /*
  * Visits elements [0, len) of the calling block's chunk: x = op(x, i) on the raw bits x of
  * element i, read as dtype S from `in` and, unless `out` is NULL (a read-only visit),
- * written as dtype D to `out`. When both pointers allow it, each thread moves 16-byte
- * vectors of 8 elements, MT_ILP of them loaded before the first is used, to keep enough
- * bytes in flight; otherwise (a storage offset that breaks alignment) one element a thread.
+ * written as dtype D to `out`. Each thread moves 16-byte vectors of 8 elements, MT_ILP of
+ * them loaded before the first is used, to keep enough bytes in flight. A view into a flat
+ * buffer may start off a 16-byte boundary: when the input and the output are off by the
+ * same number of elements (always so for unscale_check, check_norm and a same-dtype copy),
+ * the first `head` elements go one a thread and the vectors start after them; otherwise
+ * the whole chunk goes one element a thread.
  */
 template <ampc_dtype S, ampc_dtype D, typename Op>
 __device__ __forceinline__ void mt_visit(const char *in, char *out, int len, Op op)
 {
+    int head = head_elems<S>(in);
     int tail = 0;
 
-    if (vec_ok(in) && (out == NULL || vec_ok(out))) {
-        int nvec = len / 8;
+    if (head < len && (out == NULL || head_elems<D>(out) == head)) {
+        for (int i = threadIdx.x; i < head; i += MT_THREADS) {
+            uint32_t x = op(load1<S>(in, i), i);
+            if (out)
+                store1<D>(out, i, x);
+        }
+        const char *vin = in + head * ampc_dtype_size(S);
+        char *vout = out ? out + head * ampc_dtype_size(D) : NULL;
+        int nvec = (len - head) / 8;
         for (int u0 = threadIdx.x; u0 < nvec; u0 += MT_THREADS * MT_ILP) {
             uint32_t v[MT_ILP][8];
 #pragma unroll
             for (int j = 0; j < MT_ILP; j++)
                 if (u0 + j * MT_THREADS < nvec)
-                    load8<S>(v[j], in, u0 + j * MT_THREADS);
+                    load8<S>(v[j], vin, u0 + j * MT_THREADS);
 #pragma unroll
             for (int j = 0; j < MT_ILP; j++) {
                 int u = u0 + j * MT_THREADS;
@@ -100,12 +123,12 @@ __device__ __forceinline__ void mt_visit(const char *in, char *out, int len, Op 
                     break;
 #pragma unroll
                 for (int e = 0; e < 8; e++)
-                    v[j][e] = op(v[j][e], 8 * u + e);
-                if (out)
-                    store8<D>(out, u, v[j]);
+                    v[j][e] = op(v[j][e], head + 8 * u + e);
+                if (vout)
+                    store8<D>(vout, u, v[j]);
             }
         }
-        tail = nvec * 8;
+        tail = head + nvec * 8;
     }
     for (int i = tail + threadIdx.x; i < len; i += MT_THREADS) {
         uint32_t x = op(load1<S>(in, i), i);
@@ -114,18 +137,50 @@ __device__ __forceinline__ void mt_visit(const char *in, char *out, int len, Op 
     }
 }
 
-static inline int64_t mt_chunks(int64_t numel)
-{
-    return CEIL_DIV(numel, (int64_t)MT_CHUNK);
-}
-
 /* Chunks (blocks) needed for a whole list. */
-static inline int64_t mt_list_chunks(const struct ampc_list *a)
+static inline int64_t mt_list_chunks(const struct ampc_list *a, int64_t chunk)
 {
     int64_t n = 0;
     for (int64_t i = 0; i < a->count; i++)
-        n += mt_chunks(a->numel[i]);
+        n += CEIL_DIV(a->numel[i], chunk);
     return n;
+}
+
+/*
+ * Note [chunk per call]: with a fixed 65,536-element chunk a list fills the 132 SMs of an
+ * H100/H200 only from ~17M elements on. The chunk of a call is the largest power of two
+ * from MT_MIN_CHUNK to MT_CHUNK that still gives MT_BLOCKS_PER_SM blocks per SM of the
+ * current device (begin() made it the tensors' device). Cast, unscale_check and Adam
+ * give the same bits whatever the chunk (element numbering and the per-element rules do not
+ * depend on it); check_norm's sums follow the chunks, which the list and the device fix,
+ * so it stays deterministic.
+ */
+static inline int64_t mt_chunk_size(const struct ampc_list *a)
+{
+    static int sm_count[64];    /* per device; threads may race to set it: all set the same */
+    int64_t total = 0;
+    int device = 0;
+
+    for (int64_t i = 0; i < a->count; i++)
+        total += a->numel[i];
+    if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
+        cudaGetLastError();     /* not this op's error: the launches report their own */
+        return MT_CHUNK;
+    }
+    int sms = __atomic_load_n(&sm_count[device], __ATOMIC_RELAXED);
+    if (sms <= 0) {
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+            sms <= 0) {
+            cudaGetLastError();
+            return MT_CHUNK;
+        }
+        __atomic_store_n(&sm_count[device], sms, __ATOMIC_RELAXED);
+    }
+    int64_t want = total / ((int64_t)MT_BLOCKS_PER_SM * sms);
+    int64_t chunk = MT_MIN_CHUNK;
+    while (chunk * 2 <= want && chunk < MT_CHUNK)
+        chunk *= 2;
+    return chunk;
 }
 
 /*
@@ -135,7 +190,7 @@ static inline int64_t mt_list_chunks(const struct ampc_list *a)
  * and for the last. Nothing is launched for a list without elements.
  */
 template <typename Table>
-static inline ampc_status mt_apply_lists(const struct ampc_list *const lists[],
+static inline ampc_status mt_apply_lists(const struct ampc_list *const lists[], int64_t chunk,
                                          ampc_status (*launch)(const Table *, int, void *),
                                          void *ctx)
 {
@@ -144,12 +199,13 @@ static inline ampc_status mt_apply_lists(const struct ampc_list *const lists[],
     int blocks = 0;
 
     memset(&tab, 0, sizeof(tab));
+    tab.chunk = (int32_t)chunk;
     for (int64_t i = 0; i < lists[0]->count; i++) {
         int64_t n = lists[0]->numel[i];
-        int64_t chunks = mt_chunks(n);
+        int64_t chunks = CEIL_DIV(n, chunk);
         if (n == 0)
             continue;
-        /* A tensor's chunks always fit one grid: INT_MAX chunks would be 2^47 elements. */
+        /* A tensor's chunks always fit one grid: INT_MAX chunks would be 2^43 elements. */
         if (tab.count == Table::max_tensors || (tab.count > 0 && chunks > INT_MAX - blocks)) {
             ampc_status st = launch(&tab, blocks, ctx);
             if (st != AMPC_OK)
@@ -175,12 +231,29 @@ static inline ampc_status mt_apply_lists(const struct ampc_list *const lists[],
 /* Launches one kernel for `tab` with `nblocks` blocks; returns the launch's status. */
 typedef ampc_status (*mt_launch_fn)(const struct mt_table *tab, int nblocks, void *ctx);
 
+/* The launch of a one-list kernel that takes the table and two more arguments. */
+template <typename A, typename B>
+struct mt_launch2 {
+    void (*kernel)(const struct mt_table, A, B);
+    A a;
+    B b;
+    cudaStream_t stream;
+};
+
+template <typename A, typename B>
+static ampc_status mt_launch2_fn(const struct mt_table *tab, int nblocks, void *ctx)
+{
+    const struct mt_launch2<A, B> *c = (const struct mt_launch2<A, B> *)ctx;
+    c->kernel<<<nblocks, MT_THREADS, 0, c->stream>>>(*tab, c->a, c->b);
+    return ampc_cuda_status(cudaGetLastError());
+}
+
 /* mt_apply_lists over list a (and b, same numels, or NULL) with the two-list table. */
 static inline ampc_status mt_apply(const struct ampc_list *a, const struct ampc_list *b,
-                                   mt_launch_fn launch, void *ctx)
+                                   int64_t chunk, mt_launch_fn launch, void *ctx)
 {
     const struct ampc_list *lists[2] = {a, b};
-    return mt_apply_lists<struct mt_table>(lists, launch, ctx);
+    return mt_apply_lists<struct mt_table>(lists, chunk, launch, ctx);
 }
 
 #endif /* AMPC_CUDA_MULTI_TENSOR_CUH */

@@ -1,7 +1,7 @@
 /*
- * scale.c: dynamic loss-scale update on the CPU; the rule lives in scale.h.
+ * update_scale.c: dynamic loss-scale update on the CPU; the rule lives in update_scale.h.
  */
-#include "scale.h"
+#include "update_scale.h"
 
 ampc_status ampc_update_scale_cpu(float *scale, int32_t *growth_tracker,
                                   int32_t *hysteresis_tracker, const float *found_inf,

@@ -1,5 +1,5 @@
 /*
- * scale.h: one step of dynamic loss scaling, shared by the CPU and the CUDA code.
+ * update_scale.h: one step of dynamic loss scaling, shared by the CPU and the CUDA code.
  *
  * With hysteresis = 1, min_scale = 0 and max_scale = inf this is exactly torch's
  * _amp_update_scale_ (aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp):
@@ -14,8 +14,8 @@
  * changes (a growth that would pass max_scale lands on it, as long as that is finite
  * in fp32; a backoff below min_scale lands on min_scale).
  */
-#ifndef AMPC_SCALE_H
-#define AMPC_SCALE_H
+#ifndef AMPC_UPDATE_SCALE_H
+#define AMPC_UPDATE_SCALE_H
 
 #include "ampc.h"
 #include "dtype.h"
@@ -45,7 +45,7 @@ AMPC_HD void ampc_update_scale_step(float *scale, int32_t *growth_tracker,
         if (grown > a->max_scale)
             grown = a->max_scale;
         float s = (float)grown;
-        if ((ampc_f32_bits(s) & 0x7f800000u) != 0x7f800000u)      /* finite */
+        if (!ampc_non_finite(s))
             *scale = s;
         *growth_tracker = 0;
     } else {
@@ -55,4 +55,4 @@ AMPC_HD void ampc_update_scale_step(float *scale, int32_t *growth_tracker,
         *hysteresis_tracker = (int32_t)a->hysteresis;
 }
 
-#endif /* AMPC_SCALE_H */
+#endif /* AMPC_UPDATE_SCALE_H */

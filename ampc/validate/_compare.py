@@ -1,0 +1,453 @@
+"""compare(): train the same model on the same batches under fp32 and under each
+mixed-precision setup, and measure how far each one drifts from fp32.
+
+Setups (each in float16 or bfloat16):
+  torch.amp    fp32 weights, torch.autocast, torch.amp.GradScaler (fp16), torch AdamW
+  ampc         fp32 weights, ampc.autocast, ampc.GradScaler (fp16), ampc.optim.AdamW
+  ampc.master  ampc.prepare: 16-bit weights, fp32 master weights in ampc.optim.AdamW,
+               ampc.GradScaler (fp16)
+
+Every run builds its model with ``make_model()`` right after ``torch.manual_seed(seed)``,
+so all runs of one seed start from the same weights, and every run sees the same batches.
+fp32 is also trained from a second seed: the gap between its two runs is the
+run-to-run noise a mixed-precision run is judged against.
+"""
+import contextlib
+import ctypes
+import gc
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+SETUPS = ("torch.amp", "ampc", "ampc.master")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
+
+
+def default_loss(output, target):
+    """Cross-entropy over the last dimension of ``output`` (computed in fp32)."""
+    return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+def parse_setup(spec, dtype):
+    """'ampc' or 'ampc@fp16' -> ('ampc', torch.float16); ``dtype`` when no suffix."""
+    if not isinstance(spec, str):
+        raise TypeError(f"ampc.validate: a setup must be a string like 'ampc' or 'ampc@fp16', "
+                        f"got {type(spec).__name__}")
+    kind, _, suffix = spec.partition("@")
+    if kind not in SETUPS:
+        raise ValueError(f"ampc.validate: unknown setup {kind!r}; choose from {', '.join(SETUPS)} "
+                         f"(optionally with @fp16 or @bf16)")
+    if suffix:
+        if suffix not in DTYPES:
+            raise ValueError(f"ampc.validate: setup {spec!r}: dtype must be fp16 or bf16, "
+                             f"got {suffix!r}")
+        dtype = DTYPES[suffix]
+    return kind, dtype
+
+
+@dataclass
+class Run:
+    """One training run: per-step curves and what it cost."""
+    name: str
+    kind: str                 # fp32, torch.amp, ampc or ampc.master
+    dtype: str                # fp32, fp16 or bf16
+    seed: int
+    losses: list = field(default_factory=list)
+    grad_norms: list = field(default_factory=list)   # global L2 norm of the unscaled grads
+    scales: list = field(default_factory=list)       # loss scale used at each step (1.0: none)
+    skipped: list = field(default_factory=list)      # steps whose update was skipped (inf/nan)
+    step_ms: list = field(default_factory=list)      # forward + backward + optimizer
+    peak_mib: float = None    # memory this run added at its peak (see _PeakMemory)
+    val_loss: float = None
+    model: object = field(default=None, repr=False)      # the trained model and its
+    optimizer: object = field(default=None, repr=False)  # optimizer (not serialized)
+
+    def median_ms(self):
+        warm = self.step_ms[len(self.step_ms) // 5:] or self.step_ms
+        return statistics.median(warm)
+
+    def as_dict(self):
+        d = {k: v for k, v in self.__dict__.items() if k not in ("model", "optimizer")}
+        d["median_step_ms"] = self.median_ms()
+        return d
+
+
+# ---- memory ----
+
+def _rss_kib(field_name):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise OSError(field_name)
+
+
+class _PeakMemory:
+    """Peak memory a run adds over what the process held when it started.
+
+    CUDA: torch.cuda.max_memory_allocated. CPU (Linux): the process's peak resident set,
+    reset before the run (writing 5 to /proc/self/clear_refs), after freed heap memory has
+    been handed back (malloc_trim), so that each run is measured on its own in one
+    process. Elsewhere the figure is None.
+    """
+
+    def __init__(self, device):
+        self.device = device
+        self.base = None
+
+    def start(self):
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.base = _rss_kib("VmRSS")
+        except OSError:
+            self.base = None
+
+    def peak_mib(self):
+        if self.base is None:
+            return None
+        if self.device == "cuda":
+            return (torch.cuda.max_memory_allocated() - self.base) / 2**20
+        return max(0, _rss_kib("VmHWM") - self.base) / 1024
+
+
+# ---- one run ----
+
+def _progress(total, label, enabled, position=None):
+    """A tqdm bar when tqdm is installed, else a line every 10% of the run."""
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None:
+        return tqdm(total=total, desc=f"{label:<18}", unit="step", leave=True, dynamic_ncols=True,
+                    position=position)
+
+    class Lines:
+        n = 0
+
+        def update(self, k=1):
+            self.n += k
+            if self.n == self.total or self.n % max(1, self.total // 10) == 0:
+                print(f"{label}: step {self.n}/{self.total}", flush=True)
+
+        def set_postfix_str(self, s):
+            pass
+
+        def refresh(self):
+            pass
+
+        def close(self):
+            pass
+    bar = Lines()
+    bar.total = total
+    return bar
+
+
+def _call(model, inputs):
+    return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
+
+
+def _to(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def _grad_norm(model):
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+    return torch.linalg.vector_norm(norms).item()
+
+
+def _torch_adamw(params, lr):
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, lr=lr, fused=True)
+    except (RuntimeError, ValueError):       # a device or dtype fused AdamW does not take
+        return torch.optim.AdamW(params, lr=lr)
+
+
+class Trainer:
+    """One setup being trained: its model, optimizer, scaler, autocast region and Run.
+
+    Keeps its own random state (dropout draws), so that runs trained in lockstep draw
+    the same numbers as runs trained one after another.
+    """
+
+    def __init__(self, kind, dtype, make_model, *, loss_fn=None, lr=1e-3, seed=0,
+                 device="cpu", name=None):
+        import ampc
+        self.loss_fn = loss_fn or default_loss
+        self.device = device
+        dname = "fp32" if kind == "fp32" else DTYPE_NAMES[dtype]
+        self.run = Run(name or (kind if kind == "fp32" else f"{kind} {dname}"), kind, dname, seed)
+        self.memory = _PeakMemory(device)
+        self.memory.start()
+        torch.manual_seed(seed)
+        model = make_model()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"ampc.validate: make_model() must return an nn.Module, "
+                            f"got {type(model).__name__}")
+        model = model.to(device)
+        for pname, p in model.named_parameters():
+            if p.is_floating_point() and p.dtype != torch.float32:
+                raise ValueError(f"ampc.validate: make_model() must return an fp32 model; "
+                                 f"parameter {pname} is {p.dtype}")
+        model.train()
+        fp16 = dtype == torch.float16 and kind != "fp32"
+        self.scaler = None
+        if kind in ("fp32", "torch.amp"):
+            self.opt = _torch_adamw(model.parameters(), lr)
+            self.scaler = torch.amp.GradScaler(device) if fp16 else None
+        elif kind == "ampc":
+            self.opt = ampc.optim.AdamW(model.parameters(), lr=lr)
+        else:
+            model, self.opt = ampc.prepare(model, ampc.optim.AdamW, dtype, lr=lr)
+        if fp16 and kind != "torch.amp":
+            self.scaler = ampc.GradScaler(device)
+        self.model = model
+        if kind == "torch.amp":
+            self.region = lambda: torch.autocast(device, dtype=dtype)   # noqa: E731
+        elif kind == "ampc":
+            self.region = lambda: ampc.autocast(device, dtype=dtype)    # noqa: E731
+        else:
+            self.region = contextlib.nullcontext
+        self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        torch.manual_seed(seed)                 # the same dropout draws in every setup
+        self.rng = self._get_rng()
+        self.bar = None
+
+    def _get_rng(self):
+        return (torch.get_rng_state(),
+                torch.cuda.get_rng_state() if self.device == "cuda" else None)
+
+    def _set_rng(self, state):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1])
+
+    def step(self, batch):
+        """One timed training step (forward, backward, optimizer); loss, grad norm and
+        scale are read outside the timed part (each syncs the device)."""
+        run, opt, scaler = self.run, self.opt, self.scaler
+        inputs, target = batch
+        self._set_rng(self.rng)
+        self.sync()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with self.region():
+            out = _call(self.model, inputs)
+        loss = self.loss_fn(out, target)
+        (scaler.scale(loss) if scaler else loss).backward()
+        self.sync()
+        t1 = time.perf_counter()
+        scale = scaler.get_scale() if scaler else 1.0
+        run.losses.append(loss.item())
+        run.grad_norms.append(_grad_norm(self.model) / scale)
+        run.scales.append(scale)
+        self.sync()
+        t2 = time.perf_counter()
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        self.sync()
+        run.step_ms.append((t1 - t0 + time.perf_counter() - t2) * 1e3)
+        if scaler and scaler.get_scale() < scale:
+            run.skipped.append(len(run.losses) - 1)
+        self.rng = self._get_rng()
+        if self.bar:
+            self.bar.update(1)
+            if len(run.losses) % 10 == 1:
+                self.bar.set_postfix_str(f"loss {run.losses[-1]:.3f}")
+
+    def finish(self, val_batches=()):
+        """Closes the progress bar, evaluates, and returns the Run (with model, optimizer)."""
+        if self.bar:
+            self.bar.set_postfix_str(f"loss {self.run.losses[-1]:.3f}")
+            self.bar.close()
+        if self.run.peak_mib is None:
+            self.run.peak_mib = self.memory.peak_mib()
+        if val_batches:
+            self.run.val_loss = evaluate(self.model, val_batches, self.loss_fn, self.region)
+        self.run.model, self.run.optimizer = self.model, self.opt
+        return self.run
+
+
+def train_one(kind, dtype, make_model, batches, *, val_batches=(), progress=False, **kwargs):
+    """Trains one setup over ``batches`` (a list of (inputs, target) already on the device)
+    and returns its :class:`Run` (the trained model and optimizer in ``run.model`` and
+    ``run.optimizer``)."""
+    t = Trainer(kind, dtype, make_model, **kwargs)
+    t.bar = _progress(len(batches), t.run.name, progress)
+    for batch in batches:
+        t.step(batch)
+    return t.finish(val_batches)
+
+
+def train_lockstep(specs, make_model, batches, *, time_limit, val_batches=(), progress=False,
+                   memory_steps=3, **kwargs):
+    """Trains every (kind, dtype, seed, name) in ``specs`` step by step in turn and stops
+    all of them at the same step once the next round would pass ``time_limit`` seconds
+    (evaluation included). Each run's memory is measured over its first ``memory_steps``
+    steps, taken before the next run is built. Returns the Runs."""
+    t0 = time.perf_counter()
+    trainers = []
+    first = min(memory_steps, len(batches))
+    for i, (kind, dtype, seed, name) in enumerate(specs):
+        t = Trainer(kind, dtype, make_model, seed=seed, name=name, **kwargs)
+        t.bar = _progress(len(batches), t.run.name, progress, position=i)
+        for batch in batches[:first]:
+            t.step(batch)
+        t.run.peak_mib = t.memory.peak_mib()
+        trainers.append(t)
+    eval_rounds = len(val_batches) / 3          # a forward pass is about a third of a step
+    rounds = []
+    for k in range(first, len(batches)):
+        r0 = time.perf_counter()
+        for t in trainers:
+            t.step(batches[k])
+        rounds.append(time.perf_counter() - r0)
+        round_s = statistics.mean(rounds[-5:])
+        left = time_limit - (time.perf_counter() - t0) - round_s * eval_rounds
+        if left < round_s:
+            break
+        if progress and math.isfinite(left):    # the step all runs are now expected to stop at
+            for t in trainers:
+                t.bar.total = min(len(batches), k + 1 + int(left / round_s))
+                t.bar.refresh()
+    return [t.finish(val_batches) for t in trainers]
+
+
+def evaluate(model, batches, loss_fn=None, region=contextlib.nullcontext):
+    """Mean loss of ``model`` over ``batches`` without gradients, inside ``region()``."""
+    loss_fn = loss_fn or default_loss
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for inputs, target in batches:
+            with region():
+                out = _call(model, inputs)
+            total += loss_fn(out, target).item()
+    model.train(was_training)
+    return total / len(batches)
+
+
+# ---- compare ----
+
+def smooth(values, window):
+    """Trailing moving average (window ``window``); nan and inf propagate."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def rel_gap(curve, base):
+    return [abs(a - b) / abs(b) if b else abs(a - b) for a, b in zip(curve, base)]
+
+
+def _finite(x):
+    return x is not None and math.isfinite(x)
+
+
+def compare(make_model, make_batch, loss_fn=None, steps=100, setups=SETUPS, *, dtype=None,
+            device=None, lr=1e-3, seeds=(0, 1), val_batches=None, progress=True,
+            time_limit=None):
+    """Trains fp32 and each mixed-precision setup on the same batches from the same weights.
+
+    Args:
+        make_model: callable returning a fresh fp32 ``nn.Module``; called once per run
+            right after ``torch.manual_seed(seed)``, so it must draw its weights from
+            torch's global generator (or load them) to give the same weights each time.
+        make_batch: callable ``make_batch(step) -> (inputs, target)``; ``inputs`` is a
+            tensor or a tuple of the model's positional arguments. Called once per step,
+            and the batches are reused by every run.
+        loss_fn: ``loss_fn(output, target) -> scalar``. Default: cross-entropy over the
+            output's last dimension, in fp32.
+        steps (int): optimizer steps per run.
+        setups: names from ``ampc.validate.SETUPS``, each optionally suffixed ``@fp16`` or
+            ``@bf16`` (``"ampc.master@fp16"``).
+        dtype: the default 16-bit dtype: torch.bfloat16 on the CPU, torch.float16 on CUDA.
+        device (str): "cpu" or "cuda"; default: cuda when available.
+        lr (float): AdamW learning rate (the same for every run).
+        seeds: the first seed trains every setup; fp32 is trained again from each other
+            seed to measure its run-to-run spread. ``(0,)`` skips that.
+        val_batches: optional list of (inputs, target): each run's final validation loss.
+        progress (bool): a progress bar per run (tqdm if installed).
+        time_limit (float): seconds. When given, the runs are trained in lockstep (step k
+            of every run before step k + 1 of any; all models are held at once) and all
+            stop at the same step once the next would pass the limit; each run's memory
+            is then measured over its first steps. Default: one run after another.
+
+    Returns:
+        :class:`ampc.validate.Comparison`: ``.table()``, ``.as_dict()``, ``.save(dir)``.
+    """
+    from ._report import Comparison
+    device = _check_device(device, "compare")
+    if not callable(make_model) or not callable(make_batch):
+        raise TypeError("ampc.validate.compare: make_model and make_batch must be callables")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"ampc.validate.compare: steps must be a positive int, got {steps!r}")
+    if isinstance(setups, str):
+        setups = (setups,)
+    seeds = tuple(seeds)
+    if not seeds or not all(isinstance(s, int) for s in seeds):
+        raise ValueError(f"ampc.validate.compare: seeds must be a non-empty list of ints, "
+                         f"got {seeds!r}")
+    dtype = dtype or DEFAULT_DTYPE[device]
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"ampc.validate.compare: dtype must be torch.float16 or "
+                         f"torch.bfloat16, got {dtype}")
+    parsed = [parse_setup(s, dtype) for s in setups]
+    batches = [_to(make_batch(k), device) for k in range(steps)]
+    val = [_to(b, device) for b in val_batches] if val_batches else []
+    specs = ([("fp32", None, seeds[0], None)]
+             + [("fp32", None, s, f"fp32 seed {s}") for s in seeds[1:]]
+             + [(kind, dt, seeds[0], None) for kind, dt in parsed])
+    common = dict(loss_fn=loss_fn, lr=lr, device=device, val_batches=val, progress=progress)
+    if time_limit is None:
+        done = [train_one(kind, dt, make_model, batches, seed=seed, name=name, **common)
+                for kind, dt, seed, name in specs]
+    else:
+        done = train_lockstep(specs, make_model, batches, time_limit=time_limit, **common)
+    config = {"steps": len(done[0].losses), "steps_planned": steps, "device": device,
+              "dtype": DTYPE_NAMES[dtype], "lr": lr, "seeds": list(seeds),
+              "lockstep": time_limit is not None, "torch": torch.__version__,
+              "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    return Comparison(done[0], done[len(seeds):], done[1:len(seeds)], config)
+
+
+def _check_device(device, fn):
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"ampc.validate.{fn}: device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"ampc.validate.{fn}: device 'cuda' asked for, but torch sees no GPU")
+    return device

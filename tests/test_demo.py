@@ -1,0 +1,128 @@
+"""python -m ampc.demo: a shortened, seeded run trains, tracks fp32 and writes its
+outputs; bad flags stop with a message."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ampc import demo
+from ampc.validate import _report
+
+
+def test_short_demo_tracks_fp32_and_writes_outputs(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert demo.main(["--device", "cpu", "--size", "micro", "--steps", "30", "--seed", "0",
+                      "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads((out / "demo.json").read_text())
+    rows = {r["setup"]: r for r in data["table"]}
+    assert list(rows) == ["fp32", "torch.amp bf16", "ampc drop-in bf16",
+                          "ampc master weights bf16"]
+    fp32 = rows["fp32"]["val_loss"]
+    for name in ("ampc drop-in bf16", "ampc master weights bf16"):
+        assert abs(rows[name]["val_loss"] - fp32) / fp32 < 0.02, name
+    # it learned: the first step's loss is about ln(98) = 4.6
+    first = data["compare"]["runs"][0]["losses"][0]
+    assert first > 4 and rows["fp32"]["train_loss"] < first - 0.8
+    assert data["config"]["steps"] == 30 and data["config"]["size"] == "micro"
+    assert all(r["tokens_per_s"] > 0 and r["peak_mib"] is not None for r in rows.values())
+    assert "speed vs torch.amp" in printed and "within spread" in printed
+    assert "sample from the ampc master-weight model" in printed
+    for name in ("demo.txt", "demo.json", "layers.txt", "layers.json"):
+        assert (out / name).stat().st_size > 100
+    if _report.pyplot() is not None:
+        assert (out / "demo.png").stat().st_size > 10_000
+        assert f"picture: {out / 'demo.png'}" in printed
+    else:
+        assert "matplotlib is not installed" in printed
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--steps", "3"], "argument --steps: must be at least 10"),
+    (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+    (["--size", "huge"], "argument --size: invalid choice: 'huge'"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--budget", "5"], "argument --budget: must be between 30 and 3600"),
+    (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+])
+def test_bad_flags_exit_with_a_message(argv, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.main(argv)
+    assert e.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_out_must_be_a_folder(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(SystemExit):
+        demo.main(["--out", str(f)])
+    assert "exists and is not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_without_a_gpu(capsys):
+    with pytest.raises(SystemExit):
+        demo.main(["--device", "cuda"])
+    assert "torch sees no GPU" in capsys.readouterr().err
+
+
+def test_command_line_bad_flag():
+    """The real command line: a bad value, exit status 2 and the message on stderr."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-m", "ampc.demo", "--steps", "-1"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2
+    assert "argument --steps: must be at least 10" in out.stderr
+
+
+def test_text_comes_from_the_standard_library():
+    lib, files = demo.stdlib_files()
+    assert any(f.endswith(os.sep + "os.py") for f in files)
+    train, val, described = demo.load_text(max_chars=200_000)
+    assert len(train) > 100_000 and len(val) > 5_000 and lib in described
+    assert set(demo.decode(train.tolist())) <= set(demo.VOCAB)
+    # every tenth file is held out: the validation text is not inside the training text
+    assert demo.decode(val[:200].tolist()) not in demo.decode(train.tolist())
+
+
+def test_choose_takes_the_largest_size_that_fits():
+    class Args:
+        size, steps, device = "auto", 0, "cpu"
+
+    per_step = {"micro": 0.01, "tiny": 0.05, "small": 0.4, "medium": 5.0, "large": 50.0}
+    speeds = {"fp32": 1e9, "low": 1e9}         # no lower bound rules a size out
+    probed = []
+
+    def probe(size):
+        probed.append(size)
+        return per_step[size]
+    size, steps = demo.choose(Args, speeds, probe, lambda: 100.0, lambda line: None)
+    # small: 100 s less the reserve over 1.1 x 0.4 s -> 191 steps; medium fits 14
+    per_small = demo.SAFETY * 0.4
+    assert size == "small" and steps == int((100 - demo.AFTER_S) / per_small
+                                            - demo.VAL_BATCHES / 3)
+    assert probed == ["micro", "tiny", "small", "medium"]
+    Args.size, Args.steps = "tiny", 25
+    assert demo.choose(Args, speeds, probe, lambda: 100.0, lambda line: None) == ("tiny", 25)
+    Args.size, Args.steps = "large", 0                # too slow: the floor of steps, said so
+    lines = []
+    assert demo.choose(Args, speeds, probe, lambda: 100.0, lines.append) == ("large", 20)
+    assert "slow" in lines[-1]
+
+
+def test_qat_after_amp_example():
+    """examples/qat_after_amp.py on its tiny model: the fp32 export of the master weights
+    and the int8 model after QAT both keep the accuracy of the mixed-precision model."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "qat_after_amp.py")
+    spec = importlib.util.spec_from_file_location("qat_after_amp", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    acc = example.main(["--steps", "150", "--qat-steps", "30"])
+    assert acc["fp32 export"] > 0.85                  # chance is 0.25
+    assert abs(acc["fp32 export"] - acc["bf16 (ampc master weights)"]) < 0.03
+    assert acc["int8 after QAT"] > acc["fp32 export"] - 0.03
