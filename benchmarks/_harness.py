@@ -114,7 +114,7 @@ def time_ms(fns: dict, device: str, reps: int = 0, warm: bool = False) -> dict:
 # The roofline of an op: torch doing a plain op of the same access pattern over a large fp32 tensor (512 MiB
 # on the CPU, 2 GiB on CUDA), as GB/s of bytes read plus bytes written. (label, bytes moved per byte of tensor)
 ROOFLINES = {
-    "copy": ("copy_ (same dtype, streaming)", 2),   # read src, write dst: the pattern of a cast
+    "copy": ("copy_ (same dtype, src to dst)", 2),  # read one array, write another: a cast
     "mul_": ("mul_ (in place)", 2),                  # read and write the same lines: unscale, Adam
     "sum": ("sum (read only)", 1),                   # read only: the check
 }
