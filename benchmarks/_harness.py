@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: workloads, timing, the copy-bandwidth roofline, the header and the table."""
+"""Shared by the benchmarks: workloads, timing, the rooflines, the header and the table."""
 import argparse
 import json
 import os
@@ -65,7 +65,8 @@ def common_args(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--cache", choices=["cold", "warm"], default="cold",
                    help="before each timed rep: flush the caches (cold) or run the same fn once (warm)")
     p.add_argument("--reps", type=int, default=0, help="timed rounds per case (0: about 4 s worth)")
-    p.add_argument("--peak-gbs", type=float, default=0.0, help="use this copy bandwidth instead of measuring it")
+    p.add_argument("--peak-gbs", type=float, default=0.0,
+                   help="use this roofline GB/s instead of measuring torch's op of the same access pattern")
     p.add_argument("--threads", type=int, default=0,
                    help="torch.set_num_threads for both sides (0: torch's default)")
     return p
@@ -110,29 +111,51 @@ def time_ms(fns: dict, device: str, reps: int = 0, warm: bool = False) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-class Roofline:
-    """Copy bandwidth: a large same-dtype dst.copy_(src) (fp32, 1 GiB read + written on CPU, 4 GiB on CUDA),
-    counted as bytes read plus bytes written. On a shared machine memory bandwidth drifts 2x within
-    minutes, so measure() times the copy interleaved with the fns it is compared to."""
+# The roofline of an op: torch doing a plain op of the same access pattern over a large fp32 tensor (512 MiB
+# on the CPU, 2 GiB on CUDA), as GB/s of bytes read plus bytes written. (label, bytes moved per byte of tensor)
+ROOFLINES = {
+    "copy": ("copy_ (same dtype, src to dst)", 2),  # read one array, write another: a cast
+    "mul_": ("mul_ (in place)", 2),                  # read and write the same lines: unscale, Adam
+    "sum": ("sum (read only)", 1),                   # read only: the check
+}
 
-    def __init__(self, args):
+
+class Roofline:
+    """Times the torch ops of the given access patterns (ROOFLINES keys) interleaved with the fns they are
+    compared to, since on a shared machine memory bandwidth drifts 2x within minutes. measure() returns the
+    first pattern's GB/s; self.gbs holds every pattern's from the latest measure()."""
+
+    def __init__(self, args, patterns=("copy",)):
         self.device, self.warm, self.fixed = args.device, args.cache == "warm", args.peak_gbs
+        self.patterns = tuple(patterns)
         if not self.fixed:
             self.src = torch.ones(GiB // 8 * (4 if args.device == "cuda" else 1), device=args.device)
             self.dst = torch.zeros_like(self.src)  # both touched already, so no page faults are timed
-        self.start_gbs = self.fixed or self.measure({}, reps=10)[1]
+        self.gbs = {}
+
+    def _op(self, pattern):
+        return {"copy": lambda: self.dst.copy_(self.src), "mul_": lambda: self.dst.mul_(1.0),
+                "sum": self.src.sum}[pattern]
 
     def measure(self, fns: dict, reps: int = 0):
-        """(median ms per fn, copy GB/s measured alongside them or --peak-gbs)"""
-        copy = {} if self.fixed else {"copy": lambda: self.dst.copy_(self.src)}
-        ms = time_ms({**fns, **copy}, self.device, reps, self.warm)
-        return ms, self.fixed or 2 * self.src.nbytes / ms.pop("copy") / 1e6
+        """(median ms per fn, GB/s of the first pattern measured alongside them, or --peak-gbs)"""
+        refs = {} if self.fixed else {f"roofline {k}": self._op(k) for k in self.patterns}
+        ms = time_ms({**fns, **refs}, self.device, reps, self.warm)
+        for k in self.patterns:
+            t = ms.pop(f"roofline {k}", None)
+            self.gbs[k] = self.fixed or ROOFLINES[k][1] * self.src.nbytes / t / 1e6
+        return ms, self.gbs[self.patterns[0]]
+
+    def label(self, pattern=None) -> str:
+        return ROOFLINES[pattern or self.patterns[0]][0]
 
 
-def row(case: str, ampc_ms: float, torch_ms: float, gb: float, copy_gbs: float, **extra) -> dict:
+def row(case: str, ampc_ms: float, torch_ms: float, gb: float, roof_gbs: float, roofline: str = "copy_",
+        **extra) -> dict:
+    """One table row; "% roofline" is ampc's GB/s over that of torch's op of the same access pattern."""
     return {"case": case, "ampc ms": ampc_ms, "torch ms": torch_ms, "torch/ampc": torch_ms / ampc_ms,
-            "ampc GB/s": gb / ampc_ms * 1e3, "% copy": 100 * gb / ampc_ms * 1e3 / copy_gbs,
-            "copy GB/s": copy_gbs, **extra}
+            "ampc GB/s": gb / ampc_ms * 1e3, "roofline": roofline, "roofline GB/s": roof_gbs,
+            "% roofline": 100 * gb / ampc_ms * 1e3 / roof_gbs, **extra}
 
 
 def _cpu_busy_s() -> float:
@@ -148,14 +171,39 @@ def _cpu_busy_s() -> float:
 _START = (time.monotonic(), _cpu_busy_s(), sum(os.times()[:2]))
 
 
-def header(args, roof: Roofline) -> dict:
-    name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor()
-    if args.device == "cpu" and os.path.exists("/proc/cpuinfo"):
+def cpu_isa() -> str:
+    """The CPU's vector ISA as it matters here, torch's kernel choice, and any cap set in the environment."""
+    flags = set()
+    if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
-            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
-    return {"torch": torch.__version__, "device": f"{args.device} ({name})", "threads": torch.get_num_threads(),
-            "cache": args.cache, "copy_gbs": round(roof.start_gbs, 1),
-            "copy_gbs_source": "given" if roof.fixed else "measured at start"}
+            flags = set(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
+    extra = [n for f, n in (("avx512_bf16", "BF16"), ("avx512_fp16", "FP16"), ("amx_bf16", "AMX")) if f in flags]
+    isa = (f"AVX-512 ({', '.join(extra) or 'no BF16'})" if "avx512f" in flags
+           else "AVX2 only" if "avx2" in flags else platform.machine())
+    caps = [f"{k}={os.environ[k]}" for k in ("AMPC_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+            if k in os.environ]
+    return ", ".join([isa, f"torch {torch.backends.cpu.get_cpu_capability()}"] + caps)
+
+
+def machine(device: str) -> dict:
+    """What a figure needs to name: torch, the device (CPU model and ISA), threads and the command."""
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+    else:
+        name = platform.processor()
+        if os.path.exists("/proc/cpuinfo"):
+            with open("/proc/cpuinfo") as f:
+                name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+        name = f"{name}, {cpu_isa()}"
+    return {"torch": torch.__version__, "device": f"{device} ({name})", "threads": torch.get_num_threads(),
+            "command": " ".join(["python", os.path.relpath(sys.argv[0])] + sys.argv[1:])}
+
+
+def header(args, roof: Roofline) -> dict:
+    hdr = machine(args.device)
+    hdr.update(cache=args.cache, roofline=", ".join(roof.label(k) for k in roof.patterns),
+               roofline_source="given" if roof.fixed else "measured alongside each case")
+    return hdr
 
 
 def report(hdr: dict, rows: list, as_json: bool, notes: list) -> None:

@@ -4,19 +4,11 @@
 
 Baselines, timed in the same run into the same output tensors: torch._foreach_copy_(dst, src), a per-tensor
 dst.copy_(src) loop and a per-tensor src.to(dtype) loop (which also allocates). "torch ms" is the fastest of
-the three; torch/ampc > 1 means ampc is faster. GB/s counts bytes read plus bytes written; "% copy" is
-against a large same-dtype copy_ timed interleaved with the case (see _harness.py: on a shared machine the
-bandwidth drifts). The copy also pulls each destination line in before writing it, so an op that writes
-fewer bytes than it reads can pass 100%. Every timed call follows an untimed cache flush (--cache warm: the
-same call). ampc's output is checked against Tensor.to before anything is timed. Sample (2-core CPU):
-
-    torch 2.14.1+cu130 | device cpu (AMD EPYC) | threads 2 | cache cold | copy_gbs 41.8 | copy_gbs_source measured at start | op cast fp32 -> bf16 | other_procs_cpu_pct 0.4
-    case                  | ampc ms | torch ms | torch/ampc | ampc GB/s | % copy | copy GB/s | torch best    | foreach ms | copy_ ms | .to ms | tensors | MB moved
-    ----------------------+---------+----------+------------+-----------+--------+-----------+---------------+------------+----------+--------+---------+---------
-    large 1x179M          |    30.8 |     31.8 |      1.030 |      34.8 |  110.7 |      31.4 | foreach_copy_ |       31.8 |     32.0 |  120.4 |       1 |   1073.8
-    1000 small 1k-16k     |   2.738 |    3.486 |      1.273 |      18.7 |   61.2 |      30.5 | foreach_copy_ |      3.486 |    3.726 |  6.811 |    1000 |     51.2
-    gpt2-124M 148 tensors |    20.9 |     21.1 |      1.006 |      35.7 |  108.0 |      33.0 | foreach_copy_ |       21.1 |     21.2 |   86.1 |     148 |    746.6
-    note: cast fp32 -> bf16: 6 B/elem; torch ms = fastest of foreach_copy_, copy_ loop, .to loop
+the three; torch/ampc > 1 means ampc is faster. GB/s counts bytes read plus bytes written. "% roofline"
+compares ampc's GB/s with the op of the same access pattern, a large same-dtype fp32 copy_ (read one
+stream, write another), timed interleaved with the case (see _harness.py: on a shared machine the bandwidth
+drifts). Every timed call follows an untimed cache flush (--cache warm: the same call). ampc's output is
+checked against Tensor.to before anything is timed.
 """
 import sys
 

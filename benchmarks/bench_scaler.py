@@ -119,7 +119,7 @@ def main() -> int:
     print(f"FAIL {err}" if err else "ampc matches torch", file=sys.stderr)
     if err:
         return 1
-    roof = H.Roofline(args)
+    roof = H.Roofline(args, patterns=("mul_",))
     hdr = H.header(args, roof)
     hdr["op"] = "GradScaler step fp32"
     rows = []
@@ -133,7 +133,7 @@ def main() -> int:
         for what, baseline in (("step", "step torch"), ("clip+step", "clip+step torch"),
                                ("clip+step vs (b)", "clip+step torch-fused")):
             ours = "step ampc" if what == "step" else "clip+step ampc"
-            rows.append(H.row(f"{case} {what}", ms[ours], ms[baseline], gb, copy_gbs,
+            rows.append(H.row(f"{case} {what}", ms[ours], ms[baseline], gb, copy_gbs, "mul_",
                               tensors=len(params), **{"live ms": ms[ours + "-live"]}))
         del params, s, fns
     H.report(hdr, rows, args.json, [

@@ -1,5 +1,13 @@
+import os
+import shutil
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs(tool): needs this program on the PATH; skipped without it, "
+                                       "failed without it when the environment variable CI is set")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -9,3 +17,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("needs"):
+        tool = mark.args[0]
+        if shutil.which(tool) is None:
+            if os.environ.get("CI"):   # CI must run every check, not pass by skipping it
+                pytest.fail(f"{tool} is not on the PATH, and CI is set", pytrace=False)
+            pytest.skip(f"needs {tool}")

@@ -25,7 +25,7 @@ def symbols(path, kind):
     return [line.split()[-1] for line in out.splitlines() if line.strip()]
 
 
-needs_nm = pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm")
+needs_nm = pytest.mark.needs("nm")
 
 
 @pytest.mark.smoke
@@ -77,7 +77,7 @@ def test_cuda_kernels_loaded_exactly_when_torch_has_cuda():
 
 @pytest.mark.smoke
 def test_ops_registered_for_cpu_and_cuda():
-    for op in ("cast", "unscale_check", "check_norm", "update_scale"):
+    for op in ("cast", "unscale_check", "check_norm", "update_scale", "adam_master"):
         packet = getattr(torch.ops.ampc, op)
         for key in ("CPU", "CUDA"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(packet.default.name(), key), (op, key)

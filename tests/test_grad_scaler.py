@@ -100,6 +100,7 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("opt", OPTIMIZERS)
 def test_trajectory_matches_torch(opt):
     runs = side_by_side(OPTIMIZERS[opt], plants=PLANTS)
@@ -145,6 +146,7 @@ def test_gradient_accumulation_matches_torch(opt):
     assert_same_trace(runs["ampc"], runs["torch"], f"{opt} accumulation")
 
 
+@pytest.mark.smoke
 def test_defaults_and_growth_match_torch():
     # torch's defaults, with setters changing the rule mid-run
     def before_step(scaler, step):
@@ -425,6 +427,7 @@ def torch_keys(sd):
                                "_growth_tracker")}
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("src,dst", [("torch", "ampc"), ("ampc", "torch"), ("ampc", "ampc")])
 def test_state_dict_round_trip(src, dst):
     scaler, model, opt = _trained(SCALERS[src], 5)

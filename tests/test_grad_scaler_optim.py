@@ -35,6 +35,7 @@ def run(scaler_cls, steps=12, unscale=False, clip=None, fold_clip=None):
     return trace, opt, norms
 
 
+@pytest.mark.smoke
 def test_same_bits_as_torch_scaler():
     ours, opt, _ = run(ampc.GradScaler)
     theirs, their_opt, _ = run(torch.amp.GradScaler)
@@ -65,6 +66,7 @@ def test_folded_clip_matches_unscale_then_clip():
                       "folded clip that does not clip")
 
 
+@pytest.mark.smoke
 def test_no_host_sync_in_the_whole_step(monkeypatch):
     model = make_model(dtype=torch.float16)
     opt = ampc.optim.AdamW(model.parameters(), lr=1e-2)

@@ -51,6 +51,7 @@ def roundtrip(obj):
     return torch.load(buf, weights_only=False)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 def test_checkpoint_resume_is_bitwise(stochastic):
     """Save after 5 steps, load into fresh objects, 5 more: the same bits as 10 straight."""
@@ -101,18 +102,35 @@ def test_fp32_export_loads_into_the_original_model():
     torch.testing.assert_close(fresh(x), model(x).float(), rtol=0.05, atol=0.05)
 
 
-def test_mismatched_checkpoint_raises_clearly():
+def assert_same_state_dict(got, want):
+    assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys()
+    for pid, st in want["state"].items():
+        assert got["state"][pid].keys() == st.keys(), pid
+        for key, v in st.items():
+            assert_same(got["state"][pid][key], v, f"state[{pid}][{key!r}]")
+
+
+def test_mismatched_checkpoint_raises_clearly_before_loading_anything():
     model, opt = ampc.prepare(mlp(width=48), ampc.optim.AdamW, bf16, lr=1e-3)
     train(model, opt, 1)
+    saved = opt.state_dict()
+    saved["param_groups"][0]["lr"] = 0.5              # would show if the groups were loaded
+    # an optimizer that has stepped, so a partial load would change state it already has
     other, opt_other = ampc.prepare(mlp(width=32), ampc.optim.AdamW, bf16, lr=1e-3)
+    train(other, opt_other, 2)
+    before = copy.deepcopy(opt_other.state_dict())
     with pytest.raises(ValueError, match=r"ampc\.optim\.AdamW\.load_state_dict: 'exp_avg' of "
                                          r"param 0 has shape \(48, 20\), but the param has "
                                          r"shape \(32, 20\)"):
-        opt_other.load_state_dict(opt.state_dict())
+        opt_other.load_state_dict(saved)
+    assert_same_state_dict(opt_other.state_dict(), before)
     plain = ampc.optim.AdamW(mlp().to(bf16).parameters(), lr=1e-3, master_weights=False)
+    before = copy.deepcopy(plain.state_dict())
     with pytest.raises(ValueError, match=r"param 0 has a master weight in the checkpoint, but "
                                          r"this optimizer was made with master_weights=False"):
-        plain.load_state_dict(opt.state_dict())
+        plain.load_state_dict(saved)
+    assert_same_state_dict(plain.state_dict(), before)
 
 
 def test_prepare_casts_weights_keeps_norms_and_seeds_masters_exactly():
@@ -160,6 +178,7 @@ def test_master_weight_training_tracks_fp32(dtype):
     assert abs(sum(got[-10:]) - sum(ref[-10:])) / sum(ref[-10:]) < 0.15, (ref[-10:], got[-10:])
 
 
+@pytest.mark.smoke
 def test_torch_grad_scaler_drives_ampc_without_host_sync(monkeypatch):
     model, opt = ampc.prepare(mlp(), ampc.optim.AdamW, f16, lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)

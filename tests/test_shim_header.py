@@ -3,7 +3,6 @@ compiles it together with torch's real (C++) shim headers: a prototype that drif
 from torch's is a "conflicting declaration" error. A deliberately wrong prototype
 checks that the test can fail."""
 import os
-import shutil
 import subprocess
 
 import pytest
@@ -14,7 +13,7 @@ TORCH_INCLUDE = os.path.join(os.path.dirname(torch.__file__), "include")
 
 pytestmark = [
     pytest.mark.smoke,
-    pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++"),
+    pytest.mark.needs("g++"),
 ]
 
 
