@@ -24,6 +24,7 @@ def mats(n=8, dtype=FP32, requires_grad=False):
 
 # ---- regions ----
 
+@pytest.mark.smoke
 def test_autocast_default_dtypes_and_queries():
     assert ampc.get_autocast_dtype("cpu") is BF16 and ampc.get_autocast_dtype("cuda") is FP16
     assert not ampc.is_autocast_enabled("cpu")
@@ -54,6 +55,7 @@ def test_autocast_nesting_disabled_region_and_dtype_change():
     assert torch.mm(a, b).dtype is FP32
 
 
+@pytest.mark.smoke
 def test_autocast_matches_torch_values_and_dtype_for_mixed_inputs():
     a, b = mats()
     for dt in (BF16, FP16):
@@ -255,6 +257,7 @@ class Two(nn.Module):
         return (x @ self.w1) @ self.w2 + self.w3.sum()
 
 
+@pytest.mark.smoke
 @pytest.mark.usefixtures("fused_cpu")
 def test_weight_cache_casts_a_modules_weights_in_one_call(monkeypatch):
     m, x = Two(), torch.randn(4, 8, dtype=BF16)
@@ -358,6 +361,7 @@ def grads_under(ctx, model, x, target):
     return out.dtype, [p.grad for p in model.parameters()]
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", ["cnn", "transformer"])
 @pytest.mark.parametrize("dt", [BF16, FP16])
 def test_gradients_match_torch_autocast(name, dt):

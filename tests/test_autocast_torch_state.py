@@ -28,6 +28,7 @@ def _clean_registry():
     assert not torch.is_autocast_enabled("cpu") and AC._st.depth == 0
 
 
+@pytest.mark.smoke
 def test_torch_getters_report_an_ampc_region():
     assert not torch.is_autocast_enabled("cpu")
     with ampc.autocast("cpu", dtype=FP16, cache_enabled=False):
@@ -82,6 +83,7 @@ def test_nested_regions_behave_as_two_torch_regions(kinds, outer_args, inner_arg
     assert all(_same(w, g) for w, g in zip(want[1] + want[2], got[1] + got[2]))
 
 
+@pytest.mark.smoke
 def test_nested_torch_disable_keeps_a_loss_in_fp32():
     a, b = mats()
     with ampc.autocast("cpu"):
@@ -92,6 +94,7 @@ def test_nested_torch_disable_keeps_a_loss_in_fp32():
         assert (a @ b).dtype is BF16
 
 
+@pytest.mark.smoke
 def test_policy_edits_win_over_torch_lists_inside_regions():
     a, b = mats()
     ampc.policy.set_policy("mm", "fp32", device_type="cpu")
