@@ -39,6 +39,7 @@ struct tensor {
     int64_t numel;
     void *data;
     int written;            /* the op writes it */
+    int host;               /* read by the binding on the host (a CPU tensor on any call) */
 };
 
 struct list {
@@ -153,9 +154,12 @@ static void describe(struct call *c, struct tensor *t)
     shim(c, aoti_torch_get_numel(t->h, &t->numel), "get_numel");
     shim(c, aoti_torch_is_contiguous(t->h, &contiguous), "is_contiguous");
     shim(c, torch_get_mutable_data_ptr(t->h, &t->data), "get_data_ptr");
-    if (!c->first)
+    if (t->host && t->device_type != aoti_torch_device_type_cpu())
+        fail(c, "%s must be on the CPU, got %s", tensor_name(t, a, sizeof(a)),
+             device_name(t->device_type, t->device_index, d1, sizeof(d1)));
+    if (!c->first && !t->host)
         c->first = t;
-    const struct tensor *f = c->first;
+    const struct tensor *f = t->host ? t : c->first;
     if (t->device_type != f->device_type || t->device_index != f->device_index)
         fail(c, "%s must be on %s like %s, got %s", tensor_name(t, a, sizeof(a)),
              device_name(f->device_type, f->device_index, d1, sizeof(d1)),
@@ -818,6 +822,165 @@ static void adam_kernel(StableIValue *stack, int on_cuda)
     call_free(&c);
 }
 
+// ---- adam_packed(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) state, Tensor(c!) steps,
+//                  Tensor layout, Tensor[] lr_tensor, Tensor[] inv_scale, Tensor[] clip_coef,
+//                  Tensor[] found_inf, float lr, float beta1, float beta2, float eps,
+//                  float weight_decay, bool decoupled, bool maximize, bool amsgrad,
+//                  bool master, bool stochastic, int seed) -> int ----
+// adam_master's step with the state of all params packed: `state` is fp32, its sections
+// (exp_avg, exp_avg_sq, then max_exp_avg_sq with amsgrad, then master with master
+// weights) of equal size one after the other; `steps` holds fp32 step counts; `layout`
+// (int64, on the CPU) holds for each param its offset in every section, its numel and the
+// index of its step count, offsets and indices increasing. Two tensor lists cross into C
+// instead of seven. Returns 1, having done nothing, when the params and grads do not fit
+// the packing (params or grads of mixed dtypes, not contiguous, on another device than
+// the state, or of a numel the layout does not say): the caller then takes the unpacked
+// path, whose checks name what is wrong. Returns 0 after the step.
+
+/* Whether every params[i] and grads[i] is contiguous, shares the dtype of the first of its
+ * list and the device of `state`. Reads metadata only. */
+static int packed_fits(struct call *c, const struct list *params, const struct list *grads,
+                       AtenTensorHandle state)
+{
+    int32_t sd_type = 0;
+    int32_t sd_index = 0;
+    shim(c, aoti_torch_get_device_type(state, &sd_type), "get_device_type");
+    shim(c, aoti_torch_get_device_index(state, &sd_index), "get_device_index");
+    const struct list *ls[2] = { params, grads };
+    for (int l = 0; l < 2; l++) {
+        int32_t first = 0;
+        for (int64_t i = 0; i < ls[l]->count; i++) {
+            AtenTensorHandle h = ls[l]->t[i].h;
+            int32_t dtype = 0;
+            int32_t type = 0;
+            int32_t index = 0;
+            bool contiguous = false;
+            shim(c, aoti_torch_get_dtype(h, &dtype), "get_dtype");
+            shim(c, aoti_torch_get_device_type(h, &type), "get_device_type");
+            shim(c, aoti_torch_get_device_index(h, &index), "get_device_index");
+            shim(c, aoti_torch_is_contiguous(h, &contiguous), "is_contiguous");
+            if (i == 0)
+                first = dtype;
+            if (dtype != first || type != sd_type || index != sd_index || !contiguous)
+                return 0;
+        }
+    }
+    return 1;
+}
+
+/* Points job's state lists into the packed buffers; 0 when a param's numel is not the
+ * layout's. Raises on a layout that does not describe disjoint ranges inside them. */
+static int packed_lists(struct call *c, struct adam_job *job, const struct list *params,
+                        const struct tensor *state, const struct tensor *steps,
+                        const struct tensor *layout, int amsgrad, int master)
+{
+    int64_t count = params->count;
+    int64_t sections = 2 + amsgrad + master;
+    if (state->dtype != aoti_torch_dtype_float32() || steps->dtype != aoti_torch_dtype_float32())
+        fail(c, "state and steps must be torch.float32, got %s and %s",
+             dtype_name(state->dtype), dtype_name(steps->dtype));
+    if (layout->dtype != aoti_torch_dtype_int64() || layout->numel != 3 * count)
+        fail(c, "layout must be a torch.int64 tensor of 3 values a param (%lld), got %s with "
+             "%lld", (long long)(3 * count), dtype_name(layout->dtype), (long long)layout->numel);
+    if (state->numel % sections != 0)
+        fail(c, "state must hold %lld sections of equal size, got %lld elements",
+             (long long)sections, (long long)state->numel);
+    int64_t size = state->numel / sections;
+    const int64_t *lay = layout->data;
+    for (int64_t i = 0; i < count; i++) {
+        int64_t off = lay[3 * i];
+        int64_t n = lay[3 * i + 1];
+        int64_t s = lay[3 * i + 2];
+        int64_t end = i > 0 ? lay[3 * i - 3] + lay[3 * i - 2] : 0;
+        if (off < end || n < 0 || n > size - off || s < (i > 0 ? lay[3 * i - 1] + 1 : 0)
+            || s >= steps->numel)
+            fail(c, "layout of param %lld (offset %lld, numel %lld, step %lld) is not inside "
+                 "the state (%lld a section) and steps (%lld), after the previous param's",
+                 (long long)i, (long long)off, (long long)n, (long long)s, (long long)size,
+                 (long long)steps->numel);
+        if (n != params->numel[i])
+            return 0;
+    }
+    void **ptr = malloc(sizeof(*ptr) * (size_t)(5 * (count ? count : 1)));
+    if (!ptr)
+        fail(c, "out of memory");
+    c->scratch = ptr;
+    float *base = state->data;
+    float *sec[4] = { NULL, NULL, NULL, NULL };     /* m, v, vmax, master */
+    sec[0] = base;
+    sec[1] = base + size;
+    if (amsgrad)
+        sec[2] = base + 2 * size;
+    if (master)
+        sec[3] = base + (2 + amsgrad) * size;
+    for (int64_t i = 0; i < count; i++) {
+        for (int k = 0; k < 4; k++)
+            ptr[k * count + i] = sec[k] ? sec[k] + lay[3 * i] : NULL;
+        ptr[4 * count + i] = (float *)steps->data + lay[3 * i + 2];
+    }
+    struct ampc_adam_lists *l = &job->lists;
+    l->exp_avgs = (struct ampc_list){ ptr, params->numel, count, AMPC_F32 };
+    l->exp_avg_sqs = (struct ampc_list){ ptr + count, params->numel, count, AMPC_F32 };
+    l->max_exp_avg_sqs = (struct ampc_list){ ptr + 2 * count, params->numel,
+                                             amsgrad ? count : 0, AMPC_F32 };
+    l->masters = (struct ampc_list){ ptr + 3 * count, params->numel, master ? count : 0,
+                                     AMPC_F32 };
+    l->steps = (struct ampc_list){ ptr + 4 * count, params->numel, count, AMPC_F32 };
+    return 1;
+}
+
+static void adam_packed_kernel(StableIValue *stack, int on_cuda)
+{
+    static const char *options[] = { "lr_tensor", "inv_scale", "clip_coef", "found_inf" };
+    struct call c;
+    struct list *opt[4];
+    start(&c, "ampc.adam_packed", on_cuda);
+    struct list *params = take_list(&c, stack[0], "params", 1);
+    struct list *grads = take_list(&c, stack[1], "grads", 0);
+    struct tensor *state = take_tensor(&c, stack[2], "state", 1);
+    struct tensor *steps = take_tensor(&c, stack[3], "steps", 1);
+    struct tensor *layout = take_tensor(&c, stack[4], "layout", 0);
+    for (int i = 0; i < 4; i++)
+        opt[i] = take_option(&c, stack[5 + i], options[i]);
+    layout->host = 1;
+    if (!packed_fits(&c, params, grads, state->h)) {
+        call_free(&c);
+        stack[0] = 1;
+        return;
+    }
+    describe_all(&c);
+    struct adam_job job;
+    memset(&job, 0, sizeof(job));
+    job.lists.params = float_list(&c, params);
+    job.lists.grads = float_list(&c, grads);
+    check_same_shapes(&c, grads, "grads", params, "params");
+    int amsgrad = (stack[16] & 0xff) != 0;
+    int master = (stack[17] & 0xff) != 0;
+    if (!packed_lists(&c, &job, params, state, steps, layout, amsgrad, master)) {
+        call_free(&c);
+        stack[0] = 1;
+        return;
+    }
+    job.control.lr = f32_option(&c, opt[0], "lr_tensor");
+    job.control.inv_scale = f32_option(&c, opt[1], "inv_scale");
+    job.control.clip_coef = f32_option(&c, opt[2], "clip_coef");
+    job.control.found_inf = f32_option(&c, opt[3], "found_inf");
+    job.args.lr = take_double(stack[9]);
+    job.args.beta1 = take_double(stack[10]);
+    job.args.beta2 = take_double(stack[11]);
+    job.args.eps = take_double(stack[12]);
+    job.args.weight_decay = take_double(stack[13]);
+    job.args.decoupled = (stack[14] & 0xff) != 0;
+    job.args.maximize = (stack[15] & 0xff) != 0;
+    job.args.stochastic = (stack[18] & 0xff) != 0;
+    job.args.seed = (uint64_t)stack[19];
+    check_adam_args(&c, &job.args, job.control.lr != NULL);
+    check_overlap(&c);
+    run(&c, adam_on_cpu, adam_on_cuda, &job);
+    call_free(&c);
+    stack[0] = 0;
+}
+
 // ---- boxed entry points ----
 
 /* name_cpu and name_cuda, the boxed kernels torch calls, from name_kernel(stack, on_cuda) */
@@ -830,6 +993,7 @@ BOXED(unscale_check)
 BOXED(check_norm)
 BOXED(update_scale)
 BOXED(adam)
+BOXED(adam_packed)
 
 struct op {
     const char *schema;
@@ -858,6 +1022,12 @@ static const struct op ops[] = {
       "float weight_decay, bool decoupled, bool maximize, bool stochastic=False, "
       "int seed=0) -> ()",
       "adam_master", adam_cpu, adam_cuda },
+    { "adam_packed(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) state, Tensor(c!) steps, "
+      "Tensor layout, Tensor[] lr_tensor, Tensor[] inv_scale, Tensor[] clip_coef, "
+      "Tensor[] found_inf, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay, bool decoupled, bool maximize, bool amsgrad, bool master, "
+      "bool stochastic=False, int seed=0) -> int",
+      "adam_packed", adam_packed_cpu, adam_packed_cuda },
 };
 
 #define N_OPS ((int)(sizeof(ops) / sizeof(ops[0])))
