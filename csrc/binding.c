@@ -774,6 +774,28 @@ static void check_adam_args(struct call *c, const struct ampc_adam_args *a, int 
         fail(c, "weight_decay must be a finite number >= 0, got %g", a->weight_decay);
 }
 
+/* The control values (lists lr_tensor, inv_scale, clip_coef, found_inf), the numbers
+ * (lr, beta1, beta2, eps, weight_decay, decoupled, maximize at v) and the rounding
+ * (stochastic, seed at r) of both Adam ops, checked. */
+static void take_adam_args(struct call *c, struct adam_job *job, struct list *const opt[4],
+                           const StableIValue *v, const StableIValue *r)
+{
+    job->control.lr = f32_option(c, opt[0], "lr_tensor");
+    job->control.inv_scale = f32_option(c, opt[1], "inv_scale");
+    job->control.clip_coef = f32_option(c, opt[2], "clip_coef");
+    job->control.found_inf = f32_option(c, opt[3], "found_inf");
+    job->args.lr = take_double(v[0]);
+    job->args.beta1 = take_double(v[1]);
+    job->args.beta2 = take_double(v[2]);
+    job->args.eps = take_double(v[3]);
+    job->args.weight_decay = take_double(v[4]);
+    job->args.decoupled = (v[5] & 0xff) != 0;
+    job->args.maximize = (v[6] & 0xff) != 0;
+    job->args.stochastic = (r[0] & 0xff) != 0;
+    job->args.seed = (uint64_t)r[1];
+    check_adam_args(c, &job->args, job->control.lr != NULL);
+}
+
 static void adam_kernel(StableIValue *stack, int on_cuda)
 {
     static const char *names[] = { "params", "grads", "masters", "exp_avgs", "exp_avg_sqs",
@@ -803,20 +825,7 @@ static void adam_kernel(StableIValue *stack, int on_cuda)
              (long long)ls[0]->count, (long long)ls[6]->count);
     for (int64_t i = 0; i < ls[6]->count; i++)
         check_scalar(&c, &ls[6]->t[i], aoti_torch_dtype_float32(), 0);
-    job.control.lr = f32_option(&c, ls[7], "lr_tensor");
-    job.control.inv_scale = f32_option(&c, ls[8], "inv_scale");
-    job.control.clip_coef = f32_option(&c, ls[9], "clip_coef");
-    job.control.found_inf = f32_option(&c, ls[10], "found_inf");
-    job.args.lr = take_double(stack[11]);
-    job.args.beta1 = take_double(stack[12]);
-    job.args.beta2 = take_double(stack[13]);
-    job.args.eps = take_double(stack[14]);
-    job.args.weight_decay = take_double(stack[15]);
-    job.args.decoupled = (stack[16] & 0xff) != 0;
-    job.args.maximize = (stack[17] & 0xff) != 0;
-    job.args.stochastic = (stack[18] & 0xff) != 0;
-    job.args.seed = (uint64_t)stack[19];
-    check_adam_args(&c, &job.args, job.control.lr != NULL);
+    take_adam_args(&c, &job, ls + 7, stack + 11, stack + 18);
     check_overlap(&c);
     run(&c, adam_on_cpu, adam_on_cuda, &job);
     call_free(&c);
@@ -961,20 +970,7 @@ static void adam_packed_kernel(StableIValue *stack, int on_cuda)
         stack[0] = 1;
         return;
     }
-    job.control.lr = f32_option(&c, opt[0], "lr_tensor");
-    job.control.inv_scale = f32_option(&c, opt[1], "inv_scale");
-    job.control.clip_coef = f32_option(&c, opt[2], "clip_coef");
-    job.control.found_inf = f32_option(&c, opt[3], "found_inf");
-    job.args.lr = take_double(stack[9]);
-    job.args.beta1 = take_double(stack[10]);
-    job.args.beta2 = take_double(stack[11]);
-    job.args.eps = take_double(stack[12]);
-    job.args.weight_decay = take_double(stack[13]);
-    job.args.decoupled = (stack[14] & 0xff) != 0;
-    job.args.maximize = (stack[15] & 0xff) != 0;
-    job.args.stochastic = (stack[18] & 0xff) != 0;
-    job.args.seed = (uint64_t)stack[19];
-    check_adam_args(&c, &job.args, job.control.lr != NULL);
+    take_adam_args(&c, &job, opt, stack + 9, stack + 18);
     check_overlap(&c);
     run(&c, adam_on_cpu, adam_on_cuda, &job);
     call_free(&c);
