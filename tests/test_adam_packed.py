@@ -27,6 +27,19 @@ def set_grads(params, k, present=None):
         p.grad = grad if present is None or present[i] else None
 
 
+def step_both(opt, ref, mine, theirs, k, present=None):
+    """One step of both optimizers on the same grads."""
+    set_grads(mine, k, present)
+    set_grads(theirs, k, present)
+    opt.step()
+    ref.step()
+
+
+def assert_params_same(mine, theirs, what):
+    for i, (p, q) in enumerate(zip(mine, theirs)):
+        assert_same(p.detach(), q.detach(), f"{what} param {i}")
+
+
 def packed_buffers(opt, p):
     """The distinct storages of p's state tensors."""
     return {t.untyped_storage().data_ptr() for t in opt.state[p].values()}
@@ -61,12 +74,9 @@ def test_grads_missing_on_some_steps_match_torch(amsgrad):
     patterns = [[1, 1, 1, 1, 1, 1], [1, 0, 1, 0, 1, 1], [1, 0, 1, 0, 1, 1], [0, 0, 0, 0, 0, 0],
                 [1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
     for k, present in enumerate(patterns):
-        set_grads(mine, k, present)
-        set_grads(theirs, k, present)
-        opt.step()
-        ref.step()
-        for i, (p, q) in enumerate(zip(mine, theirs)):
-            assert_same(p.detach(), q.detach(), f"step {k} param {i}")
+        step_both(opt, ref, mine, theirs, k, present)
+        assert_params_same(mine, theirs, f"step {k}")
+        for p, q in zip(mine, theirs):
             if q in ref.state:
                 assert float(opt.state[p]["step"]) == float(ref.state[q]["step"])
 
@@ -76,14 +86,9 @@ def test_params_that_get_grads_late_have_no_state_until_then():
     opt = ampc.optim.AdamW(mine, lr=1e-2)
     ref = torch.optim.AdamW(theirs, lr=1e-2, fused=True)
     for k in range(4):
-        present = [1, 1, 0, 1, 0, 1] if k < 2 else [1] * 6
-        set_grads(mine, k, present)
-        set_grads(theirs, k, present)
-        opt.step()
-        ref.step()
+        step_both(opt, ref, mine, theirs, k, [1, 1, 0, 1, 0, 1] if k < 2 else None)
         assert (mine[2] in opt.state) == (theirs[2] in ref.state)
-        for i, (p, q) in enumerate(zip(mine, theirs)):
-            assert_same(p.detach(), q.detach(), f"step {k} param {i}")
+        assert_params_same(mine, theirs, f"step {k}")
     assert_views_of_packs(opt, mine)
     assert opt.state_dict()["state"].keys() == ref.state_dict()["state"].keys()
 
@@ -97,12 +102,9 @@ def test_add_param_group_after_the_first_step_matches_torch():
         if k == 2:
             opt.add_param_group({"params": extra_mine, "lr": 3e-3, "weight_decay": 0.1})
             ref.add_param_group({"params": extra_theirs, "lr": 3e-3, "weight_decay": 0.1})
-        set_grads(mine + (extra_mine if k >= 2 else []), k)
-        set_grads(theirs + (extra_theirs if k >= 2 else []), k)
-        opt.step()
-        ref.step()
-        for i, (p, q) in enumerate(zip(mine + extra_mine, theirs + extra_theirs)):
-            assert_same(p.detach(), q.detach(), f"step {k} param {i}")
+        step_both(opt, ref, mine + (extra_mine if k >= 2 else []),
+                  theirs + (extra_theirs if k >= 2 else []), k)
+        assert_params_same(mine + extra_mine, theirs + extra_theirs, f"step {k}")
     assert_views_of_packs(opt, mine + extra_mine)
 
 
@@ -117,12 +119,9 @@ def test_mixed_dtypes_in_one_group_match_one_group_per_param():
     opt = ampc.optim.AdamW(mine, lr=1e-2)
     one_by_one = ampc.optim.AdamW([{"params": [p]} for p in alone], lr=1e-2)
     for k in range(3):
-        set_grads(mine, k)
-        set_grads(alone, k)
-        opt.step()
-        one_by_one.step()
+        step_both(opt, one_by_one, mine, alone, k)
+    assert_params_same(mine, alone, "mixed")
     for i, (p, q) in enumerate(zip(mine, alone)):
-        assert_same(p.detach(), q.detach(), f"param {i}")
         assert_same(opt.state[p]["exp_avg"], one_by_one.state[q]["exp_avg"], f"exp_avg {i}")
         assert ("master" in opt.state[p]) == (p.dtype != f32)
     # one buffer per dtype: bf16 and fp16 (with masters) and fp32 (without)
@@ -179,12 +178,9 @@ def test_views_stay_views_after_load_state_dict_and_resume_bitwise(how, dtype):
     other = ampc.optim.AdamW(resumed, lr=1e-2, amsgrad=True)
     other.load_state_dict(copy.deepcopy(snapshot))
     for k in range(2, 4):
-        set_grads(mine, k)
-        set_grads(resumed, k)
-        opt.step()
-        other.step()
+        step_both(opt, other, mine, resumed, k)
+    assert_params_same(mine, resumed, "resumed")
     for i, (p, q) in enumerate(zip(mine, resumed)):
-        assert_same(p.detach(), q.detach(), f"param {i}")
         assert_same(opt.state[p]["exp_avg"], other.state[q]["exp_avg"], f"exp_avg {i}")
 
 
@@ -202,12 +198,8 @@ def test_torch_checkpoint_loads_into_packed_state():
         p.data.copy_(q.detach())
     assert_views_of_packs(opt, mine)
     for k in range(3, 5):
-        set_grads(mine, k)
-        set_grads(theirs, k)
-        opt.step()
-        ref.step()
-    for i, (p, q) in enumerate(zip(mine, theirs)):
-        assert_same(p.detach(), q.detach(), f"param {i}")
+        step_both(opt, ref, mine, theirs, k)
+    assert_params_same(mine, theirs, "resumed")
 
 
 def test_a_replaced_state_tensor_is_taken_up():
@@ -218,12 +210,8 @@ def test_a_replaced_state_tensor_is_taken_up():
         if k == 2:                          # reset one param's moments by assignment
             opt.state[mine[1]]["exp_avg"] = torch.zeros_like(mine[1], dtype=f32)
             ref.state[theirs[1]]["exp_avg"] = torch.zeros_like(theirs[1])
-        set_grads(mine, k)
-        set_grads(theirs, k)
-        opt.step()
-        ref.step()
-    for i, (p, q) in enumerate(zip(mine, theirs)):
-        assert_same(p.detach(), q.detach(), f"param {i}")
+        step_both(opt, ref, mine, theirs, k)
+    assert_params_same(mine, theirs, "reset")
     assert_views_of_packs(opt, mine)
 
 
