@@ -271,3 +271,19 @@ def test_adam_packed_matches_adam_master_and_refuses_a_bad_layout():
     assert not ampc.ops.adam_packed([p.detach() for p in params], mixed, state, steps,
                                     layout.reshape(-1), lr=1e-2, master=True)
     assert steps.tolist() == [1.0] * len(params)
+
+
+@pytest.mark.parametrize("dtype, master, amsgrad", [(f32, False, False), (bf16, True, True)])
+def test_opcheck_adam_packed(dtype, master, amsgrad):
+    sizes = [17, 40]
+    sections = 2 + amsgrad + master
+    layout = torch.tensor([0, 17, 0, 32, 40, 1])
+    args = ([torch.randn(n).to(dtype) for n in sizes], [torch.randn(n).to(dtype) for n in sizes],
+            torch.randn(sections * 72).abs(), torch.zeros(2), layout, [torch.full((1,), 1e-3)],
+            [torch.ones(1)], [torch.full((1,), 0.5)], [torch.zeros(1)], 0.0, 0.9, 0.999, 1e-8,
+            0.01, True, False, amsgrad, master, master, 3)
+    # schema, fake kernel and autograd registration; aot dispatch does not functionalize a
+    # mutating custom op that returns an int, so the op is not traced by torch.compile
+    torch.library.opcheck(torch.ops.ampc.adam_packed.default, args,
+                          test_utils=("test_schema", "test_autograd_registration",
+                                      "test_faketensor"))
