@@ -307,7 +307,7 @@ class Adam(torch.optim.Optimizer):
                     isinstance(lr, torch.Tensor) and lr.device != device) else lr
                 b.packed = ops.adam_packed(
                     b.params, g, b.pack.buffer, b.pack.steps, b.layout, lr=lr_d,
-                    amsgrad=group["amsgrad"], master=len(b.pack.keys) > 2 + group["amsgrad"],
+                    amsgrad=group["amsgrad"], master="master" in b.pack.keys,
                     beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], decoupled=self._decoupled,
                     maximize=group["maximize"], inv_scale=inv_scale, clip_coef=clip,
