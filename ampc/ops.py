@@ -8,6 +8,7 @@ input raises an error that names the op and the argument.
 import ctypes
 import math
 from collections import defaultdict
+from itertools import repeat
 
 import torch
 
@@ -262,6 +263,9 @@ def adam_master(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, masters=None
         bool(decoupled), bool(maximize), bool(stochastic), _int64(seed))
 
 
+_TENSOR = repeat(torch.Tensor)
+
+
 def adam_packed(params, grads, state, steps, layout, *, lr, amsgrad=False, master=False,
                 beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True,
                 maximize=False, inv_scale=None, clip_coef=None, found_inf=None,
@@ -278,8 +282,10 @@ def adam_packed(params, grads, state, steps, layout, *, lr, amsgrad=False, maste
     device than ``state``, or a numel that is not the layout's); True after the step.
     """
     op = "adam_packed"
-    _check_list(op, "params", params)
-    _check_list(op, "grads", grads)
+    for name, value in (("params", params), ("grads", grads)):
+        # in C, per step of a thousand params; the loop that names the culprit only on failure
+        if not (isinstance(value, (list, tuple)) and all(map(isinstance, value, _TENSOR))):
+            _check_list(op, name, value)
     lr_tensor = []
     if isinstance(lr, torch.Tensor):
         lr_tensor = [lr if lr.dtype == torch.float32 else lr.to(torch.float32)]

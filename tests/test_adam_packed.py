@@ -287,3 +287,12 @@ def test_opcheck_adam_packed(dtype, master, amsgrad):
     torch.library.opcheck(torch.ops.ampc.adam_packed.default, args,
                           test_utils=("test_schema", "test_autograd_registration",
                                       "test_faketensor"))
+
+
+def test_adam_packed_refuses_what_is_not_a_tensor_list():
+    state, steps, layout = torch.zeros(4), torch.zeros(1), torch.tensor([0, 1, 0])
+    with pytest.raises(TypeError, match=r"ampc.adam_packed: grads\[0\] must be a Tensor"):
+        ampc.ops.adam_packed([torch.zeros(1)], [1.0], state, steps, layout, lr=1e-3)
+    with pytest.raises(TypeError, match="ampc.adam_packed: params must be a list"):
+        ampc.ops.adam_packed(torch.zeros(1), [torch.zeros(1)], state, steps, layout, lr=1e-3)
+    assert steps.tolist() == [0.0]
