@@ -58,6 +58,8 @@ struct call {
     struct tensor singles[MAX_SINGLES];
     int n_singles;
     const struct tensor *first;     /* the tensor that fixes the device */
+    int soft;                       /* a tensor on another device or not contiguous sets */
+    int unfit;                      /* unfit instead of failing the call (adam_packed) */
     void *scratch;                  /* freed with the call (the lists of dtype groups) */
     char msg[512];
 };
@@ -160,7 +162,12 @@ static void describe(struct call *c, struct tensor *t)
     if (!c->first && !t->host)
         c->first = t;
     const struct tensor *f = t->host ? t : c->first;
-    if (t->device_type != f->device_type || t->device_index != f->device_index)
+    int misplaced = t->device_type != f->device_type || t->device_index != f->device_index;
+    if (c->soft && !t->host && (misplaced || !contiguous)) {
+        c->unfit = 1;
+        return;
+    }
+    if (misplaced)
         fail(c, "%s must be on %s like %s, got %s", tensor_name(t, a, sizeof(a)),
              device_name(f->device_type, f->device_index, d1, sizeof(d1)),
              tensor_name(f, b, sizeof(b)),
@@ -842,40 +849,9 @@ static void adam_kernel(StableIValue *stack, int on_cuda)
 // (int64, on the CPU) holds for each param its offset in every section, its numel and the
 // index of its step count, offsets and indices increasing. Two tensor lists cross into C
 // instead of seven. Returns 1, having done nothing, when the params and grads do not fit
-// the packing (params or grads of mixed dtypes, not contiguous, on another device than
-// the state, or of a numel the layout does not say): the caller then takes the unpacked
+// the packing (params or grads of mixed dtypes, not contiguous, not all on one device,
+// or of a numel the layout does not say): the caller then takes the unpacked
 // path, whose checks name what is wrong. Returns 0 after the step.
-
-/* Whether every params[i] and grads[i] is contiguous, shares the dtype of the first of its
- * list and the device of `state`. Reads metadata only. */
-static int packed_fits(struct call *c, const struct list *params, const struct list *grads,
-                       AtenTensorHandle state)
-{
-    int32_t sd_type = 0;
-    int32_t sd_index = 0;
-    shim(c, aoti_torch_get_device_type(state, &sd_type), "get_device_type");
-    shim(c, aoti_torch_get_device_index(state, &sd_index), "get_device_index");
-    const struct list *ls[2] = { params, grads };
-    for (int l = 0; l < 2; l++) {
-        int32_t first = 0;
-        for (int64_t i = 0; i < ls[l]->count; i++) {
-            AtenTensorHandle h = ls[l]->t[i].h;
-            int32_t dtype = 0;
-            int32_t type = 0;
-            int32_t index = 0;
-            bool contiguous = false;
-            shim(c, aoti_torch_get_dtype(h, &dtype), "get_dtype");
-            shim(c, aoti_torch_get_device_type(h, &type), "get_device_type");
-            shim(c, aoti_torch_get_device_index(h, &index), "get_device_index");
-            shim(c, aoti_torch_is_contiguous(h, &contiguous), "is_contiguous");
-            if (i == 0)
-                first = dtype;
-            if (dtype != first || type != sd_type || index != sd_index || !contiguous)
-                return 0;
-        }
-    }
-    return 1;
-}
 
 /* Points job's state lists into the packed buffers; 0 when a param's numel is not the
  * layout's. Raises on a layout that does not describe disjoint ranges inside them. */
@@ -952,19 +928,21 @@ static void adam_packed_kernel(StableIValue *stack, int on_cuda)
     for (int i = 0; i < 4; i++)
         opt[i] = take_option(&c, stack[5 + i], options[i]);
     layout->host = 1;
-    if (!packed_fits(&c, params, grads, state->h)) {
+    c.soft = 1;
+    describe_all(&c);
+    struct adam_job job;
+    int mixed = 0;
+    memset(&job, 0, sizeof(job));
+    job.lists.params = float_list_mixed(&c, params, &mixed);
+    job.lists.grads = float_list_mixed(&c, grads, &mixed);
+    int amsgrad = (stack[16] & 0xff) != 0;
+    int master = (stack[17] & 0xff) != 0;
+    if (c.unfit || mixed) {
         call_free(&c);
         stack[0] = 1;
         return;
     }
-    describe_all(&c);
-    struct adam_job job;
-    memset(&job, 0, sizeof(job));
-    job.lists.params = float_list(&c, params);
-    job.lists.grads = float_list(&c, grads);
     check_same_shapes(&c, grads, "grads", params, "params");
-    int amsgrad = (stack[16] & 0xff) != 0;
-    int master = (stack[17] & 0xff) != 0;
     if (!packed_lists(&c, &job, params, state, steps, layout, amsgrad, master)) {
         call_free(&c);
         stack[0] = 1;
