@@ -49,6 +49,7 @@ class _Pack:
         device = params[0].device
         self.buffer = torch.empty(len(keys) * size, dtype=torch.float32, device=device)
         self.steps = torch.empty(len(params), dtype=torch.float32, device=device)
+        self.buffer._ampc_packed = self.steps._ampc_packed = True      # for _into
         self.slot = {id(p): i for i, p in enumerate(params)}
         self.views = {k: [] for k in keys}
         self.views["step"] = []
@@ -429,8 +430,8 @@ class Adam(torch.optim.Optimizer):
 def _into(view, value):
     """value copied into the packed state's view it replaces (so the packing survives a
     load), or value itself where there is no such view."""
-    if (isinstance(view, torch.Tensor) and view._base is not None
-            and not _distributed.is_dtensor(view) and view.shape == value.shape
+    if (isinstance(view, torch.Tensor) and getattr(view._base, "_ampc_packed", False)
+            and view.shape == value.shape
             and view.dtype == value.dtype and view.device == value.device):
         return view.copy_(value)
     return value
