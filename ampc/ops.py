@@ -8,6 +8,7 @@ input raises an error that names the op and the argument.
 import ctypes
 import math
 from collections import defaultdict
+from itertools import repeat
 
 import torch
 
@@ -262,6 +263,41 @@ def adam_master(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, masters=None
         bool(decoupled), bool(maximize), bool(stochastic), _int64(seed))
 
 
+_TENSOR = repeat(torch.Tensor)
+
+
+def adam_packed(params, grads, state, steps, layout, *, lr, amsgrad=False, master=False,
+                beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True,
+                maximize=False, inv_scale=None, clip_coef=None, found_inf=None,
+                stochastic=False, seed=0):
+    """:func:`adam_master` with the state of all params in one buffer: two tensor lists
+    cross into C instead of seven, and no per-param step tensor.
+
+    ``state`` (fp32) holds equal sections one after the other: exp_avg, exp_avg_sq, then
+    max_exp_avg_sq with ``amsgrad``, then the master weights with ``master``. ``steps``
+    (fp32) holds step counts. ``layout`` (int64, on the CPU, 3 values a param) says for
+    params[i] its offset in every section, its numel and the index of its step count,
+    offsets and indices increasing. Returns False, having done nothing, when the params
+    and grads do not fit the packing (mixed dtypes in a list, not contiguous, on another
+    device than ``state``, or a numel that is not the layout's); True after the step.
+    """
+    op = "adam_packed"
+    for name, value in (("params", params), ("grads", grads)):
+        # in C, per step of a thousand params; the loop that names the culprit only on failure
+        if not (isinstance(value, (list, tuple)) and all(map(isinstance, value, _TENSOR))):
+            _check_list(op, name, value)
+    lr_tensor = []
+    if isinstance(lr, torch.Tensor):
+        lr_tensor = [lr if lr.dtype == torch.float32 else lr.to(torch.float32)]
+        lr = 0.0
+    return not torch.ops.ampc.adam_packed(
+        params, grads, state, steps, layout, lr_tensor, _optional(op, "inv_scale", inv_scale),
+        _optional(op, "clip_coef", clip_coef), _optional(op, "found_inf", found_inf),
+        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+        bool(decoupled), bool(maximize), bool(amsgrad), bool(master), bool(stochastic),
+        _int64(seed))
+
+
 _SEED_STRIDE = 0x9E3779B97F4A7C15       # AMPC_SEED_STRIDE in csrc/dtype.h
 
 
@@ -341,7 +377,8 @@ def _guard_autograd(name):
     _lib.impl(name, kernel, "ADInplaceOrView", with_keyset=True)
 
 
-for _name in ("cast", "unscale_check", "check_norm", "update_scale", "adam_master"):
+for _name in ("cast", "unscale_check", "check_norm", "update_scale", "adam_master",
+              "adam_packed"):
     _guard_autograd(_name)
 
 
@@ -393,3 +430,13 @@ def _adam_master_fake(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg
                  exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, max_exp_avg_sqs=max_exp_avg_sqs,
                  steps=steps, lr_tensor=lr_tensor, inv_scale=inv_scale, clip_coef=clip_coef,
                  found_inf=found_inf)
+
+
+@torch.library.register_fake("ampc::adam_packed")
+def _adam_packed_fake(params, grads, state, steps, layout, lr_tensor, inv_scale, clip_coef,
+                      found_inf, lr, beta1, beta2, eps, weight_decay, decoupled, maximize,
+                      amsgrad, master, stochastic=False, seed=0):
+    _same_device("adam_packed", params=params, grads=grads, state=state, steps=steps,
+                 lr_tensor=lr_tensor, inv_scale=inv_scale, clip_coef=clip_coef,
+                 found_inf=found_inf)
+    return 0

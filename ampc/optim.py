@@ -17,7 +17,8 @@ the optimizer before ``step()``, the grads are unscaled inside the update and a 
 with inf/nan grads is skipped on the device, with no host sync. ``grad_clip_coef`` (a
 1-element tensor set the same way) folds gradient clipping into the update too.
 """
-from itertools import chain
+from itertools import chain, repeat
+from operator import attrgetter, is_, is_not
 
 import torch
 
@@ -26,6 +27,85 @@ from . import _distributed, ops
 __all__ = ["Adam", "AdamW"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+_ALIGN = 16             # fp32 elements: each param's state starts 64-byte aligned
+_grad = attrgetter("grad")
+_NONE = type(None)
+
+
+class _Pack:
+    """The state of some params of one group that share device, dtype and master weights,
+    packed: one fp32 buffer of equal sections (exp_avg, exp_avg_sq, max_exp_avg_sq with
+    amsgrad, master with master weights) and one tensor of step counts. Each param's
+    state entries are views into them, so everything that reads ``optimizer.state`` sees
+    torch's per-param tensors."""
+
+    def __init__(self, params, states, keys):
+        self.keys = keys
+        self.offsets = []
+        size = 0
+        for p in params:
+            self.offsets.append(size)
+            size += -(-p.numel() // _ALIGN) * _ALIGN
+        device = params[0].device
+        self.buffer = torch.empty(len(keys) * size, dtype=torch.float32, device=device)
+        self.steps = torch.empty(len(params), dtype=torch.float32, device=device)
+        self.buffer._ampc_packed = self.steps._ampc_packed = True      # for _into
+        self.slot = {id(p): i for i, p in enumerate(params)}
+        self.views = {k: [] for k in keys}
+        self.views["step"] = []
+        for i, (p, s) in enumerate(zip(params, states)):
+            for j, k in enumerate(keys):
+                begin = j * size + self.offsets[i]
+                view = self.buffer[begin:begin + p.numel()].view(p.shape)
+                view.copy_(s[k])
+                s[k] = view
+                self.views[k].append(view)
+            step = self.steps[i]
+            step.copy_(s["step"].reshape(()))
+            s["step"] = step
+            self.views["step"].append(step)
+
+    def holds(self, p, s):
+        """Whether p's state entries are still this pack's views."""
+        i = self.slot.get(id(p))
+        return i is not None and all(s.get(k) is v[i] for k, v in self.views.items())
+
+
+class _Bucket:
+    """The params of one kernel call of a cached plan: with their grads, by position."""
+
+    def __init__(self, indices, params, states, pack):
+        self.indices = indices          # positions in the group's params
+        self.params = params
+        self.pack = pack
+        slots = [pack.slot[id(p)] for p in params]
+        self.layout = torch.tensor([[pack.offsets[i], p.numel(), i] for i, p in zip(slots, params)],
+                                   dtype=torch.int64).reshape(-1)
+        self.states = states
+        self.views = {k: [v[i] for i in slots] for k, v in pack.views.items()}
+        self.whole = None               # set by the plan: the group's params are all here
+        self.packed = True              # False once the kernel found they do not fit
+
+    def intact(self):
+        """Whether every state entry is still the pack's view (nothing replaced them)."""
+        return all(all(map(is_, map(dict.get, self.states, repeat(k)), v))
+                   for k, v in self.views.items())
+
+
+class _Plan:
+    """What a group's step does while nothing changes: which params have grads, and the
+    buckets of packed params, each one kernel call."""
+
+    def __init__(self, state, params, mask, buckets):
+        self.state = state
+        self.params = params
+        self.count = len(params)
+        self.mask = mask
+        self.buckets = buckets
+
+    def valid(self, state, params, mask):
+        return (state is self.state and params is self.params and len(params) == self.count
+                and mask == self.mask and all(b.intact() for b in self.buckets))
 
 
 class Adam(torch.optim.Optimizer):
@@ -161,13 +241,84 @@ class Adam(torch.optim.Optimizer):
                 loss = closure()
         control = {}
         first = 0
-        for group in self.param_groups:
+        plans = self.__dict__.setdefault("_ampc_plans", {})
+        for index, group in enumerate(self.param_groups):
             params = group["params"]
-            live = [(i, p, p.grad) for i, p in enumerate(params, first) if p.grad is not None]
-            first += len(params)
-            if live:
+            grads = list(map(_grad, params))
+            mask = None
+            if _NONE in set(map(type, grads)):
+                mask = tuple(map(is_not, grads, repeat(None)))
+                if not any(mask):
+                    first += len(params)
+                    continue
+            if params and _distributed.is_dtensor(params[0]):    # the unpacked path
+                live = [(i, p, g) for i, p, g in zip(range(first, first + len(params)),
+                                                     params, grads) if g is not None]
                 self._step_group(group, self._buckets(group, live), control)
+                first += len(params)
+                continue
+            plan = plans.get(index)
+            if plan is None or not plan.valid(self.state, params, mask):
+                plan = plans[index] = self._plan(group, index, first, grads, mask)
+            self._step_plan(group, plan, grads, first, control)
+            first += len(params)
         return loss
+
+    def _plan(self, group, index, first, grads, mask):
+        """Packs the state of the params that have grads (with that of the group's other
+        params that have state and share their device, dtype and master weights), reusing
+        packs that still hold it, and returns the group's plan."""
+        params = group["params"]
+        packs = self.__dict__.setdefault("_ampc_packs", {}).setdefault(index, {})
+        keyed = {}
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError(f"ampc.optim.{type(self).__name__} does not support "
+                                   "sparse gradients")
+            s = self._checked_state(group, p, first + i)
+            keyed.setdefault((p.device, p.dtype, "master" in s), []).append(i)
+        buckets = []
+        for key, indices in keyed.items():
+            live = [params[i] for i in indices]
+            states = [self.state[p] for p in live]
+            pack = packs.get(key)
+            if pack is None or not all(map(pack.holds, live, states)):
+                keys = self._state_keys(group, key[2])[1:]
+                held = [p for p in params if p.device == key[0] and p.dtype == key[1]
+                        and all(k in self.state.get(p, ()) for k in keys + ["step"])
+                        and ("master" in self.state[p]) == key[2]]
+                pack = packs[key] = _Pack(held, [self.state[p] for p in held], keys)
+            bucket = _Bucket(indices, live, states, pack)
+            bucket.whole = len(indices) == len(params)
+            buckets.append(bucket)
+        return _Plan(self.state, params, mask, buckets)
+
+    def _step_plan(self, group, plan, grads, first, control):
+        beta1, beta2 = (float(b) for b in group["betas"])
+        seed = int(group["seed"]) if group["stochastic_rounding"] else 0
+        lr = group["lr"]
+        for b in plan.buckets:
+            device = b.params[0].device
+            g = grads if b.whole else list(map(grads.__getitem__, b.indices))
+            if b.packed:
+                inv_scale, clip, found_inf = self._control(device, control)
+                lr_d = lr.to(device, non_blocking=True) if (
+                    isinstance(lr, torch.Tensor) and lr.device != device) else lr
+                b.packed = ops.adam_packed(
+                    b.params, g, b.pack.buffer, b.pack.steps, b.layout, lr=lr_d,
+                    amsgrad=group["amsgrad"], master="master" in b.pack.keys,
+                    beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], decoupled=self._decoupled,
+                    maximize=group["maximize"], inv_scale=inv_scale, clip_coef=clip,
+                    found_inf=found_inf, stochastic=group["stochastic_rounding"], seed=seed)
+                if b.packed:
+                    continue
+            # the params or grads changed in a way the packing does not take (dtype,
+            # contiguity, device, shape): the per-tensor path, until the plan is rebuilt
+            live = [(first + i, p, gi) for i, p, gi in zip(b.indices, b.params, g)]
+            self._step_group(group, self._buckets(group, live), control)
 
     def _buckets(self, group, live):
         """The params that have grads, by (device, dtype, grad dtype, master): one kernel
@@ -256,20 +407,34 @@ class Adam(torch.optim.Optimizer):
             if "master" in saved and id(p) in no_master:
                 raise ValueError(f"{name}: param {i} has a master weight in the checkpoint, "
                                  "but this optimizer was made with master_weights=False")
+        before = {id(p): dict(self.state[p]) for p in params if p in self.state}
         super().load_state_dict(state_dict)
         for sid, p in zip(saved_ids, params):
             saved = saved_state.get(sid)
             if saved is None:
                 continue
             state = self.state[p]
+            old = before.get(id(p), {})
             for key in _MOMENTS:
                 if key in saved:
-                    state[key] = saved[key].to(device=p.device, dtype=torch.float32,
-                                               memory_format=torch.contiguous_format)
+                    state[key] = _into(old.get(key), saved[key].to(
+                        device=p.device, dtype=torch.float32,
+                        memory_format=torch.contiguous_format))
             if "step" in saved:
                 step = saved["step"]
                 step = step if isinstance(step, torch.Tensor) else torch.tensor(float(step))
-                state["step"] = step.to(device=p.device, dtype=torch.float32).reshape(())
+                state["step"] = _into(old.get("step"), step.to(
+                    device=p.device, dtype=torch.float32).reshape(()))
+
+
+def _into(view, value):
+    """value copied into the packed state's view it replaces (so the packing survives a
+    load), or value itself where there is no such view."""
+    if (isinstance(view, torch.Tensor) and getattr(view._base, "_ampc_packed", False)
+            and view.shape == value.shape
+            and view.dtype == value.dtype and view.device == value.device):
+        return view.copy_(value)
+    return value
 
 
 class AdamW(Adam):

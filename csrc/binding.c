@@ -39,6 +39,7 @@ struct tensor {
     int64_t numel;
     void *data;
     int written;            /* the op writes it */
+    int host;               /* read by the binding on the host (a CPU tensor on any call) */
 };
 
 struct list {
@@ -57,6 +58,8 @@ struct call {
     struct tensor singles[MAX_SINGLES];
     int n_singles;
     const struct tensor *first;     /* the tensor that fixes the device */
+    int soft;                       /* a tensor on another device or not contiguous sets */
+    int unfit;                      /* unfit instead of failing the call (adam_packed) */
     void *scratch;                  /* freed with the call (the lists of dtype groups) */
     char msg[512];
 };
@@ -153,10 +156,18 @@ static void describe(struct call *c, struct tensor *t)
     shim(c, aoti_torch_get_numel(t->h, &t->numel), "get_numel");
     shim(c, aoti_torch_is_contiguous(t->h, &contiguous), "is_contiguous");
     shim(c, torch_get_mutable_data_ptr(t->h, &t->data), "get_data_ptr");
-    if (!c->first)
+    if (t->host && t->device_type != aoti_torch_device_type_cpu())
+        fail(c, "%s must be on the CPU, got %s", tensor_name(t, a, sizeof(a)),
+             device_name(t->device_type, t->device_index, d1, sizeof(d1)));
+    if (!c->first && !t->host)
         c->first = t;
-    const struct tensor *f = c->first;
-    if (t->device_type != f->device_type || t->device_index != f->device_index)
+    const struct tensor *f = t->host ? t : c->first;
+    int misplaced = t->device_type != f->device_type || t->device_index != f->device_index;
+    if (c->soft && !t->host && (misplaced || !contiguous)) {
+        c->unfit = 1;
+        return;
+    }
+    if (misplaced)
         fail(c, "%s must be on %s like %s, got %s", tensor_name(t, a, sizeof(a)),
              device_name(f->device_type, f->device_index, d1, sizeof(d1)),
              tensor_name(f, b, sizeof(b)),
@@ -770,6 +781,28 @@ static void check_adam_args(struct call *c, const struct ampc_adam_args *a, int 
         fail(c, "weight_decay must be a finite number >= 0, got %g", a->weight_decay);
 }
 
+/* The control values (lists lr_tensor, inv_scale, clip_coef, found_inf), the numbers
+ * (lr, beta1, beta2, eps, weight_decay, decoupled, maximize at v) and the rounding
+ * (stochastic, seed at r) of both Adam ops, checked. */
+static void take_adam_args(struct call *c, struct adam_job *job, struct list *const opt[4],
+                           const StableIValue *v, const StableIValue *r)
+{
+    job->control.lr = f32_option(c, opt[0], "lr_tensor");
+    job->control.inv_scale = f32_option(c, opt[1], "inv_scale");
+    job->control.clip_coef = f32_option(c, opt[2], "clip_coef");
+    job->control.found_inf = f32_option(c, opt[3], "found_inf");
+    job->args.lr = take_double(v[0]);
+    job->args.beta1 = take_double(v[1]);
+    job->args.beta2 = take_double(v[2]);
+    job->args.eps = take_double(v[3]);
+    job->args.weight_decay = take_double(v[4]);
+    job->args.decoupled = (v[5] & 0xff) != 0;
+    job->args.maximize = (v[6] & 0xff) != 0;
+    job->args.stochastic = (r[0] & 0xff) != 0;
+    job->args.seed = (uint64_t)r[1];
+    check_adam_args(c, &job->args, job->control.lr != NULL);
+}
+
 static void adam_kernel(StableIValue *stack, int on_cuda)
 {
     static const char *names[] = { "params", "grads", "masters", "exp_avgs", "exp_avg_sqs",
@@ -799,23 +832,127 @@ static void adam_kernel(StableIValue *stack, int on_cuda)
              (long long)ls[0]->count, (long long)ls[6]->count);
     for (int64_t i = 0; i < ls[6]->count; i++)
         check_scalar(&c, &ls[6]->t[i], aoti_torch_dtype_float32(), 0);
-    job.control.lr = f32_option(&c, ls[7], "lr_tensor");
-    job.control.inv_scale = f32_option(&c, ls[8], "inv_scale");
-    job.control.clip_coef = f32_option(&c, ls[9], "clip_coef");
-    job.control.found_inf = f32_option(&c, ls[10], "found_inf");
-    job.args.lr = take_double(stack[11]);
-    job.args.beta1 = take_double(stack[12]);
-    job.args.beta2 = take_double(stack[13]);
-    job.args.eps = take_double(stack[14]);
-    job.args.weight_decay = take_double(stack[15]);
-    job.args.decoupled = (stack[16] & 0xff) != 0;
-    job.args.maximize = (stack[17] & 0xff) != 0;
-    job.args.stochastic = (stack[18] & 0xff) != 0;
-    job.args.seed = (uint64_t)stack[19];
-    check_adam_args(&c, &job.args, job.control.lr != NULL);
+    take_adam_args(&c, &job, ls + 7, stack + 11, stack + 18);
     check_overlap(&c);
     run(&c, adam_on_cpu, adam_on_cuda, &job);
     call_free(&c);
+}
+
+// ---- adam_packed(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) state, Tensor(c!) steps,
+//                  Tensor layout, Tensor[] lr_tensor, Tensor[] inv_scale, Tensor[] clip_coef,
+//                  Tensor[] found_inf, float lr, float beta1, float beta2, float eps,
+//                  float weight_decay, bool decoupled, bool maximize, bool amsgrad,
+//                  bool master, bool stochastic, int seed) -> int ----
+// adam_master's step with the state of all params packed: `state` is fp32, its sections
+// (exp_avg, exp_avg_sq, then max_exp_avg_sq with amsgrad, then master with master
+// weights) of equal size one after the other; `steps` holds fp32 step counts; `layout`
+// (int64, on the CPU) holds for each param its offset in every section, its numel and the
+// index of its step count, offsets and indices increasing. Two tensor lists cross into C
+// instead of seven. Returns 1, having done nothing, when the params and grads do not fit
+// the packing (params or grads of mixed dtypes, not contiguous, not all on one device,
+// or of a numel the layout does not say): the caller then takes the unpacked
+// path, whose checks name what is wrong. Returns 0 after the step.
+
+/* Points job's state lists into the packed buffers; 0 when a param's numel is not the
+ * layout's. Raises on a layout that does not describe disjoint ranges inside them. */
+static int packed_lists(struct call *c, struct adam_job *job, const struct list *params,
+                        const struct tensor *state, const struct tensor *steps,
+                        const struct tensor *layout, int amsgrad, int master)
+{
+    int64_t count = params->count;
+    int64_t sections = 2 + amsgrad + master;
+    if (state->dtype != aoti_torch_dtype_float32() || steps->dtype != aoti_torch_dtype_float32())
+        fail(c, "state and steps must be torch.float32, got %s and %s",
+             dtype_name(state->dtype), dtype_name(steps->dtype));
+    if (layout->dtype != aoti_torch_dtype_int64() || layout->numel != 3 * count)
+        fail(c, "layout must be a torch.int64 tensor of 3 values a param (%lld), got %s with "
+             "%lld", (long long)(3 * count), dtype_name(layout->dtype), (long long)layout->numel);
+    if (state->numel % sections != 0)
+        fail(c, "state must hold %lld sections of equal size, got %lld elements",
+             (long long)sections, (long long)state->numel);
+    int64_t size = state->numel / sections;
+    const int64_t *lay = layout->data;
+    for (int64_t i = 0; i < count; i++) {
+        int64_t off = lay[3 * i];
+        int64_t n = lay[3 * i + 1];
+        int64_t s = lay[3 * i + 2];
+        int64_t end = i > 0 ? lay[3 * i - 3] + lay[3 * i - 2] : 0;
+        if (off < end || n < 0 || n > size - off || s < (i > 0 ? lay[3 * i - 1] + 1 : 0)
+            || s >= steps->numel)
+            fail(c, "layout of param %lld (offset %lld, numel %lld, step %lld) is not inside "
+                 "the state (%lld a section) and steps (%lld), after the previous param's",
+                 (long long)i, (long long)off, (long long)n, (long long)s, (long long)size,
+                 (long long)steps->numel);
+        if (n != params->numel[i])
+            return 0;
+    }
+    void **ptr = malloc(sizeof(*ptr) * (size_t)(5 * (count ? count : 1)));
+    if (!ptr)
+        fail(c, "out of memory");
+    c->scratch = ptr;
+    float *base = state->data;
+    float *sec[4] = { NULL, NULL, NULL, NULL };     /* m, v, vmax, master */
+    sec[0] = base;
+    sec[1] = base + size;
+    if (amsgrad)
+        sec[2] = base + 2 * size;
+    if (master)
+        sec[3] = base + (2 + amsgrad) * size;
+    for (int64_t i = 0; i < count; i++) {
+        for (int k = 0; k < 4; k++)
+            ptr[k * count + i] = sec[k] ? sec[k] + lay[3 * i] : NULL;
+        ptr[4 * count + i] = (float *)steps->data + lay[3 * i + 2];
+    }
+    struct ampc_adam_lists *l = &job->lists;
+    l->exp_avgs = (struct ampc_list){ ptr, params->numel, count, AMPC_F32 };
+    l->exp_avg_sqs = (struct ampc_list){ ptr + count, params->numel, count, AMPC_F32 };
+    l->max_exp_avg_sqs = (struct ampc_list){ ptr + 2 * count, params->numel,
+                                             amsgrad ? count : 0, AMPC_F32 };
+    l->masters = (struct ampc_list){ ptr + 3 * count, params->numel, master ? count : 0,
+                                     AMPC_F32 };
+    l->steps = (struct ampc_list){ ptr + 4 * count, params->numel, count, AMPC_F32 };
+    return 1;
+}
+
+static void adam_packed_kernel(StableIValue *stack, int on_cuda)
+{
+    static const char *options[] = { "lr_tensor", "inv_scale", "clip_coef", "found_inf" };
+    struct call c;
+    struct list *opt[4];
+    start(&c, "ampc.adam_packed", on_cuda);
+    struct list *params = take_list(&c, stack[0], "params", 1);
+    struct list *grads = take_list(&c, stack[1], "grads", 0);
+    struct tensor *state = take_tensor(&c, stack[2], "state", 1);
+    struct tensor *steps = take_tensor(&c, stack[3], "steps", 1);
+    struct tensor *layout = take_tensor(&c, stack[4], "layout", 0);
+    for (int i = 0; i < 4; i++)
+        opt[i] = take_option(&c, stack[5 + i], options[i]);
+    layout->host = 1;
+    c.soft = 1;
+    describe_all(&c);
+    struct adam_job job;
+    int mixed = 0;
+    memset(&job, 0, sizeof(job));
+    job.lists.params = float_list_mixed(&c, params, &mixed);
+    job.lists.grads = float_list_mixed(&c, grads, &mixed);
+    int amsgrad = (stack[16] & 0xff) != 0;
+    int master = (stack[17] & 0xff) != 0;
+    if (c.unfit || mixed) {
+        call_free(&c);
+        stack[0] = 1;
+        return;
+    }
+    check_same_shapes(&c, grads, "grads", params, "params");
+    if (!packed_lists(&c, &job, params, state, steps, layout, amsgrad, master)) {
+        call_free(&c);
+        stack[0] = 1;
+        return;
+    }
+    take_adam_args(&c, &job, opt, stack + 9, stack + 18);
+    check_overlap(&c);
+    run(&c, adam_on_cpu, adam_on_cuda, &job);
+    call_free(&c);
+    stack[0] = 0;
 }
 
 // ---- boxed entry points ----
@@ -830,6 +967,7 @@ BOXED(unscale_check)
 BOXED(check_norm)
 BOXED(update_scale)
 BOXED(adam)
+BOXED(adam_packed)
 
 struct op {
     const char *schema;
@@ -858,6 +996,12 @@ static const struct op ops[] = {
       "float weight_decay, bool decoupled, bool maximize, bool stochastic=False, "
       "int seed=0) -> ()",
       "adam_master", adam_cpu, adam_cuda },
+    { "adam_packed(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) state, Tensor(c!) steps, "
+      "Tensor layout, Tensor[] lr_tensor, Tensor[] inv_scale, Tensor[] clip_coef, "
+      "Tensor[] found_inf, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay, bool decoupled, bool maximize, bool amsgrad, bool master, "
+      "bool stochastic=False, int seed=0) -> int",
+      "adam_packed", adam_packed_cpu, adam_packed_cuda },
 };
 
 #define N_OPS ((int)(sizeof(ops) / sizeof(ops[0])))
