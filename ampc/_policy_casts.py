@@ -21,6 +21,7 @@ _LOW = (torch.float16, torch.bfloat16)
 ELIGIBLE = frozenset(d for d in vars(torch).values()
                      if isinstance(d, torch.dtype) and d.is_floating_point and d is not torch.float64)
 _NoSubclassTF = torch._C.DisableTorchFunctionSubclass
+ON_DEVICE = {"cpu": "is_cpu", "cuda": "is_cuda"}     # the Tensor property that says "on it"
 _Tensor = torch.Tensor
 
 
@@ -67,7 +68,7 @@ def _promote_type(args, kwargs, on, start):
 
 def apply_policy(func, name, pol, args, kwargs, dev, dtype, st):
     """Runs ``func`` as policy ``pol`` says, ampc doing the casts (torch's autocast is off)."""
-    on = "is_cuda" if dev == "cuda" else "is_cpu"
+    on = ON_DEVICE[dev]
     if pol is P.LOWER_PRECISION_FP:
         args, kwargs = cast_args(args, kwargs, dtype, on, st)
     elif pol is P.FP32:

@@ -33,14 +33,13 @@ from . import policy as _policy
 from ._checkpoint import carry_into_checkpoint
 from ._composites import call_lifted
 from ._overflow import checked, install_hooks, remove_hooks
-from ._policy_casts import apply_policy, cast_args
+from ._policy_casts import ON_DEVICE as _ON_DEVICE, apply_policy, cast_args
 from ._walk import map_tensors
 from ._weight_cache import FUSED as _FUSED, cast_weights, is_weight, order_of
 from .policy import CastPolicy as P
 
 _Tensor = torch.Tensor
 _FP32, _FP16, _BF16 = torch.float32, torch.float16, torch.bfloat16
-_ON_DEVICE = {"cpu": "is_cpu", "cuda": "is_cuda"}     # the Tensor property that says "on it"
 _DEVICES = tuple(_ON_DEVICE)
 _SUPPORTED = {"cpu": (_FP16, _BF16), "cuda": (_FP16, _BF16, _FP32)}   # as torch (CUDA takes fp32)
 
@@ -80,7 +79,8 @@ _LOWER, _PASS = P.LOWER_PRECISION_FP, P.PASSTHROUGH   # plain names: cheaper tha
 
 class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if _st.plain and not _policy.CHANGED:     # nothing for ampc to add: torch does it all
+        st = _st
+        if st.plain and not _policy.CHANGED:     # nothing for ampc to add: torch does it all
             return func(*args, **kwargs) if kwargs else func(*args)
         try:
             name = _FUNCS.get(func)
@@ -88,7 +88,6 @@ class _Mode(TorchFunctionMode):
             name = None
         if kwargs is None:
             kwargs = {}
-        st = _st
         if st.check_finite:
             return checked(_run, func, name, args, kwargs, st)
         return _run(func, name, args, kwargs, st)
@@ -136,12 +135,19 @@ def _first_tensor(args, kwargs):
     return None
 
 
-def _dispatch(func, name, args, kwargs, st):
+def _region_device(args, kwargs):
+    """'cpu' or 'cuda': the device of the first tensor argument, when autocast is on there;
+    else None."""
     t = _first_tensor(args, kwargs)
     if t is None:
-        return func(*args, **kwargs)
+        return None
     dev = "cuda" if t.is_cuda else "cpu" if t.is_cpu else None
-    if dev is None or not _enabled(dev):
+    return dev if dev is not None and _enabled(dev) else None
+
+
+def _dispatch(func, name, args, kwargs, st):
+    dev = _region_device(args, kwargs)
+    if dev is None:
         return func(*args, **kwargs)
     sc = _ptls.scope
     pol = (sc.ops.get(name) if sc is not None else None) or _EFFECTIVE[dev].get(name)
@@ -288,11 +294,8 @@ def _scope_left(token):
 
 def _cast_module_inputs(args, kwargs, dtype):
     """Forward pre-hook body of a module scope with a dtype: its inputs, cast."""
-    t = _first_tensor(args, kwargs)
-    if t is None:
-        return None
-    dev = "cuda" if t.is_cuda else "cpu" if t.is_cpu else None
-    if dev is None or not _enabled(dev):
+    dev = _region_device(args, kwargs)
+    if dev is None:
         return None
     return cast_args(args, kwargs, dtype, _ON_DEVICE[dev], _st)
 
@@ -306,9 +309,13 @@ _policy._scope_left = _scope_left
 _UNSET = object()
 
 
-def _check_device_type(fn, device_type):
+def _check_str(fn, device_type):
     if not isinstance(device_type, str):
         raise ValueError(f"ampc.{fn}: Expected `device_type` of type `str`, got: `{type(device_type)}`")
+
+
+def _check_device_type(fn, device_type):
+    _check_str(fn, device_type)
     if device_type not in _ON_DEVICE:
         try:
             known = torch.amp.is_autocast_available(device_type)
@@ -460,13 +467,11 @@ def custom_fwd(fwd=None, *, device_type, cast_inputs=None):
     """torch.amp.custom_fwd (ampc regions are torch regions): decorate an autograd.Function's
     forward. With ``cast_inputs`` set, inside an enabled region the forward runs with
     autocast off and its floating inputs cast to ``cast_inputs``."""
-    if not isinstance(device_type, str):
-        raise ValueError(f"ampc.custom_fwd: Expected `device_type` of type `str`, got: `{type(device_type)}`")
+    _check_str("custom_fwd", device_type)
     return torch.amp.custom_fwd(fwd, device_type=device_type, cast_inputs=cast_inputs)
 
 
 def custom_bwd(bwd=None, *, device_type):
     """torch.amp.custom_bwd: backward runs with the autocast state its forward saw."""
-    if not isinstance(device_type, str):
-        raise ValueError(f"ampc.custom_bwd: Expected `device_type` of type `str`, got: `{type(device_type)}`")
+    _check_str("custom_bwd", device_type)
     return torch.amp.custom_bwd(bwd, device_type=device_type)
