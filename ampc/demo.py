@@ -31,7 +31,7 @@ from torch import nn
 
 import ampc
 from ampc import validate
-from ampc.validate._compare import DEFAULT_DTYPE, evaluate, train_one
+from ampc.validate._compare import DEFAULT_DTYPE, train_one
 from ampc.validate._report import NO_MATPLOTLIB, fmt, format_table, write_outputs
 
 # ---- the text ----

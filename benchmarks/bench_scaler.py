@@ -127,13 +127,13 @@ def main() -> int:
         params = make_params(shapes, dev)
         s = setups(params, dev)
         fns = {name: (lambda v=v: one_step(*v)) for name, v in s.items()}
-        ms, copy_gbs = roof.measure(fns, args.reps)
+        ms, roof_gbs = roof.measure(fns, args.reps)
         numel = sum(p.numel() for p in params)
         gb = numel * (ADAM_BYTES + CHECK_BYTES) / 1e9
         for what, baseline in (("step", "step torch"), ("clip+step", "clip+step torch"),
                                ("clip+step vs (b)", "clip+step torch-fused")):
             ours = "step ampc" if what == "step" else "clip+step ampc"
-            rows.append(H.row(f"{case} {what}", ms[ours], ms[baseline], gb, copy_gbs, "mul_",
+            rows.append(H.row(f"{case} {what}", ms[ours], ms[baseline], gb, roof_gbs, "mul_",
                               tensors=len(params), **{"live ms": ms[ours + "-live"]}))
         del params, s, fns
     H.report(hdr, rows, args.json, [

@@ -30,7 +30,6 @@ torch.backends.cpu.get_cpu_capability() reports AVX-512 (or on CUDA), small othe
 import argparse
 import contextlib
 import copy
-import json
 import statistics
 import sys
 import time
@@ -205,11 +204,9 @@ def main() -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--json", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
-    args = p.parse_args()
+    args = H.parse(p)
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     isa = "cuda" if args.device == "cuda" else torch.backends.cpu.get_cpu_capability()
     size = args.size if args.size != "auto" else ("full" if "AVX512" in isa or isa == "cuda" else "small")
     c = SIZES[size]
@@ -234,10 +231,12 @@ def main() -> int:
     partner = {b: a for a, b in PAIRS} | {a: a for a, _ in PAIRS} | {"fp32": "fp32"}
     last = lambda n: sum(losses[n][-10:]) / len(losses[n][-10:])  # noqa: E731
     ratio = lambda n: f"{med[partner[n]] / med[n]:.3f}" if n.startswith("ampc") else "-"  # noqa: E731
+    diff = lambda n: (f"{max(abs(u - v) / abs(v) for u, v in zip(losses[n], losses[partner[n]])):.1e}"  # noqa: E731
+                      if n.startswith("ampc") else "-")
     rows = [{"setup": n, "ms/step": med[n], "torch/ampc": ratio(n),
              "optimizer ms": statistics.median(opt_ms[n][args.warmup:]), "state MiB": state_mib(arms[n]),
              "first loss": losses[n][0], "last-10 loss": last(n), "loss vs fp32": last(n) / last("fp32"),
-             "max loss diff vs pair": f"{max(abs(u - v) / abs(v) for u, v in zip(losses[n], losses[partner[n]])):.1e}"}
+             "max loss diff vs pair": diff(n)}
             for n in names]
     hdr = H.machine(args.device)
     hdr.update(size=size, model=f"{c['layers']} layers, width {c['width']}, seq {c['seq']}, batch {c['batch']}, "
@@ -245,7 +244,7 @@ def main() -> int:
                steps=args.steps, warmup=args.warmup)
     H.report(hdr, rows, args.json, [
         "torch/ampc: the pair's torch ms/step over this row's (> 1: ampc faster); fp32 is context, no pair",
-        f"pairs checked before timing: first loss bit for bit, every step within rtol {LOSS_RTOL}; "
+        f"pairs checked before this table is printed: first loss bit for bit, every step within rtol {LOSS_RTOL}; "
         "max loss diff vs pair: the largest relative difference seen",
         "state MiB: weights + grads + optimizer state (masters, moments, fp32 grad buffers)"])
     return 0
