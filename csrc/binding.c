@@ -440,16 +440,20 @@ static void run(struct call *c, ampc_status (*cpu)(void *job),
 }
 
 /*
- * Lists that mix dtypes (checked as a whole: devices, shapes, overlaps): the kernel runs
- * once per group of positions whose tensors share their dtypes in each of the n lists,
- * groups in dtype order, positions in list order. out[l] (the job's lists) describe the
- * group when the kernel runs; element numbering (Note [stochastic rounding]) restarts in
- * each group.
+ * Runs the kernel once when no list mixes dtypes. Lists that mix dtypes (`mixed`; checked
+ * as a whole: devices, shapes, overlaps): the kernel runs once per group of positions
+ * whose tensors share their dtypes in each of the n lists, groups in dtype order,
+ * positions in list order. out[l] (the job's lists) describe the group when the kernel
+ * runs; element numbering (Note [stochastic rounding]) restarts in each group.
  */
-static void run_groups(struct call *c, struct list *const ls[], struct ampc_list *const out[],
-                       int n, ampc_status (*cpu)(void *job),
+static void run_groups(struct call *c, int mixed, struct list *const ls[],
+                       struct ampc_list *const out[], int n, ampc_status (*cpu)(void *job),
                        ampc_status (*cuda)(void *job, void *stream), void *job)
 {
+    if (!mixed) {           /* one dtype per list: `out` already holds the whole lists */
+        run(c, cpu, cuda, job);
+        return;
+    }
     int64_t count = ls[0]->count;
     void **ptr = malloc(sizeof(*ptr) * (size_t)(n * count) + sizeof(int64_t) * (size_t)(n * count));
     if (!ptr)
@@ -538,13 +542,9 @@ static void cast_kernel(StableIValue *stack, int on_cuda)
     check_overlap(&c);
     job.args.stochastic = (stack[3] & 0xff) != 0;
     job.args.seed = (uint64_t)stack[4];
-    if (mixed) {
-        struct list *lists[2] = { dst, src };
-        struct ampc_list *outs[2] = { &job.dst, &job.src };
-        run_groups(&c, lists, outs, 2, cast_on_cpu, cast_on_cuda, &job);
-    } else {
-        run(&c, cast_on_cpu, cast_on_cuda, &job);
-    }
+    struct list *lists[2] = { dst, src };
+    struct ampc_list *outs[2] = { &job.dst, &job.src };
+    run_groups(&c, mixed, lists, outs, 2, cast_on_cpu, cast_on_cuda, &job);
     call_free(&c);
 }
 
@@ -595,12 +595,8 @@ static void unscale_check_kernel(StableIValue *stack, int on_cuda)
     start(&c, "ampc.unscale_check", on_cuda);
     struct list *grads = take_grads(&c, stack, 1, &job.grads, &mixed, &job.found_inf,
                                     &job.inv_scale);
-    if (mixed) {
-        struct ampc_list *out = &job.grads;
-        run_groups(&c, &grads, &out, 1, unscale_check_on_cpu, unscale_check_on_cuda, &job);
-    } else {
-        run(&c, unscale_check_on_cpu, unscale_check_on_cuda, &job);
-    }
+    struct ampc_list *out = &job.grads;
+    run_groups(&c, mixed, &grads, &out, 1, unscale_check_on_cpu, unscale_check_on_cuda, &job);
     call_free(&c);
 }
 
