@@ -244,10 +244,10 @@ def _fsdp_vs_ddp(rank):
     for name, wrap in (("ddp", ddp), ("fsdp", fsdp)):
         model = wrap(make_model())
         opt = adamw(model)
-        s = scaler()
-        out[name] = train(model, opt, 6, rank=rank, scaler=s), snapshot(model, opt)
-        out[name + "_local_shapes"] = [tuple(opt.state[p]["exp_avg"].to_local().shape)
-                                       if name == "fsdp" else None for p in model.parameters()]
+        out[name] = train(model, opt, 6, rank=rank, scaler=scaler()), snapshot(model, opt)
+        if name == "fsdp":
+            out["fsdp_local_shapes"] = [tuple(opt.state[p]["exp_avg"].to_local().shape)
+                                        for p in model.parameters()]
     # against torch's fused AdamW on the same shards (no scaler: torch's has no DTensor path)
     for name, make_opt in (("ampc", adamw), ("torch", lambda m: torch.optim.AdamW(
             m.parameters(), lr=1e-2, weight_decay=0.01, fused=True))):
