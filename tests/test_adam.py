@@ -107,6 +107,13 @@ def test_thousand_small_tensors_match_torch_fused():
     assert_matches_torch(ap, tp, "params", 3, lr=2e-3)
 
 
+def test_adam_without_weight_decay_matches_torch_fused():
+    # its own specialised loop in adam.c, like AdamW's
+    tp, ap, topt, aopt = run_pair(ODD_SIZES, 4, torch.optim.Adam, ampc.optim.Adam,
+                                  [dict(lr=1e-3), dict(lr=2e-3, betas=(0.8, 0.99))])
+    assert_matches_torch(ap, tp, "params", 4, lr=2e-3)
+
+
 def adam_reference(p, grads, lr, beta1, beta2, eps, wd, decoupled):
     """Adam/AdamW in float64, textbook order."""
     p = p.double()
@@ -353,7 +360,9 @@ import hashlib, torch, ampc
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 h = hashlib.sha256()
 for pt, gt, master in [(f32, f32, False), (bf16, bf16, True), (f16, f16, True), (bf16, f32, False)]:
-    for beta1, ams, dec in [(0.9, False, True), (0.3, True, False)]:
+    # AdamW and Adam without decay take loops specialised for them (adam.c), the rest not
+    for beta1, ams, dec, wd in [(0.9, False, True, 0.1), (0.9, False, False, 0.0),
+                                (0.3, True, False, 0.1)]:
         gen = torch.Generator().manual_seed(7)
         sizes = [1, 15, 17, 1000, 65536 + 9]
         w = [torch.randn(n, generator=gen) for n in sizes]
@@ -365,7 +374,7 @@ for pt, gt, master in [(f32, f32, False), (bf16, bf16, True), (f16, f16, True), 
         steps = [torch.full((1,), 3.0) for _ in sizes]
         grads = [torch.randn(n, generator=gen).to(gt) for n in sizes]
         ampc.ops.adam_master(params, grads, m, v, steps, lr=1e-2, masters=masters,
-                             max_exp_avg_sqs=vmax, beta1=beta1, weight_decay=0.1,
+                             max_exp_avg_sqs=vmax, beta1=beta1, weight_decay=wd,
                              decoupled=dec, maximize=ams, inv_scale=torch.full((1,), 0.37),
                              clip_coef=torch.full((1,), 0.9))
         for t in params + m + v + (masters or []) + (vmax or []) + steps:
