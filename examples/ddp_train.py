@@ -66,6 +66,7 @@ def main():
     dist.all_gather(copies, flat)
     if rank == 0:
         print("weights identical on every rank:", all(torch.equal(c, flat) for c in copies))
+    dist.barrier()      # no rank tears its group down while a peer is still in a collective
     dist.destroy_process_group()
 
 

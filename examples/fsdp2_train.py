@@ -84,6 +84,7 @@ def main():
         model_sd, opt_sd = get_state_dict(model, opt)
         dcp.save({"model": model_sd, "optim": opt_sd, "scaler": scaler.state_dict(),
                   "step": first + args.steps}, checkpoint_id=args.ckpt)
+    dist.barrier()      # no rank tears its group down while a peer is still in a collective
     dist.destroy_process_group()
 
 
