@@ -141,6 +141,28 @@ ampc_status ampc_adam_cpu(const struct ampc_adam_lists *lists,
                           const struct ampc_adam_args *args);
 
 /*
+ * One FP8 GEMM, row-major: out[m, n] = (a[m, k] @ b_t[n, k]^T) * (*scale_inv_a) *
+ * (*scale_inv_b) + bias[n], accumulated in fp32, rounded once to out's dtype. a and b_t
+ * are e4m3fn or e5m2 (not both e5m2), k and n multiples of 16, every pointer 16-byte
+ * aligned (checked by the binding). CUDA only (cuBLASLt); the CPU reference is torch's.
+ */
+struct ampc_fp8_gemm_args {
+    void *out;              /* fp32 or bf16 [m, n] */
+    const void *a;          /* fp8 [m, k] */
+    const void *b_t;        /* fp8 [n, k] */
+    const float *scale_inv_a;   /* 1 element, on the device */
+    const float *scale_inv_b;
+    const void *bias;       /* bf16 [n], or NULL */
+    float *amax;            /* NULL, or 1 element: max |out| before rounding, when offered */
+    void *workspace;
+    int64_t workspace_bytes;
+    int64_t m, n, k;
+    int a_e5m2, b_e5m2;     /* 0: e4m3fn */
+    ampc_dtype out_dtype;   /* AMPC_F32 or AMPC_BF16 */
+    int amax_written;       /* set by the launcher: 1 when the epilogue wrote *amax */
+};
+
+/*
  * The CUDA library fills this table (ampc_cuda_get_api in csrc/cuda/api.cu). Every
  * launcher runs on `stream`, on the device made current by begin(), reads control
  * values (inv_scale, found_inf, scale) on the device and never synchronizes.
@@ -170,6 +192,7 @@ struct ampc_cuda_api {
                         const struct ampc_adam_args *args, void *stream);
     /* Text of the last CUDA error seen by a launcher of this thread. */
     const char *(*last_error)(void);
+    ampc_status (*fp8_gemm)(struct ampc_fp8_gemm_args *args, void *stream);
 };
 
 #ifdef __cplusplus

@@ -21,7 +21,7 @@
 
 #define EXPORT __attribute__((visibility("default")))
 #define MAX_LISTS 11
-#define MAX_SINGLES 4
+#define MAX_SINGLES 6
 
 static const struct ampc_cuda_api *g_cuda;
 /* Why CUDA calls are refused while g_cuda is NULL. */
@@ -117,6 +117,10 @@ static const char *dtype_name(int32_t dtype)
     };
     if (dtype >= 0 && dtype < (int32_t)(sizeof(names) / sizeof(names[0])))
         return names[dtype];
+    if (dtype == aoti_torch_dtype_float8_e4m3fn())
+        return "torch.float8_e4m3fn";
+    if (dtype == aoti_torch_dtype_float8_e5m2())
+        return "torch.float8_e5m2";
     return "an unsupported dtype";
 }
 
@@ -358,7 +362,8 @@ static size_t add_range(struct range *r, size_t n, const struct tensor *t)
 {
     ampc_dtype d;
     int64_t size = to_ampc_dtype(t->dtype, &d) ? ampc_dtype_size(d)
-                 : t->dtype == aoti_torch_dtype_int64() ? 8 : 4;    /* int32 and int64 */
+                 : t->dtype == aoti_torch_dtype_int64() ? 8
+                 : t->dtype == aoti_torch_dtype_int32() ? 4 : 1;    /* fp8, uint8 */
     if (t->numel == 0)
         return n;
     r[n].begin = (uintptr_t)t->data;
@@ -951,6 +956,131 @@ static void adam_packed_kernel(StableIValue *stack, int on_cuda)
     stack[0] = 0;
 }
 
+static ampc_status fp8_gemm_on_cpu(void *j)
+{
+    return AMPC_ERR_CUDA;   /* never called: the CPU kernel refuses first */
+}
+
+static ampc_status fp8_gemm_on_cuda(void *j, void *stream)
+{
+    return g_cuda->fp8_gemm(j, stream);
+}
+
+// ---- fp8_gemm(Tensor(a!) out, Tensor a, Tensor b_t, Tensor scale_inv_a, Tensor scale_inv_b,
+//               Tensor[] bias, Tensor(b!)[] amax, Tensor(c!) workspace) -> int ----
+// out[m, n] = a[m, k] @ b_t[n, k]^T * scale_inv_a * scale_inv_b + bias, on CUDA through
+// cuBLASLt (csrc/cuda/fp8_gemm.cu). Returns 1 when the epilogue wrote amax, 0 when the
+// caller must compute it. Its CPU kernel checks every argument like the CUDA one, then
+// refuses: the CPU reference path is ampc.fp8.gemm's, in torch.
+
+static int is_fp8(int32_t dtype)
+{
+    return dtype == aoti_torch_dtype_float8_e4m3fn() || dtype == aoti_torch_dtype_float8_e5m2();
+}
+
+/* The sizes of a tensor that must have `dim` dimensions. */
+static const int64_t *sizes_of(struct call *c, const struct tensor *t, int64_t dim)
+{
+    char a[64];
+    int64_t d = 0;
+    int64_t *sizes = NULL;
+    shim(c, aoti_torch_get_dim(t->h, &d), "get_dim");
+    shim(c, aoti_torch_get_sizes(t->h, &sizes), "get_sizes");
+    if (d != dim)
+        fail(c, "%s must have %lld dimensions, got %lld", tensor_name(t, a, sizeof(a)),
+             (long long)dim, (long long)d);
+    return sizes;
+}
+
+static void check_aligned(struct call *c, const struct tensor *t)
+{
+    char a[64];
+    if ((uintptr_t)t->data % 16 != 0)
+        fail(c, "%s must start at a 16-byte aligned address (cuBLASLt's FP8 kernels need "
+             "it); call .clone() on it first", tensor_name(t, a, sizeof(a)));
+}
+
+static void fp8_gemm_kernel(StableIValue *stack, int on_cuda)
+{
+    struct call c;
+    start(&c, "ampc.fp8_gemm", on_cuda);
+    struct tensor *out = take_tensor(&c, stack[0], "out", 1);
+    struct tensor *a = take_tensor(&c, stack[1], "a", 0);
+    struct tensor *b = take_tensor(&c, stack[2], "b_t", 0);
+    struct tensor *sa = take_tensor(&c, stack[3], "scale_inv_a", 0);
+    struct tensor *sb = take_tensor(&c, stack[4], "scale_inv_b", 0);
+    struct list *bias = take_option(&c, stack[5], "bias");
+    struct list *amax = take_option(&c, stack[6], "amax");
+    struct tensor *ws = take_tensor(&c, stack[7], "workspace", 1);
+    for (int64_t i = 0; i < amax->count; i++)
+        amax->t[i].written = 1;
+    describe_all(&c);
+    char n1[32];
+    if (!(out->dtype == aoti_torch_dtype_float32() || out->dtype == aoti_torch_dtype_bfloat16()))
+        fail(&c, "out must be torch.float32 or torch.bfloat16, got %s", dtype_name(out->dtype));
+    for (int i = 0; i < 2; i++) {
+        const struct tensor *t = i ? b : a;
+        if (!is_fp8(t->dtype))
+            fail(&c, "%s must be torch.float8_e4m3fn or torch.float8_e5m2, got %s",
+                 tensor_name(t, n1, sizeof(n1)), dtype_name(t->dtype));
+    }
+    if (a->dtype == aoti_torch_dtype_float8_e5m2() && b->dtype == aoti_torch_dtype_float8_e5m2())
+        fail(&c, "a and b_t are both torch.float8_e5m2; at least one must be "
+             "torch.float8_e4m3fn (cuBLASLt has no e5m2 x e5m2 GEMM)");
+    const int64_t *as = sizes_of(&c, a, 2);
+    const int64_t *bs = sizes_of(&c, b, 2);
+    const int64_t *os = sizes_of(&c, out, 2);
+    int64_t m = as[0], k = as[1], n = bs[0];
+    if (bs[1] != k)
+        fail(&c, "b_t must be [n, k] with k = %lld like a's columns, got [%lld, %lld]",
+             (long long)k, (long long)bs[0], (long long)bs[1]);
+    if (k <= 0 || k % 16 != 0 || n <= 0 || n % 16 != 0)
+        fail(&c, "k (%lld) and n (%lld) must be positive multiples of 16", (long long)k,
+             (long long)n);
+    if (os[0] != m || os[1] != n)
+        fail(&c, "out must be [%lld, %lld], got [%lld, %lld]", (long long)m, (long long)n,
+             (long long)os[0], (long long)os[1]);
+    check_scalar(&c, sa, aoti_torch_dtype_float32(), 0);
+    check_scalar(&c, sb, aoti_torch_dtype_float32(), 0);
+    struct ampc_fp8_gemm_args g;
+    memset(&g, 0, sizeof(g));
+    if (bias->count > 1)
+        fail(&c, "bias must hold at most one tensor, got %lld", (long long)bias->count);
+    if (bias->count == 1) {
+        const struct tensor *t = &bias->t[0];
+        if (t->dtype != aoti_torch_dtype_bfloat16() || t->numel != n)
+            fail(&c, "bias must be a torch.bfloat16 tensor of n = %lld elements, got %s with "
+                 "%lld", (long long)n, dtype_name(t->dtype), (long long)t->numel);
+        check_aligned(&c, t);
+        g.bias = t->data;
+    }
+    g.amax = option(&c, amax, "amax", aoti_torch_dtype_float32());
+    if (ws->dtype != aoti_torch_dtype_uint8())
+        fail(&c, "workspace must be a torch.uint8 tensor, got %s", dtype_name(ws->dtype));
+    check_aligned(&c, a);
+    check_aligned(&c, b);
+    check_aligned(&c, out);
+    check_overlap(&c);
+    if (!on_cuda)
+        fail(&c, "runs on CUDA only (cuBLASLt); CPU tensors take ampc.fp8.gemm's reference path");
+    g.out = out->data;
+    g.a = a->data;
+    g.b_t = b->data;
+    g.scale_inv_a = sa->data;
+    g.scale_inv_b = sb->data;
+    g.workspace = ws->data;
+    g.workspace_bytes = ws->numel;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    g.a_e5m2 = a->dtype == aoti_torch_dtype_float8_e5m2();
+    g.b_e5m2 = b->dtype == aoti_torch_dtype_float8_e5m2();
+    g.out_dtype = out->dtype == aoti_torch_dtype_bfloat16() ? AMPC_BF16 : AMPC_F32;
+    run(&c, fp8_gemm_on_cpu, fp8_gemm_on_cuda, &g);
+    call_free(&c);
+    stack[0] = g.amax_written;
+}
+
 // ---- boxed entry points ----
 
 /* name_cpu and name_cuda, the boxed kernels torch calls, from name_kernel(stack, on_cuda) */
@@ -964,6 +1094,7 @@ BOXED(check_norm)
 BOXED(update_scale)
 BOXED(adam)
 BOXED(adam_packed)
+BOXED(fp8_gemm)
 
 struct op {
     const char *schema;
@@ -998,6 +1129,9 @@ static const struct op ops[] = {
       "float weight_decay, bool decoupled, bool maximize, bool amsgrad, bool master, "
       "bool stochastic=False, int seed=0) -> int",
       "adam_packed", adam_packed_cpu, adam_packed_cuda },
+    { "fp8_gemm(Tensor(a!) out, Tensor a, Tensor b_t, Tensor scale_inv_a, Tensor scale_inv_b, "
+      "Tensor[] bias, Tensor(b!)[] amax, Tensor(c!) workspace) -> int",
+      "fp8_gemm", fp8_gemm_cpu, fp8_gemm_cuda },
 };
 
 #define N_OPS ((int)(sizeof(ops) / sizeof(ops[0])))

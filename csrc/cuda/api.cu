@@ -96,6 +96,7 @@ static const struct ampc_cuda_api api = {
     ampc_update_scale_cuda_impl,
     ampc_adam_cuda_impl,
     ampc_cuda_last_error,
+    ampc_fp8_gemm_cuda_impl,
 };
 
 extern "C" __attribute__((visibility("default"))) const struct ampc_cuda_api *

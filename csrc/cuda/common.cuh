@@ -11,7 +11,7 @@
  * - 16-byte vector loads and stores of 8 elements (one uint4 of a 16-bit type, two of fp32);
  * - a deterministic block sum;
  * - the launchers of each op (defined in cast.cu, unscale_check.cu, check_norm.cu,
- *   update_scale.cu, adam.cu) and the few torch functions they call.
+ *   update_scale.cu, adam.cu, fp8_gemm.cu) and the few torch functions they call.
  */
 #ifndef AMPC_CUDA_COMMON_CUH
 #define AMPC_CUDA_COMMON_CUH
@@ -48,6 +48,7 @@ ampc_status ampc_update_scale_cuda_impl(float *scale, int32_t *growth_tracker,
 ampc_status ampc_adam_cuda_impl(const struct ampc_adam_lists *lists,
                                 const struct ampc_adam_control *control,
                                 const struct ampc_adam_args *args, void *stream);
+ampc_status ampc_fp8_gemm_cuda_impl(struct ampc_fp8_gemm_args *args, void *stream);
 }
 
 /* The 3 x 3 table of a kernel template on two dtypes, [first][second] in ampc_dtype order. */
