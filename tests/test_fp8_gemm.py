@@ -183,6 +183,16 @@ def test_raw_op_checks_its_arguments_then_refuses_the_cpu():
     assert (out == 7.0).all()       # refused before anything was written
 
 
+def test_raw_op_has_a_fake_kernel():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        a = torch.empty(32, 32, dtype=E4M3)
+        b_t = torch.empty(16, 32, dtype=E4M3)
+        out = torch.empty(32, 16, dtype=torch.bfloat16)
+        s = torch.ones(1)
+        assert torch.ops.ampc.fp8_gemm(out, a, b_t, s, s, [], [], torch.empty(0, dtype=torch.uint8)) == 0
+
+
 # ---- CUDA (cuBLASLt) ----
 
 def _fp8_gpu():

@@ -9,9 +9,6 @@ from torch import nn
 import ampc
 from ampc import fp8
 
-# until the FP8 cast kernels (ampc.ops.cast_fp8, fp8_amax, fp8_update_scales) are merged
-pytestmark = pytest.mark.skipif(not hasattr(ampc.ops, "cast_fp8"),
-                                reason="needs the FP8 cast kernels")
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FMAX = {E4M3: 448.0, E5M2: 57344.0}

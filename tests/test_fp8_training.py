@@ -20,9 +20,6 @@ from torch import nn
 import ampc
 from ampc import fp8
 
-# until the FP8 cast kernels (ampc.ops.cast_fp8, fp8_amax, fp8_update_scales) are merged
-pytestmark = pytest.mark.skipif(not hasattr(ampc.ops, "cast_fp8"),
-                                reason="needs the FP8 cast kernels")
 
 STEPS = 200
 TRACK_FINAL = 0.03      # relative, mean loss of the last 20 steps

@@ -8,8 +8,6 @@ import ampc
 from ampc import fp8, validate
 from ampc.validate._compare import parse_setup
 
-pytestmark = pytest.mark.skipif(not hasattr(ampc.ops, "cast_fp8"),
-                                reason="needs the FP8 cast kernels")
 
 VOCAB = 16
 

@@ -15,17 +15,16 @@
  */
 #include <dlfcn.h>
 #include <library_types.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
-
-#include <mutex>
 
 #include "common.cuh"
 #include "cublaslt.cuh"
 
 #define MAX_DEVICES 64
 
-static std::once_flag lt_once;
+static pthread_once_t lt_once = PTHREAD_ONCE_INIT;   /* pthread, not std: no libstdc++ */
 static struct ampc_lt_api lt;
 static char lt_missing[512];
 
@@ -60,7 +59,7 @@ static void load_cublaslt(void)
     lt = found;
 }
 
-static std::mutex devices_mutex;
+static pthread_mutex_t devices_mutex = PTHREAD_MUTEX_INITIALIZER;
 static ampc_lt_handle handles[MAX_DEVICES];
 static int capability[MAX_DEVICES];     /* 10 * major + minor, 0 until asked */
 
@@ -72,16 +71,10 @@ static ampc_status lt_fail(const char *what, ampc_lt_status st)
     return ampc_cuda_fail(AMPC_ERR_CUDA, msg);
 }
 
-/* The current device's handle, after checking that it has FP8 tensor cores. */
-static ampc_status device_handle(ampc_lt_handle *out)
+/* The handle of device `dev` (made on first use), if it has FP8 tensor cores. */
+static ampc_status device_handle_locked(int dev, ampc_lt_handle *out)
 {
-    int dev = 0;
-    ampc_status st = ampc_cuda_status(cudaGetDevice(&dev));
-    if (st != AMPC_OK)
-        return st;
-    if (dev < 0 || dev >= MAX_DEVICES)
-        return ampc_cuda_fail(AMPC_ERR_CUDA, "more CUDA devices than ampc's FP8 GEMM keeps");
-    std::lock_guard<std::mutex> lock(devices_mutex);
+    ampc_status st = AMPC_OK;
     if (!capability[dev]) {
         int major = 0;
         int minor = 0;
@@ -107,6 +100,21 @@ static ampc_status device_handle(ampc_lt_handle *out)
     }
     *out = handles[dev];
     return AMPC_OK;
+}
+
+/* The current device's handle. */
+static ampc_status device_handle(ampc_lt_handle *out)
+{
+    int dev = 0;
+    ampc_status st = ampc_cuda_status(cudaGetDevice(&dev));
+    if (st != AMPC_OK)
+        return st;
+    if (dev < 0 || dev >= MAX_DEVICES)
+        return ampc_cuda_fail(AMPC_ERR_CUDA, "more CUDA devices than ampc's FP8 GEMM keeps");
+    pthread_mutex_lock(&devices_mutex);
+    st = device_handle_locked(dev, out);
+    pthread_mutex_unlock(&devices_mutex);
+    return st;
 }
 
 /* Descriptors of one call, destroyed together. */
@@ -198,7 +206,7 @@ extern "C" ampc_status ampc_fp8_gemm_cuda_impl(struct ampc_fp8_gemm_args *g, voi
     ampc_lt_handle h = NULL;
     struct plan p;
     g->amax_written = 0;
-    std::call_once(lt_once, load_cublaslt);
+    pthread_once(&lt_once, load_cublaslt);
     if (!lt.matmul)
         return ampc_cuda_fail(AMPC_ERR_CUDA, lt_missing);
     ampc_status st = device_handle(&h);
