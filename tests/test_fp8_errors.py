@@ -192,7 +192,7 @@ def case_update_history_dtype():
 
 
 def case_update_scale_length():
-    return update_case(r"scale must be a 1-D torch\.float32 tensor of 2 values \(one per tensor of amax_history's columns\)",
+    return update_case(r"scale must be a 1-D torch\.float32 tensor of 2 values \(one per column of amax_history\)",
                        scale=torch.ones(3))
 
 
@@ -202,6 +202,10 @@ def case_update_amax_dtype():
 
 def case_update_fmax():
     return update_case(r"fmax must be a positive finite fp32 number, got -1", fmax=-1.0)
+
+
+def case_update_fmax_tiny():
+    return update_case(r"fmax must be a positive finite fp32 number, got 1e-50", fmax=1e-50)
 
 
 def case_update_fmax_inf():
