@@ -1118,14 +1118,14 @@ static struct ampc_list fp8_list(struct call *c, const struct list *ls, int *mix
     return out;
 }
 
-/* A 1-D fp32 tensor of `count` values, one per tensor of list `per` (scale, amax). */
+/* A 1-D fp32 tensor of `count` values (scale, amax), `per` saying what each is for. */
 static void check_values(struct call *c, const struct tensor *t, int64_t count, const char *per)
 {
     int64_t dim = 0;
     shim(c, aoti_torch_get_dim(t->h, &dim), "get_dim");
     if (t->dtype != aoti_torch_dtype_float32() || dim != 1 || t->numel != count)
-        fail(c, "%s must be a 1-D torch.float32 tensor of %lld values (one per tensor of %s), "
-             "got %s with %lld dimensions and %lld elements", t->name, (long long)count, per,
+        fail(c, "%s must be a 1-D torch.float32 tensor of %lld values (%s), got %s with %lld "
+             "dimensions and %lld elements", t->name, (long long)count, per,
              dtype_name(t->dtype), (long long)dim, (long long)t->numel);
 }
 
@@ -1212,8 +1212,8 @@ static void cast_fp8_kernel(StableIValue *stack, int on_cuda)
     job.dst = fp8_list(&c, dst, &mixed);
     job.src = float_list_mixed(&c, src, &mixed);
     check_same_shapes(&c, dst, "dst", src, "src");
-    check_values(&c, scale, src->count, "src");
-    check_values(&c, amax, src->count, "src");
+    check_values(&c, scale, src->count, "one per tensor of src");
+    check_values(&c, amax, src->count, "one per tensor of src");
     check_overlap(&c);
     job.scale = value_list(&c, scale, src->count, &scales);
     job.amax = value_list(&c, amax, src->count, &amaxes);
@@ -1235,7 +1235,7 @@ static void fp8_amax_kernel(StableIValue *stack, int on_cuda)
     struct tensor *amax = take_tensor(&c, stack[1], "amax", 1);
     describe_all(&c);
     job.src = float_list_mixed(&c, src, &mixed);
-    check_values(&c, amax, src->count, "src");
+    check_values(&c, amax, src->count, "one per tensor of src");
     check_overlap(&c);
     job.amax = value_list(&c, amax, src->count, &amaxes);
     struct list *lists[2] = { src, amaxes };
@@ -1259,7 +1259,7 @@ static void cast_from_fp8_kernel(StableIValue *stack, int on_cuda)
     job.dst = float_list_mixed(&c, dst, &mixed);
     job.src = fp8_list(&c, src, &mixed);
     check_same_shapes(&c, dst, "dst", src, "src");
-    check_values(&c, scale_inv, src->count, "src");
+    check_values(&c, scale_inv, src->count, "one per tensor of src");
     check_overlap(&c);
     job.scale = value_list(&c, scale_inv, src->count, &scales);
     struct list *lists[3] = { dst, src, scales };
@@ -1313,10 +1313,10 @@ static void fp8_update_scales_kernel(StableIValue *stack, int on_cuda)
         fail(&c, "amax_history must be a 2-D torch.float32 tensor [history length >= 1, "
              "number of tensors], got %s with %lld dimensions", dtype_name(history->dtype),
              (long long)dim);
-    check_values(&c, amax, sizes[1], "amax_history's columns");
-    check_values(&c, scale, sizes[1], "amax_history's columns");
-    check_values(&c, scale_inv, sizes[1], "amax_history's columns");
-    if (!(fmax > 0 && fmax <= AMPC_FLT_MAX_D))
+    check_values(&c, amax, sizes[1], "one per column of amax_history");
+    check_values(&c, scale, sizes[1], "one per column of amax_history");
+    check_values(&c, scale_inv, sizes[1], "one per column of amax_history");
+    if (!(fmax <= AMPC_FLT_MAX_D && (float)fmax > 0))
         fail(&c, "fmax must be a positive finite fp32 number, got %g", fmax);
     job.args.scaled_max = (float)fmax * exp2f(-(float)margin);
     if (!isfinite(margin) || !(job.args.scaled_max > 0 && isfinite(job.args.scaled_max)))

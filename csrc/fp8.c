@@ -166,10 +166,11 @@ AVX2 static uint32_t cast_fp8_avx2(uint8_t *dst, ampc_dtype fmt, const void *src
     FP8_CASES(cast_fp8_loop8, dst, src, st, s, fmt)
 }
 
+/* A NaN scale goes to the scalar loop, which picks the NaN (Note [NaN times a NaN scale]). */
 static uint32_t cast_fp8_block(uint8_t *dst, ampc_dtype fmt, const void *src, ampc_dtype st,
                                float s, int64_t n)
 {
-    switch (ampc_cpu_isa()) {
+    switch (s == s ? ampc_cpu_isa() : ISA_SCALAR) {
     case ISA_AVX512: return cast_fp8_avx512(dst, fmt, src, st, s, n);
     case ISA_AVX2: return cast_fp8_avx2(dst, fmt, src, st, s, n);
     default: return cast_fp8_scalar(dst, src, st, s, ampc_fp8_format_of(fmt), 0, n);
@@ -245,7 +246,7 @@ AVX512 INLINE void from_fp8_loop16(void *dst, ampc_dtype dt, const uint8_t *src,
         store16(dst, dt, i, _mm512_mul_ps(_mm512_i32gather_ps(q, table, 4), vs));
     }
     for (; i < n; i++)
-        store1(dst, dt, i, table[src[i]] * s);
+        store1(dst, dt, i, ampc_fp8_mul(table[src[i]], s));
 }
 
 AVX2 INLINE void from_fp8_loop8(void *dst, ampc_dtype dt, const uint8_t *src,
@@ -258,7 +259,7 @@ AVX2 INLINE void from_fp8_loop8(void *dst, ampc_dtype dt, const uint8_t *src,
         store8(dst, dt, i, _mm256_mul_ps(_mm256_i32gather_ps(table, q, 4), vs));
     }
     for (; i < n; i++)
-        store1(dst, dt, i, table[src[i]] * s);
+        store1(dst, dt, i, ampc_fp8_mul(table[src[i]], s));
 }
 
 AVX512 static void from_fp8_avx512(void *dst, ampc_dtype dt, const uint8_t *src,
@@ -289,12 +290,12 @@ static void cast_from_fp8_span(void *ctx, const struct ampc_span *s)
     const uint8_t *src = (const uint8_t *)job->src->ptr[s->tensor] + s->begin;
     float scale_inv = *(const float *)job->scale_inv->ptr[s->tensor];
     int64_t n = s->end - s->begin;
-    switch (ampc_cpu_isa()) {
+    switch (scale_inv == scale_inv ? ampc_cpu_isa() : ISA_SCALAR) {
     case ISA_AVX512: from_fp8_avx512(dst, dt, src, job->table, scale_inv, n); break;
     case ISA_AVX2: from_fp8_avx2(dst, dt, src, job->table, scale_inv, n); break;
     default:
         for (int64_t i = 0; i < n; i++)
-            store1(dst, dt, i, job->table[src[i]] * scale_inv);
+            store1(dst, dt, i, ampc_fp8_mul(job->table[src[i]], scale_inv));
     }
 }
 

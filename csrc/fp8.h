@@ -113,10 +113,27 @@ AMPC_HD float ampc_amax_value(uint32_t bits)
     return ampc_bits_f32(bits > 0x7f800000u ? 0x7fc00000u : bits);
 }
 
+/*
+ * Note [NaN times a NaN scale]: x * scale rounds once, and when only one operand is NaN the
+ * product is that NaN on every path. When both are, x86 returns whichever the compiler
+ * made the first operand; torch's CPU loops return the scale's NaN (its scalar tail of
+ * tensors under one vector, x's), so on the CPU a NaN scale is the product of every
+ * element, and the vector loops leave such a call to the scalar one. CUDA's multiply
+ * returns its canonical NaN whatever the operands, as torch's CUDA kernels see it too.
+ */
+AMPC_HD float ampc_fp8_mul(float x, float scale)
+{
+#ifndef __CUDA_ARCH__
+    if (scale != scale)
+        return scale;
+#endif
+    return x * scale;
+}
+
 /* One element of cast_fp8. */
 AMPC_HD uint8_t ampc_cast_fp8_element(float x, float scale, float fmax, struct ampc_fp8_format f)
 {
-    return ampc_fp8_encode(ampc_fp8_saturate(x * scale, fmax), f);
+    return ampc_fp8_encode(ampc_fp8_saturate(ampc_fp8_mul(x, scale), fmax), f);
 }
 
 #endif /* AMPC_FP8_H */

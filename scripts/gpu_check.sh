@@ -51,6 +51,7 @@ stage 240 "$py" -m pytest -q -m cuda --tb=short --junitxml="$work/junit.xml" tes
     tail -n 60
 benches="cast unscale"
 [ -f benchmarks/bench_adam.py ] && benches="$benches adam"
+[ -f benchmarks/bench_fp8.py ] && benches="$benches fp8"
 for b in $benches; do
     stage 100 "$py" "benchmarks/bench_$b.py" --device cuda --json \
         >"$work/bench_$b.json" 2>"$work/bench_$b.err"

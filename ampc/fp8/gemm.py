@@ -122,10 +122,17 @@ def _fp8_gemm_fake(out, a, b_t, scale_inv_a, scale_inv_b, bias, amax, workspace)
     return 0
 
 
+def _widen(x):
+    """fp8 -> fp32 (exact) through ampc's vectorized cast; x contiguous."""
+    out = torch.empty(x.shape, dtype=torch.float32)
+    ops.cast_from_fp8([out], [x], torch.ones(1))
+    return out
+
+
 def _reference(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, amax_out):
     # an enclosing autocast region must not turn the fp32 matmul into a bf16 one
     with torch.autocast("cpu", enabled=False):
-        acc = a.float() @ b.float()
+        acc = _widen(a) @ _widen(b.t()).t()
         out = acc * (scale_inv_a.reshape(()) * scale_inv_b.reshape(()))
         if bias is not None:
             out = out + bias.float()

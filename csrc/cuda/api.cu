@@ -96,10 +96,10 @@ static const struct ampc_cuda_api api = {
     ampc_update_scale_cuda_impl,
     ampc_adam_cuda_impl,
     ampc_cuda_last_error,
-    NULL,                       /* the fp8 casts and scaling: not on CUDA in this build */
-    NULL,
-    NULL,
-    NULL,
+    ampc_cast_fp8_cuda_impl,
+    ampc_cast_from_fp8_cuda_impl,
+    ampc_fp8_amax_cuda_impl,
+    ampc_fp8_update_scales_cuda_impl,
     ampc_fp8_gemm_cuda_impl,
 };
 
