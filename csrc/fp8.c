@@ -8,9 +8,9 @@
  * the tails in scalar code. Encoding is integer work on the fp32 bits (fp8.h explains the
  * steps), decoding is a lookup in a 256-entry table of exact fp32 values. The amax of each
  * chunk is kept as bits (Note [amax as bits]) and the chunks of a tensor are combined
- * after the walk, so the result does not depend on the thread count. The fp8 outputs are
- * written through the cache even when large: the loops are bound by the encoding more than
- * by memory, and streaming stores measured slower here.
+ * after the walk, so the result does not depend on the thread count. The fp8 outputs go
+ * through the cache even when large: a byte an element is a small share of the traffic,
+ * and streaming stores (16 bytes or whole lines at a time) measured slower.
  */
 #include <stdlib.h>
 
