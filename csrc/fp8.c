@@ -8,7 +8,9 @@
  * the tails in scalar code. Encoding is integer work on the fp32 bits (fp8.h explains the
  * steps), decoding is a lookup in a 256-entry table of exact fp32 values. The amax of each
  * chunk is kept as bits (Note [amax as bits]) and the chunks of a tensor are combined
- * after the walk, so the result does not depend on the thread count.
+ * after the walk, so the result does not depend on the thread count. The fp8 outputs go
+ * through the cache even when large: a byte an element is a small share of the traffic,
+ * and streaming stores (16 bytes or whole lines at a time) measured slower.
  */
 #include <stdlib.h>
 
@@ -49,9 +51,8 @@ AVX512 INLINE __m128i fp8_encode16(__m512 y, struct ampc_fp8_format f)
     __m512i norm = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, bias), odd),
                                      (unsigned)f.shift);
     __mmask16 small = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32((int)f.min_normal));
-    __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32((int)AMPC_EXP_BITS));
     __m512i code = _mm512_mask_blend_epi32(small, norm, sub);
-    code = _mm512_mask_blend_epi32(nan, code, _mm512_set1_epi32(0x7f));
+    code = _mm512_min_epu32(code, _mm512_set1_epi32(0x7f));
     return _mm512_cvtepi32_epi8(_mm512_or_si512(code, sign));
 }
 
@@ -84,7 +85,7 @@ AVX512 INLINE uint32_t cast_fp8_loop16(uint8_t *dst, const void *src, ampc_dtype
 // ---- AVX2 + F16C: 8 lanes ----
 
 /* As fp8_encode16, 8 lanes packed to the low 8 bytes. Every |y| pattern is below 2^31,
- * so signed compares order them. */
+ * so a signed compare orders them. */
 AVX2 INLINE __m128i fp8_encode8(__m256 y, struct ampc_fp8_format f)
 {
     __m256i u = _mm256_castps_si256(y);
@@ -97,9 +98,8 @@ AVX2 INLINE __m128i fp8_encode8(__m256 y, struct ampc_fp8_format f)
     __m256i bias = _mm256_set1_epi32((int)((1u << (f.shift - 1)) - 1u - f.rebias));
     __m256i norm = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, bias), odd), f.shift);
     __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)f.min_normal), a);
-    __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32((int)AMPC_EXP_BITS));
     __m256i code = _mm256_blendv_epi8(norm, sub, small);
-    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f), nan);
+    code = _mm256_min_epu32(code, _mm256_set1_epi32(0x7f));
     code = _mm256_or_si256(code, sign);
     /* 8 x 32 -> 8 x 16 -> 8 x 8: every code is below 256, so unsigned saturation keeps it */
     __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
@@ -111,6 +111,7 @@ AVX2 INLINE __m256 saturate8(__m256 y, float fmax)
     return _mm256_min_ps(_mm256_set1_ps(fmax), _mm256_max_ps(_mm256_set1_ps(-fmax), y));
 }
 
+/* Two vectors a step, so that 16 codes go out in one store. */
 AVX2 INLINE uint32_t cast_fp8_loop8(uint8_t *dst, const void *src, ampc_dtype st, float s,
                                     struct ampc_fp8_format f, int64_t n)
 {
@@ -119,12 +120,16 @@ AVX2 INLINE uint32_t cast_fp8_loop8(uint8_t *dst, const void *src, ampc_dtype st
     __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
     float fmax = ampc_bits_f32(f.fmax);
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 x = load8(src, st, i);
-        m = _mm256_max_epu32(m, _mm256_and_si256(_mm256_castps_si256(x), abs_mask));
-        if (dst)
-            _mm_storel_epi64((__m128i *)(dst + i),
-                             fp8_encode8(saturate8(_mm256_mul_ps(x, vs), fmax), f));
+    for (; i + 16 <= n; i += 16) {
+        __m256 a = load8(src, st, i);
+        __m256 b = load8(src, st, i + 8);
+        m = _mm256_max_epu32(m, _mm256_and_si256(_mm256_castps_si256(a), abs_mask));
+        m = _mm256_max_epu32(m, _mm256_and_si256(_mm256_castps_si256(b), abs_mask));
+        if (dst) {
+            __m128i lo = fp8_encode8(saturate8(_mm256_mul_ps(a, vs), fmax), f);
+            __m128i hi = fp8_encode8(saturate8(_mm256_mul_ps(b, vs), fmax), f);
+            _mm_storeu_si128((__m128i *)(dst + i), _mm_unpacklo_epi64(lo, hi));
+        }
     }
     uint32_t lanes[8];
     _mm256_storeu_si256((__m256i *)lanes, m);
@@ -134,39 +139,44 @@ AVX2 INLINE uint32_t cast_fp8_loop8(uint8_t *dst, const void *src, ampc_dtype st
     return r;
 }
 
-// ---- one specialised loop per (ISA, source dtype, format, with or without output) ----
+// ---- one specialised loop per (ISA, source dtype, format; or the amax alone) ----
 
-/* The loop body takes everything as arguments and is always inlined, so each case below
- * is a branch-free loop for its constants. */
-#define FP8_CASES(loop, dst, src, st, s, fmt)                                               \
-    switch ((st) * 4 + ((fmt) == AMPC_F8E4M3) * 2 + ((dst) != NULL)) {                     \
-    case AMPC_F32 * 4 + 3: return loop(dst, src, AMPC_F32, s, ampc_fp8_format_of(AMPC_F8E4M3), n); \
-    case AMPC_F32 * 4 + 1: return loop(dst, src, AMPC_F32, s, ampc_fp8_format_of(AMPC_F8E5M2), n); \
-    case AMPC_F16 * 4 + 3: return loop(dst, src, AMPC_F16, s, ampc_fp8_format_of(AMPC_F8E4M3), n); \
-    case AMPC_F16 * 4 + 1: return loop(dst, src, AMPC_F16, s, ampc_fp8_format_of(AMPC_F8E5M2), n); \
-    case AMPC_BF16 * 4 + 3: return loop(dst, src, AMPC_BF16, s, ampc_fp8_format_of(AMPC_F8E4M3), n); \
-    case AMPC_BF16 * 4 + 1: return loop(dst, src, AMPC_BF16, s, ampc_fp8_format_of(AMPC_F8E5M2), n); \
-    case AMPC_F32 * 4 + 0: case AMPC_F32 * 4 + 2:                                            \
-        return loop(NULL, src, AMPC_F32, s, ampc_fp8_format_of(AMPC_F8E4M3), n);            \
-    case AMPC_F16 * 4 + 0: case AMPC_F16 * 4 + 2:                                            \
-        return loop(NULL, src, AMPC_F16, s, ampc_fp8_format_of(AMPC_F8E4M3), n);            \
-    default:                                                                                \
-        return loop(NULL, src, AMPC_BF16, s, ampc_fp8_format_of(AMPC_F8E4M3), n);           \
+/* The loop bodies take everything as arguments and are always inlined, so each case is a
+ * branch-free loop for its constants. */
+#define FP8_LOOP(loop, st, fmt) loop(dst, src, st, s, ampc_fp8_format_of(fmt), n)
+#define AMAX_LOOP(loop, st) loop(NULL, src, st, 1.0f, ampc_fp8_format_of(AMPC_F8E4M3), n)
+#define FP8_CASES(loop)                                                                     \
+    if (!dst) {                                                                             \
+        switch (st) {                                                                       \
+        case AMPC_F32: return AMAX_LOOP(loop, AMPC_F32);                                    \
+        case AMPC_F16: return AMAX_LOOP(loop, AMPC_F16);                                    \
+        default: return AMAX_LOOP(loop, AMPC_BF16);                                         \
+        }                                                                                   \
+    }                                                                                       \
+    switch ((int)st * 2 + (fmt == AMPC_F8E5M2)) {                                           \
+    case AMPC_F32 * 2: return FP8_LOOP(loop, AMPC_F32, AMPC_F8E4M3);                        \
+    case AMPC_F32 * 2 + 1: return FP8_LOOP(loop, AMPC_F32, AMPC_F8E5M2);                    \
+    case AMPC_F16 * 2: return FP8_LOOP(loop, AMPC_F16, AMPC_F8E4M3);                        \
+    case AMPC_F16 * 2 + 1: return FP8_LOOP(loop, AMPC_F16, AMPC_F8E5M2);                    \
+    case AMPC_BF16 * 2: return FP8_LOOP(loop, AMPC_BF16, AMPC_F8E4M3);                      \
+    default: return FP8_LOOP(loop, AMPC_BF16, AMPC_F8E5M2);                                 \
     }
 
 AVX512 static uint32_t cast_fp8_avx512(uint8_t *dst, ampc_dtype fmt, const void *src,
                                        ampc_dtype st, float s, int64_t n)
 {
-    FP8_CASES(cast_fp8_loop16, dst, src, st, s, fmt)
+    FP8_CASES(cast_fp8_loop16)
 }
 
 AVX2 static uint32_t cast_fp8_avx2(uint8_t *dst, ampc_dtype fmt, const void *src,
                                    ampc_dtype st, float s, int64_t n)
 {
-    FP8_CASES(cast_fp8_loop8, dst, src, st, s, fmt)
+    FP8_CASES(cast_fp8_loop8)
 }
 
-/* A NaN scale goes to the scalar loop, which picks the NaN (Note [NaN times a NaN scale]). */
+/* dst[0..n) = codes of src[0..n) (none when dst is NULL); returns the max of their |x|
+ * bits. A NaN scale goes to the scalar loop, which picks the NaN (Note [NaN times a NaN
+ * scale]). */
 static uint32_t cast_fp8_block(uint8_t *dst, ampc_dtype fmt, const void *src, ampc_dtype st,
                                float s, int64_t n)
 {

@@ -58,7 +58,8 @@ AMPC_HD float ampc_fp8_saturate(float y, float fmax)
  * - otherwise the exponent is rebiased and the dropped mantissa bits are rounded with
  *   "add half an ulp minus one, plus the kept bit's parity", whose carry may run into the
  *   exponent, which is the right code too;
- * - NaN gives 0x7f with the NaN's sign.
+ * - NaN takes the normal path, whose result for any pattern above inf is above 0x7f, so
+ *   capping the code at 0x7f gives 0x7f with the NaN's sign (|y| <= fmax is below 0x7f).
  */
 AMPC_HD uint8_t ampc_fp8_encode(float y, struct ampc_fp8_format f)
 {
@@ -69,7 +70,7 @@ AMPC_HD uint8_t ampc_fp8_encode(float y, struct ampc_fp8_format f)
     uint32_t half = (1u << (f.shift - 1)) - 1u;
     uint32_t norm = (a - f.rebias + half + ((a >> f.shift) & 1u)) >> f.shift;
     uint32_t code = a < f.min_normal ? sub : norm;
-    code = a > 0x7f800000u ? 0x7fu : code;
+    code = code < 0x7fu ? code : 0x7fu;
     return (uint8_t)(code | sign);
 }
 

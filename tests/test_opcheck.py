@@ -150,3 +150,34 @@ def test_compile_matches_eager(backend):
     assert torch.equal(eager[0], compiled[0])
     for a, b in zip(eager[1], compiled[1]):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def fp8_step(x, q, back, history, scale, scale_inv, amax):
+    """Delayed scaling as a training step runs it: cast with amax, update, cast back."""
+    ampc.ops.cast_fp8(q, x, scale, amax)
+    ampc.ops.fp8_update_scales(history, amax, scale, scale_inv, fmax=448.0)
+    ampc.ops.cast_from_fp8(back, q, scale_inv)
+    return [b * 2 for b in back]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fp8_ops_compile_matches_eager(backend):
+    torch.manual_seed(0)
+    x = [torch.randn(100) * 30, torch.randn(7, 3).to(bf16)]
+
+    def state():
+        return (x, [torch.empty(t.shape, dtype=e4m3) for t in x],
+                [torch.empty(t.shape) for t in x], torch.zeros(3, 2), torch.full((2,), 2.0),
+                torch.full((2,), 0.5), torch.empty(2))
+
+    eager_state = state()
+    eager = fp8_step(*eager_state)
+    torch._dynamo.reset()
+    compiled_state = state()
+    compiled = torch.compile(fp8_step, backend=backend, fullgraph=True)(*compiled_state)
+    for a, b in zip(eager + eager_state[2] + list(eager_state[3:]),
+                    compiled + compiled_state[2] + list(compiled_state[3:])):
+        assert torch.equal(a, b)
+    for a, b in zip(eager_state[1], compiled_state[1]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert eager_state[4][0].item() != 2.0          # the scale moved: the update ran
