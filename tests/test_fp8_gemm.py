@@ -199,6 +199,13 @@ def _fp8_gpu():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+def tensor_core_bound(a, b, sa, sb, bias=None):
+    """FP8 tensor cores add their products with fewer bits than fp32 (about 14 on Hopper, as
+    DeepSeek-V3's report measured), and cuBLAS promotes the partial sums to fp32 every few
+    k-blocks: allow 2^-10 of the sum of magnitudes."""
+    return 2.0 ** -10 * (fp32_error_bound(a, b, sa, sb, bias) / (a.shape[1] + 4) / EPS32)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("m,k,n", [(16, 16, 16), (100, 256, 512), (4096, 1024, 3072)])
 @pytest.mark.parametrize("da,db", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)])
@@ -212,12 +219,12 @@ def test_cuda_against_torch_scaled_mm(m, k, n, da, db, out_dtype):
         ours = gemm(a, b, sa, sb, bias=bb, out_dtype=out_dtype)
         theirs = torch._scaled_mm(a, b, sa.reshape(()), sb.reshape(()), bias=bb,
                                   out_dtype=out_dtype)
-        ref = f64_reference(a.cpu(), b.cpu(), sa.cpu(), sb.cpu(), None if bb is None else bb.cpu())
-        tol = 2 * fp32_error_bound(a.cpu(), b.cpu(), sa.cpu(), sb.cpu())
+        ref = f64_reference(a, b, sa, sb, bb)       # float64 on the GPU: fast
+        tol = tensor_core_bound(a, b, sa, sb, bb)
         if out_dtype == torch.bfloat16:
             tol = tol + ref.abs() * 2.0 ** -7
-        assert ((ours.cpu().double() - theirs.cpu().double()).abs() <= tol + 1e-6).all()
-        assert ((ours.cpu().double() - ref).abs() <= tol + 1e-6).all()
+        assert ((ours.double() - theirs.double()).abs() <= tol).all()
+        assert ((ours.double() - ref).abs() <= tol).all()
 
 
 @pytest.mark.cuda
@@ -229,9 +236,9 @@ def test_cuda_amax_out_and_cpu_agree():
     cpu = gemm(a, b, sa, sb, out_dtype=torch.float32, amax_out=amax_c)
     amax_g = torch.zeros(1, device="cuda")
     gpu = gemm(a.cuda(), b.cuda(), sa.cuda(), sb.cuda(), out_dtype=torch.float32, amax_out=amax_g)
-    tol = 2 * fp32_error_bound(a, b, sa, sb)
+    tol = tensor_core_bound(a, b, sa, sb)
     assert ((gpu.cpu().double() - cpu.double()).abs() <= tol).all()
-    assert abs(amax_g.item() - amax_c.item()) <= 1e-5 * amax_c.item()
+    assert abs(amax_g.item() - amax_c.item()) <= 2.0 ** -10 * amax_c.item()
 
 
 @pytest.mark.cuda

@@ -290,5 +290,6 @@ def test_cuda_linear_matches_the_cpu_reference_path():
     x = torch.randn(48, 64)
     with fp8.autocast():
         yc, yg = cpu(x), gpu(x.cuda())
-    assert torch.allclose(yg.cpu(), yc, rtol=1e-4, atol=1e-4 * yc.abs().max().item())
+    # FP8 tensor cores accumulate with fewer bits than fp32 (see test_fp8_gemm)
+    assert torch.allclose(yg.cpu(), yc, rtol=2.0 ** -9, atol=2.0 ** -9 * yc.abs().max().item())
     assert torch.equal(gpu.fp8_fwd_scale.cpu(), cpu.fp8_fwd_scale)
