@@ -200,3 +200,22 @@ def test_the_region_leaves_no_hook_behind():
         with fp8.autocast():
             assert len(m._global_forward_pre_hooks) == before + 1
     assert len(m._global_forward_pre_hooks) == before
+
+
+def test_bf16_weights_of_ampc_prepare_train_in_fp8():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    model, opt = ampc.prepare(model, ampc.optim.AdamW, torch.bfloat16, lr=1e-2)
+    x, y = torch.randn(32, 32), torch.randn(32, 16)
+    losses = []
+    for _ in range(20):
+        opt.zero_grad()
+        with fp8.autocast():
+            out = model(x.to(torch.bfloat16))
+        loss = F.mse_loss(out.float(), y)
+        loss.backward()
+        assert model[0].weight.grad.dtype == torch.bfloat16
+        opt.step()
+        losses.append(loss.item())
+    assert type(model[0]) is fp8.Linear and model[0].weight.dtype == torch.bfloat16
+    assert losses[-1] < 0.8 * losses[0]
