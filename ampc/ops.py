@@ -367,8 +367,8 @@ def fp8_update_scales(amax_history, amax, scale, scale_inv, *, fmax, margin=0, a
     TransformerEngine's rules (the exact sequence is in csrc/fp8_scaling.h): when
     ``amax[j]`` is 0 the history and the scale of tensor j are left alone; otherwise column
     j of ``amax_history`` rolls down one row and row 0 receives ``amax[j]``. The amax used
-    is the largest finite-or-inf value of the column (``algo="max"``, NaN rows skipped) or
-    ``amax[j]`` itself (``algo="most_recent"``); when it is finite and > 0,
+    is the largest value of the column, NaN rows skipped (``algo="max"``), or ``amax[j]``
+    itself (``algo="most_recent"``); when it is finite and > 0,
     ``scale[j] = (fmax * 2**-margin) / amax`` in fp32, else the scale is kept; an inf scale
     becomes the largest fp32; ``scale_inv[j] = 1 / scale[j]``. A history of one row with
     ``algo="most_recent"`` is current scaling.

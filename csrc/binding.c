@@ -503,7 +503,8 @@ static void run_groups(struct call *c, int mixed, struct list *const ls[],
         }
         for (int l = 0; m > 0 && l < n; l++)
             *out[l] = (struct ampc_list){ ptr + l * count, numel + l * count, m,
-                                          (ampc_dtype)(l == 0 ? key / 5 : l == 1 ? key % 5 : 0) };
+                                          l == 0 ? (ampc_dtype)(key / 5)
+                                          : l == 1 ? (ampc_dtype)(key % 5) : AMPC_F32 };
         if (m > 0)
             run(c, cpu, cuda, job);
     }
