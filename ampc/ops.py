@@ -298,6 +298,100 @@ def adam_packed(params, grads, state, steps, layout, *, lr, amsgrad=False, maste
         _int64(seed))
 
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def cast_fp8(dst, src, scale, amax):
+    """Scaled casts to fp8 with the amax of each input, in one pass over memory.
+
+    ``dst[i] = (src[i].float() * scale[i]).clamp(-fmax, fmax).to(dst[i].dtype)`` and
+    ``amax[i] = src[i].abs().amax()``, bit-identical to torch on every input (NaN, inf,
+    zeros and subnormals included; fmax = 448 for torch.float8_e4m3fn, 57344 for
+    torch.float8_e5m2), with the amax taken from the same read as the cast. An empty tensor
+    gets amax 0, a tensor holding a NaN gets NaN. ``scale`` is read and ``amax`` written on
+    the device: no host sync.
+
+    Args:
+        dst (list of Tensor): torch.float8_e4m3fn or torch.float8_e5m2 outputs, written.
+        src (list of Tensor): float32, float16 or bfloat16 inputs of the same shapes,
+            contiguous, on one device.
+        scale (Tensor): float32 of shape [len(src)], the factor of each tensor.
+        amax (Tensor): float32 of shape [len(src)], written.
+
+    Example::
+
+        >>> x = torch.randn(64, 64); q = torch.empty_like(x, dtype=torch.float8_e4m3fn)
+        >>> scale = torch.ones(1); amax = torch.empty(1)
+        >>> ampc.ops.cast_fp8([q], [x], scale, amax)
+    """
+    _check_tensor("cast_fp8", "scale", scale)
+    _check_tensor("cast_fp8", "amax", amax)
+    _call("cast_fp8", {"dst": dst, "src": src},
+          lambda d, s: torch.ops.ampc.cast_fp8(d, s, scale, amax))
+
+
+def fp8_amax(src, amax):
+    """``amax[i] = src[i].abs().amax()`` (0 for an empty tensor, NaN when it holds a NaN),
+    read-only and exact: the amax of current scaling, whose scale must be known before the
+    cast.
+
+    Args:
+        src (list of Tensor): float32, float16 or bfloat16 tensors, contiguous.
+        amax (Tensor): float32 of shape [len(src)], written.
+    """
+    _check_tensor("fp8_amax", "amax", amax)
+    _call("fp8_amax", {"src": src}, lambda s: torch.ops.ampc.fp8_amax(s, amax))
+
+
+def cast_from_fp8(dst, src, scale_inv):
+    """``dst[i] = (src[i].float() * scale_inv[i]).to(dst[i].dtype)``, bit-identical to torch.
+
+    Args:
+        dst (list of Tensor): float32, float16 or bfloat16 outputs, written.
+        src (list of Tensor): torch.float8_e4m3fn or torch.float8_e5m2 inputs of the same
+            shapes, contiguous.
+        scale_inv (Tensor): float32 of shape [len(src)], the factor of each tensor.
+    """
+    _check_tensor("cast_from_fp8", "scale_inv", scale_inv)
+    _call("cast_from_fp8", {"dst": dst, "src": src},
+          lambda d, s: torch.ops.ampc.cast_from_fp8(d, s, scale_inv))
+
+
+_AMAX_ALGOS = ("max", "most_recent")
+
+
+def fp8_update_scales(amax_history, amax, scale, scale_inv, *, fmax, margin=0, algo="max"):
+    """One step of delayed scaling for n fp8 tensors, in place on the device (no host sync).
+
+    TransformerEngine's rules (the exact sequence is in csrc/fp8_scaling.h): when
+    ``amax[j]`` is 0 the history and the scale of tensor j are left alone; otherwise column
+    j of ``amax_history`` rolls down one row and row 0 receives ``amax[j]``. The amax used
+    is the largest value of the column, NaN rows skipped (``algo="max"``), or ``amax[j]``
+    itself (``algo="most_recent"``); when it is finite and > 0,
+    ``scale[j] = (fmax * 2**-margin) / amax`` in fp32, else the scale is kept; an inf scale
+    becomes the largest fp32; ``scale_inv[j] = 1 / scale[j]``. A history of one row with
+    ``algo="most_recent"`` is current scaling.
+
+    Args:
+        amax_history (Tensor): float32 [H, n], row 0 the newest, updated in place.
+        amax (Tensor): float32 [n], this step's amax of each tensor (from :func:`cast_fp8`
+            or :func:`fp8_amax`).
+        scale, scale_inv (Tensor): float32 [n], updated in place.
+        fmax (float): the largest value of the fp8 format (``ampc.ops.FP8_MAX[dtype]``).
+        margin (float): scales are 2**margin smaller. Default: 0.
+        algo (str): "max" or "most_recent". Default: "max".
+    """
+    op = "fp8_update_scales"
+    for name, t in (("amax_history", amax_history), ("amax", amax), ("scale", scale),
+                    ("scale_inv", scale_inv)):
+        _check_tensor(op, name, t)
+    if algo not in _AMAX_ALGOS:
+        raise ValueError(f"ampc.{op}: algo must be 'max' or 'most_recent', got {algo!r}")
+    torch.ops.ampc.fp8_update_scales(amax_history, scale, scale_inv, amax, float(fmax),
+                                     float(margin), algo == "most_recent")
+
+
 _SEED_STRIDE = 0x9E3779B97F4A7C15       # AMPC_SEED_STRIDE in csrc/dtype.h
 
 
@@ -378,7 +472,7 @@ def _guard_autograd(name):
 
 
 for _name in ("cast", "unscale_check", "check_norm", "update_scale", "adam_master",
-              "adam_packed"):
+              "adam_packed", "cast_fp8", "fp8_amax", "cast_from_fp8", "fp8_update_scales"):
     _guard_autograd(_name)
 
 
@@ -440,3 +534,25 @@ def _adam_packed_fake(params, grads, state, steps, layout, lr_tensor, inv_scale,
                  lr_tensor=lr_tensor, inv_scale=inv_scale, clip_coef=clip_coef,
                  found_inf=found_inf)
     return 0
+
+
+@torch.library.register_fake("ampc::cast_fp8")
+def _cast_fp8_fake(dst, src, scale, amax):
+    _same_device("cast_fp8", dst=dst, src=src, scale=scale, amax=amax)
+
+
+@torch.library.register_fake("ampc::fp8_amax")
+def _fp8_amax_fake(src, amax):
+    _same_device("fp8_amax", src=src, amax=amax)
+
+
+@torch.library.register_fake("ampc::cast_from_fp8")
+def _cast_from_fp8_fake(dst, src, scale_inv):
+    _same_device("cast_from_fp8", dst=dst, src=src, scale_inv=scale_inv)
+
+
+@torch.library.register_fake("ampc::fp8_update_scales")
+def _fp8_update_scales_fake(amax_history, scale, scale_inv, amax, fmax, margin=0.0,
+                            most_recent=False):
+    _same_device("fp8_update_scales", amax_history=amax_history, scale=scale,
+                 scale_inv=scale_inv, amax=amax)

@@ -20,7 +20,14 @@
 extern "C" {
 #endif
 
-typedef enum { AMPC_F32 = 0, AMPC_F16 = 1, AMPC_BF16 = 2 } ampc_dtype;
+/* The fp8 dtypes (torch.float8_e4m3fn, torch.float8_e5m2) only appear in the fp8 ops. */
+typedef enum {
+    AMPC_F32 = 0,
+    AMPC_F16 = 1,
+    AMPC_BF16 = 2,
+    AMPC_F8E4M3 = 3,
+    AMPC_F8E5M2 = 4,
+} ampc_dtype;
 
 typedef enum {
     AMPC_OK = 0,
@@ -141,6 +148,56 @@ ampc_status ampc_adam_cpu(const struct ampc_adam_lists *lists,
                           const struct ampc_adam_args *args);
 
 /*
+ * One FP8 GEMM, row-major: out[m, n] = (a[m, k] @ b_t[n, k]^T) * (*scale_inv_a) *
+ * (*scale_inv_b) + bias[n], accumulated in fp32, rounded once to out's dtype. a and b_t
+ * are e4m3fn or e5m2 (not both e5m2), k and n multiples of 16, every pointer 16-byte
+ * aligned (checked by the binding). CUDA only (cuBLASLt); the CPU reference is torch's.
+ */
+struct ampc_fp8_gemm_args {
+    void *out;              /* fp32 or bf16 [m, n] */
+    const void *a;          /* fp8 [m, k] */
+    const void *b_t;        /* fp8 [n, k] */
+    const float *scale_inv_a;   /* 1 element, on the device */
+    const float *scale_inv_b;
+    const void *bias;       /* bf16 [n], or NULL */
+    float *amax;            /* NULL, or 1 element: max |out| before rounding, when offered */
+    void *workspace;
+    int64_t workspace_bytes;
+    int64_t m, n, k;
+    int a_e5m2, b_e5m2;     /* 0: e4m3fn */
+    ampc_dtype out_dtype;   /* AMPC_F32 or AMPC_BF16 */
+    int amax_written;       /* set by the launcher: 1 when the epilogue wrote *amax */
+};
+
+/*
+ * The fp8 casts, per element as fp8.h says. dst and src have equal counts and numels;
+ * scale, scale_inv and amax are lists of one fp32 value per tensor (ptr[i] -> the value of
+ * tensor i, numel 1), read and written where they live (on the device for CUDA).
+ * cast_fp8: dst[i] (fp8) = saturate(src[i] * scale[i]), *amax[i] = max |src[i]| from the
+ *     same read (0 for an empty tensor, NaN when src[i] holds a NaN).
+ * cast_from_fp8: dst[i] (fp32/fp16/bf16) = src[i] (fp8) * scale_inv[i], rounded.
+ * fp8_amax: *amax[i] = max |src[i]| only.
+ */
+ampc_status ampc_cast_fp8_cpu(const struct ampc_list *dst, const struct ampc_list *amax,
+                              const struct ampc_list *src, const struct ampc_list *scale);
+ampc_status ampc_cast_from_fp8_cpu(const struct ampc_list *dst, const struct ampc_list *src,
+                                   const struct ampc_list *scale_inv);
+ampc_status ampc_fp8_amax_cpu(const struct ampc_list *amax, const struct ampc_list *src);
+
+/* Delayed scaling of n fp8 tensors, see fp8_scaling.h for the exact rule. */
+struct ampc_fp8_scaling_args {
+    int64_t rows;           /* H, the history length */
+    int64_t count;          /* n, the number of tensors */
+    float scaled_max;       /* fmax * 2^-margin, rounded to fp32 */
+    int most_recent;        /* 1: the newest amax, 0: the max over the history */
+};
+
+/* amax_history: [H, n] fp32, row 0 newest; scale, scale_inv, amax: [n] fp32. */
+ampc_status ampc_fp8_update_scales_cpu(float *amax_history, float *scale, float *scale_inv,
+                                       const float *amax,
+                                       const struct ampc_fp8_scaling_args *args);
+
+/*
  * The CUDA library fills this table (ampc_cuda_get_api in csrc/cuda/api.cu). Every
  * launcher runs on `stream`, on the device made current by begin(), reads control
  * values (inv_scale, found_inf, scale) on the device and never synchronizes.
@@ -170,6 +227,17 @@ struct ampc_cuda_api {
                         const struct ampc_adam_args *args, void *stream);
     /* Text of the last CUDA error seen by a launcher of this thread. */
     const char *(*last_error)(void);
+    ampc_status (*cast_fp8)(const struct ampc_list *dst, const struct ampc_list *amax,
+                            const struct ampc_list *src, const struct ampc_list *scale,
+                            void *stream);
+    ampc_status (*cast_from_fp8)(const struct ampc_list *dst, const struct ampc_list *src,
+                                 const struct ampc_list *scale_inv, void *stream);
+    ampc_status (*fp8_amax)(const struct ampc_list *amax, const struct ampc_list *src,
+                            void *stream);
+    ampc_status (*fp8_update_scales)(float *amax_history, float *scale, float *scale_inv,
+                                     const float *amax,
+                                     const struct ampc_fp8_scaling_args *args, void *stream);
+    ampc_status (*fp8_gemm)(struct ampc_fp8_gemm_args *args, void *stream);
 };
 
 #ifdef __cplusplus

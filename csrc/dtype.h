@@ -37,10 +37,10 @@ AMPC_HD float ampc_bits_f32(uint32_t u)
     return f;
 }
 
-/* Bytes per element: fp32 is stored as float, fp16 and bf16 as uint16_t. */
+/* Bytes per element: fp32 is stored as float, fp16 and bf16 as uint16_t, fp8 as uint8_t. */
 AMPC_HD int64_t ampc_dtype_size(ampc_dtype dtype)
 {
-    return dtype == AMPC_F32 ? 4 : 2;
+    return dtype == AMPC_F32 ? 4 : dtype <= AMPC_BF16 ? 2 : 1;
 }
 
 #define AMPC_EXP_BITS 0x7f800000u

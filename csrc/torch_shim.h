@@ -69,8 +69,13 @@ AOTITorchError aoti_torch_empty_strided(int64_t ndim, const int64_t *sizes_ptr,
 int32_t aoti_torch_dtype_float16(void);
 int32_t aoti_torch_dtype_bfloat16(void);
 int32_t aoti_torch_dtype_float32(void);
+int32_t aoti_torch_dtype_float8_e4m3fn(void);
+int32_t aoti_torch_dtype_float8_e5m2(void);
 int32_t aoti_torch_dtype_int32(void);
 int32_t aoti_torch_dtype_int64(void);
+int32_t aoti_torch_dtype_uint8(void);
+int32_t aoti_torch_dtype_float8_e4m3fn(void);
+int32_t aoti_torch_dtype_float8_e5m2(void);
 int32_t aoti_torch_device_type_cpu(void);
 int32_t aoti_torch_device_type_cuda(void);
 

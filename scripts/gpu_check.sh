@@ -51,6 +51,7 @@ stage 240 "$py" -m pytest -q -m cuda --tb=short --junitxml="$work/junit.xml" tes
     tail -n 60
 benches="cast unscale"
 [ -f benchmarks/bench_adam.py ] && benches="$benches adam"
+[ -f benchmarks/bench_fp8.py ] && benches="$benches fp8"
 for b in $benches; do
     stage 100 "$py" "benchmarks/bench_$b.py" --device cuda --json \
         >"$work/bench_$b.json" 2>"$work/bench_$b.err"
@@ -97,6 +98,10 @@ for b in sys.argv[3:]:
         print(f"{case[:44]:44} {num(r.get('ampc ms'), '9.4f')} {num(r.get('torch ms'), '9.4f')} "
               f"{num(r.get('torch/ampc'), '6.2f')} {num(gbs, '7.0f')} "
               f"{num(r.get('% roofline'), '7.1f')} {num(of_peak, '9.1f')}")
+        if "ampc TFLOPS" in r:      # an FP8 GEMM: compute-bound, measured against its peak
+            print(f"{'':44} {r['ampc TFLOPS']:.0f} TFLOPS, {r['% of 1979 peak']:.1f}% of the "
+                  f"H200's dense FP8 peak; _scaled_mm {r['_scaled_mm TFLOPS']:.0f}, "
+                  f"bf16 matmul {r['bf16 matmul TFLOPS']:.0f}")
 sys.exit(1 if bad else 0)
 EOF
 summary=$?

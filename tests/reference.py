@@ -11,7 +11,8 @@ import pytest
 import torch
 
 INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
-            torch.bfloat16: torch.int16}
+            torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8,
+            torch.float8_e5m2: torch.uint8, torch.uint8: torch.uint8}
 
 # magnitude bits of +inf, and the value the first step past the largest finite number
 # would have if the exponent range went on (the "upper neighbour" of values beyond max)

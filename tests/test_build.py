@@ -77,7 +77,9 @@ def test_cuda_kernels_loaded_exactly_when_torch_has_cuda():
 
 @pytest.mark.smoke
 def test_ops_registered_for_cpu_and_cuda():
-    for op in ("cast", "unscale_check", "check_norm", "update_scale", "adam_master"):
+    for op in ("cast", "unscale_check", "check_norm", "update_scale", "adam_master",
+               "adam_packed", "cast_fp8", "fp8_amax", "cast_from_fp8", "fp8_update_scales",
+               "fp8_gemm"):
         packet = getattr(torch.ops.ampc, op)
         for key in ("CPU", "CUDA"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(packet.default.name(), key), (op, key)

@@ -3,7 +3,9 @@ machine runs the best one; AMPC_CPU_ISA caps the choice, so each path is checked
 against torch in a fresh process: casts bit-identical to .to() over every fp16/bf16
 bit pattern and a sweep of fp32 ones, and unscale bit-identical to torch. Each process
 reports the path its kernels took (ampc.ops.cpu_isa(), ampc.ops.stream_bytes()), so a
-cap that stopped working, or a CPU that silently fell back, fails here."""
+cap that stopped working, or a CPU that silently fell back, fails here. The fp8 casts are
+checked the same way: every fp16/bf16 pattern and the fp32 sweep to both fp8 formats at
+three scales, bit-identical to torch, with the amax; every fp8 code back."""
 import os
 import subprocess
 import sys
@@ -55,6 +57,23 @@ for dt in (f32, f16, bf16):
     ampc.ops.unscale_check([a], fa, inv)
     torch._amp_foreach_non_finite_check_and_unscale_([b], fb, inv)
     same(a, b); assert fa.item() == fb.item() == 1.0
+for fmt, fmax in ((torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)):
+    for s, x in inputs.items():
+        for n in (x.numel(), 13):
+            for scale in (1.0, 0.37, 4096.0):
+                q, amax = torch.empty(n, dtype=fmt), torch.empty(1)
+                ampc.ops.cast_fp8([q], [x[:n]], torch.full((1,), scale), amax)
+                want = (x[:n].float() * scale).clamp(-fmax, fmax).to(fmt)
+                assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), (fmt, s, n, scale)
+                assert torch.equal(amax[0], x[:n].abs().amax().float()) or (
+                    amax.isnan().all() and x[:n].isnan().any())
+                ampc.ops.fp8_amax([x[:n]], amax)
+                assert torch.equal(amax[0], x[:n].abs().amax().float()) or amax.isnan().all()
+    codes = torch.arange(256 * 9 + 5, dtype=torch.int32).remainder(256).to(torch.uint8).view(fmt)
+    for d in (f32, f16, bf16):
+        out = torch.empty(codes.shape, dtype=d)
+        ampc.ops.cast_from_fp8([out], [codes], torch.full((1,), 0.75))
+        same(out, (codes.float() * 0.75).to(d))
 print(ampc.ops.cpu_isa(), ampc.ops.stream_bytes())
 print("ok")
 """

@@ -122,6 +122,9 @@ cpu = {
     "inv_scale": torch.full((1,), 0.5), "scale": torch.full((1,), 1024.0),
     "tracker": torch.zeros(1, dtype=torch.int32), "out": [torch.empty(n, dtype=torch.bfloat16)
                                                           for n in (70000, 5)],
+    "q": [torch.zeros(n, dtype=torch.float8_e4m3fn) for n in (70000, 5)],
+    "fp8_scale": torch.tensor([2.0, 0.5]), "amax": torch.zeros(2), "history": torch.zeros(4, 2),
+    "scale_inv": torch.ones(2),
 }
 if op == "unscale_check":      # elsewhere an inf would make NaNs, whose payloads may differ
     cpu["grads"][1][2] = float("inf")
@@ -137,6 +140,11 @@ def run(s):
         return ampc.ops.unscale_check(s["grads"][:1], s["found_inf"], s["inv_scale"], check_only=True)
     elif op == "update_scale":
         ampc.ops.update_scale(s["scale"], s["tracker"], s["found_inf"], 2.0, 0.5, 1)
+    elif op == "cast_fp8":
+        ampc.ops.cast_fp8(s["q"], s["grads"], s["fp8_scale"], s["amax"])
+    elif op == "fp8_update_scales":
+        ampc.ops.fp8_update_scales(s["history"], s["amax"].add_(3.0), s["fp8_scale"],
+                                   s["scale_inv"], fmax=448.0)
     else:
         ampc.ops.adam_master(s["params"], s["grads"], s["m"], s["v"], s["steps"], lr=1e-2,
                              masters=s["masters"], inv_scale=s["inv_scale"], stochastic=True, seed=4)
@@ -152,15 +160,15 @@ if out is not None:
     assert abs(out.item() - want.item()) <= 1e-5 * want.item(), (out.item(), want.item())
 for k, v in cpu.items():
     for a, b in zip(v if isinstance(v, list) else [v], dev[k] if isinstance(v, list) else [dev[k]]):
-        same = (a.view(torch.int16 if a.element_size() == 2 else torch.int32) ==
-                b.cpu().view(torch.int16 if a.element_size() == 2 else torch.int32))
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+        same = a.view(ints) == b.cpu().view(ints)
         assert bool(same.all()), f"{op}: {k} differs from the CPU"
 print("ok")
 """
 
 
 @pytest.mark.parametrize("op", ["cast", "unscale_check", "check_norm", "update_scale",
-                                "adam_master"])
+                                "adam_master", "cast_fp8", "fp8_update_scales"])
 def test_first_call_ever_is_a_graph_capture_cuda(op):
     # the first launch of a kernel loads its module (lazy loading), the first check_norm
     # takes scratch from the allocator: both must work while a stream captures

@@ -327,6 +327,15 @@ def op_arguments(op):
     if op == "update_scale":
         return [one(1024.0), one(0, torch.int32), one(2, torch.int32), one(0.0), 2.0, 0.5, 10,
                 2, 0.0, float("inf")]
+    e4m3 = lambda: torch.zeros(37, dtype=torch.float8_e4m3fn)     # noqa: E731
+    if op == "cast_fp8":
+        return [[e4m3(), e4m3()], [r(), r(bf16)], torch.ones(2), torch.zeros(2)]
+    if op == "fp8_amax":
+        return [[r(), r(f16)], torch.zeros(2)]
+    if op == "cast_from_fp8":
+        return [[r(), r(bf16)], [e4m3(), e4m3()], torch.ones(2)]
+    if op == "fp8_update_scales":
+        return [torch.zeros(3, 2), torch.ones(2), torch.ones(2), torch.ones(2), 448.0, 0.0, False]
     assert op == "adam_master"
     return [[r(bf16)], [r(bf16)], [r()], [r()], [r().abs()], [r().abs()], [one(2.0)],
             [one(1e-3)], [one(1.0)], [one(1.0)], [one(0.0)], 1e-3, 0.9, 0.999, 1e-8, 0.01,
@@ -350,7 +359,8 @@ def tensor_arguments(op):
 
 
 FREED_CASES = [(op, pos, i, label)
-               for op in ("cast", "unscale_check", "check_norm", "update_scale", "adam_master")
+               for op in ("cast", "unscale_check", "check_norm", "update_scale", "adam_master",
+                          "cast_fp8", "fp8_amax", "cast_from_fp8", "fp8_update_scales")
                for pos, i, label in tensor_arguments(op)]
 
 

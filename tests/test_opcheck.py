@@ -44,8 +44,41 @@ def adam_samples():
                False, master, 3)
 
 
+e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def cast_fp8_samples():
+    for s, d in [(f32, e4m3), (bf16, e5m2), (f16, e4m3)]:
+        src = [torch.randn(17).to(s) * 100, torch.randn(3, 5).to(s), torch.randn(0).to(s)]
+        yield ([torch.empty(t.shape, dtype=d) for t in src], src, torch.tensor([0.5, 2.0, 1.0]),
+               torch.empty(3))
+    src = [torch.randn(9), torch.randn(4).to(bf16)]      # mixed dtypes
+    yield ([torch.empty(9, dtype=e5m2), torch.empty(4, dtype=e4m3)], src, torch.ones(2),
+           torch.empty(2))
+
+
+def fp8_amax_samples():
+    for s in (f32, f16, bf16):
+        yield ([torch.randn(17).to(s), torch.randn(0).to(s), torch.randn(2, 9).to(s)],
+               torch.empty(3))
+
+
+def cast_from_fp8_samples():
+    for s, d in [(e4m3, f32), (e5m2, bf16), (e4m3, f16)]:
+        src = [torch.randn(17).to(s), torch.randn(3, 5).to(s)]
+        yield ([torch.empty(t.shape, dtype=d) for t in src], src, torch.tensor([0.5, 4.0]))
+
+
+def fp8_scaling_samples():
+    for most_recent in (False, True):
+        yield (torch.rand(4, 3), torch.ones(3), torch.ones(3), torch.tensor([2.0, 0.0, 1e3]),
+               448.0, 1.0, most_recent)
+
+
 @pytest.mark.smoke
 @pytest.mark.parametrize("op, samples", [
+    ("fp8_amax", fp8_amax_samples),
+    ("fp8_update_scales", fp8_scaling_samples),
     ("cast", cast_samples),
     ("unscale_check", unscale_samples),
     ("check_norm", unscale_samples),
@@ -55,6 +88,34 @@ def adam_samples():
 def test_opcheck(op, samples):
     for args in samples():
         torch.library.opcheck(getattr(torch.ops.ampc, op).default, args)
+
+
+def tensors_of(args):
+    return [t for a in args for t in (a if isinstance(a, list) else [a])
+            if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("op, samples", [
+    ("cast_fp8", cast_fp8_samples),
+    ("cast_from_fp8", cast_from_fp8_samples),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_opcheck_fp8_tensors(op, samples):
+    # opcheck's schema test compares tensors with allclose, which torch has no fp8 kernel
+    # for: the other tests run, and the schema's claim (which arguments are written) is
+    # checked here bit for bit
+    overload = getattr(torch.ops.ampc, op).default
+    for args in samples():
+        torch.library.opcheck(overload, args, test_utils=(
+            "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+        written = {id(t) for pos, a in enumerate(overload._schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write
+                   for t in tensors_of([args[pos]])}
+        read = [t for t in tensors_of(args) if id(t) not in written]
+        before = [t.clone() for t in read]
+        overload(*args)
+        for b, t in zip(before, read):
+            assert torch.equal(b.view(torch.uint8), t.view(torch.uint8)), f"{op} wrote an input"
 
 
 def amp_step(grads, found_inf, inv_scale, scale, growth_tracker):
@@ -89,3 +150,34 @@ def test_compile_matches_eager(backend):
     assert torch.equal(eager[0], compiled[0])
     for a, b in zip(eager[1], compiled[1]):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def fp8_step(x, q, back, history, scale, scale_inv, amax):
+    """Delayed scaling as a training step runs it: cast with amax, update, cast back."""
+    ampc.ops.cast_fp8(q, x, scale, amax)
+    ampc.ops.fp8_update_scales(history, amax, scale, scale_inv, fmax=448.0)
+    ampc.ops.cast_from_fp8(back, q, scale_inv)
+    return [b * 2 for b in back]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fp8_ops_compile_matches_eager(backend):
+    torch.manual_seed(0)
+    x = [torch.randn(100) * 30, torch.randn(7, 3).to(bf16)]
+
+    def state():
+        return (x, [torch.empty(t.shape, dtype=e4m3) for t in x],
+                [torch.empty(t.shape) for t in x], torch.zeros(3, 2), torch.full((2,), 2.0),
+                torch.full((2,), 0.5), torch.empty(2))
+
+    eager_state = state()
+    eager = fp8_step(*eager_state)
+    torch._dynamo.reset()
+    compiled_state = state()
+    compiled = torch.compile(fp8_step, backend=backend, fullgraph=True)(*compiled_state)
+    for a, b in zip(eager + eager_state[2] + list(eager_state[3:]),
+                    compiled + compiled_state[2] + list(compiled_state[3:])):
+        assert torch.equal(a, b)
+    for a, b in zip(eager_state[1], compiled_state[1]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert eager_state[4][0].item() != 2.0          # the scale moved: the update ran

@@ -2,8 +2,8 @@
 
 ``compare`` trains the same model on the same batches in fp32 and under each
 mixed-precision setup (torch.amp, ampc.autocast + GradScaler, ampc master weights; fp16 or
-bf16) and reports how far each loss curve drifts from fp32's, next to fp32's own
-run-to-run spread, with gradient-norm ratios, skipped steps and the loss scale.
+bf16; and, by name, ampc.fp8, with FP8 GEMMs) and reports how far each loss curve drifts
+from fp32's, next to fp32's own run-to-run spread, with gradient-norm ratios, skipped steps and the loss scale.
 ``layers`` runs one step both ways and ranks the modules by the error they add, with the
 ``ampc.policy.module_scope`` lines that keep the worst ones in fp32.
 
@@ -13,9 +13,9 @@ run-to-run spread, with gradient-norm ratios, skipped steps and the loss scale.
 
 Command line: ``python -m ampc.validate mymodels:make_model --steps 200 --out out``.
 """
-from ._compare import DTYPES, SETUPS, Run, compare, default_loss, evaluate
+from ._compare import ALL_SETUPS, DTYPES, SETUPS, Run, compare, default_loss, evaluate
 from ._layers import layers
 from ._report import Comparison, LayerReport, format_table
 
-__all__ = ["compare", "layers", "Comparison", "LayerReport", "Run", "SETUPS", "DTYPES",
+__all__ = ["compare", "layers", "Comparison", "LayerReport", "Run", "SETUPS", "ALL_SETUPS", "DTYPES",
            "default_loss", "evaluate", "format_table"]

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from . import DTYPES, SETUPS, compare, layers
+from . import ALL_SETUPS, DTYPES, SETUPS, compare, layers
 
 
 def _load(spec, what, parser, default_module=None):
@@ -43,8 +43,8 @@ def main(argv=None):
                                   "cross-entropy over the last dimension)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--setups", default=",".join(SETUPS),
-                   help=f"comma-separated, from {', '.join(SETUPS)}, each optionally @fp16 "
-                        "or @bf16 (default: all)")
+                   help=f"comma-separated, from {', '.join(ALL_SETUPS)}, each optionally @fp16 "
+                        f"or @bf16 (default: {','.join(SETUPS)})")
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=list(DTYPES), help="default: bf16 on CPU, fp16 on CUDA")
     p.add_argument("--lr", type=float, default=1e-3)

@@ -6,6 +6,9 @@ Setups (each in float16 or bfloat16):
   ampc         fp32 weights, ampc.autocast, ampc.GradScaler (fp16), ampc.optim.AdamW
   ampc.master  ampc.prepare: 16-bit weights, fp32 master weights in ampc.optim.AdamW,
                ampc.GradScaler (fp16)
+  ampc.fp8     (asked for by name, not run by default) fp32 weights, ampc.autocast with the
+               nn.Linear GEMMs in FP8 (ampc.fp8.autocast, delayed scaling), ampc.optim.AdamW,
+               ampc.GradScaler (fp16)
 
 Every run builds its model with ``make_model()`` right after ``torch.manual_seed(seed)``,
 so all runs of one seed start from the same weights, and every run sees the same batches.
@@ -24,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 SETUPS = ("torch.amp", "ampc", "ampc.master")
+FP8_SETUP = "ampc.fp8"
+ALL_SETUPS = SETUPS + (FP8_SETUP,)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
@@ -40,8 +45,8 @@ def parse_setup(spec, dtype):
         raise TypeError(f"ampc.validate: a setup must be a string like 'ampc' or 'ampc@fp16', "
                         f"got {type(spec).__name__}")
     kind, _, suffix = spec.partition("@")
-    if kind not in SETUPS:
-        raise ValueError(f"ampc.validate: unknown setup {kind!r}; choose from {', '.join(SETUPS)} "
+    if kind not in ALL_SETUPS:
+        raise ValueError(f"ampc.validate: unknown setup {kind!r}; choose from {', '.join(ALL_SETUPS)} "
                          f"(optionally with @fp16 or @bf16)")
     if suffix:
         if suffix not in DTYPES:
@@ -219,7 +224,9 @@ class Trainer:
         if kind in ("fp32", "torch.amp"):
             self.opt = _torch_adamw(model.parameters(), lr)
             self.scaler = torch.amp.GradScaler(device) if fp16 else None
-        elif kind == "ampc":
+        elif kind in ("ampc", FP8_SETUP):
+            if kind == FP8_SETUP:
+                ampc.fp8.convert(model)     # FP8 from the first step, for a bare Linear too
             self.opt = ampc.optim.AdamW(model.parameters(), lr=lr)
         else:
             model, self.opt = ampc.prepare(model, ampc.optim.AdamW, dtype, lr=lr)
@@ -230,6 +237,8 @@ class Trainer:
             self.region = lambda: torch.autocast(device, dtype=dtype)   # noqa: E731
         elif kind == "ampc":
             self.region = lambda: ampc.autocast(device, dtype=dtype)    # noqa: E731
+        elif kind == FP8_SETUP:
+            self.region = lambda: _fp8_region(device, dtype)           # noqa: E731
         else:
             self.region = contextlib.nullcontext
         self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -293,6 +302,13 @@ class Trainer:
             self.run.val_loss = evaluate(self.model, val_batches, self.loss_fn, self.region)
         self.run.model, self.run.optimizer = self.model, self.opt
         return self.run
+
+
+@contextlib.contextmanager
+def _fp8_region(device, dtype):
+    import ampc
+    with ampc.autocast(device, dtype=dtype), ampc.fp8.autocast(recipe=ampc.fp8.DelayedScaling()):
+        yield
 
 
 def train_one(kind, dtype, make_model, batches, *, val_batches=(), progress=False, **kwargs):
@@ -391,8 +407,9 @@ def compare(make_model, make_batch, loss_fn=None, steps=100, setups=SETUPS, *, d
         loss_fn: ``loss_fn(output, target) -> scalar``. Default: cross-entropy over the
             output's last dimension, in fp32.
         steps (int): optimizer steps per run.
-        setups: names from ``ampc.validate.SETUPS``, each optionally suffixed ``@fp16`` or
-            ``@bf16`` (``"ampc.master@fp16"``).
+        setups: names from ``ampc.validate.SETUPS`` (the default) or ``"ampc.fp8"`` (its
+            nn.Linear layers need in and out features that are multiples of 16), each
+            optionally suffixed ``@fp16`` or ``@bf16`` (``"ampc.master@fp16"``).
         dtype: the default 16-bit dtype: torch.bfloat16 on the CPU, torch.float16 on CUDA.
         device (str): "cpu" or "cuda"; default: cuda when available.
         lr (float): AdamW learning rate (the same for every run).

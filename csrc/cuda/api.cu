@@ -96,6 +96,11 @@ static const struct ampc_cuda_api api = {
     ampc_update_scale_cuda_impl,
     ampc_adam_cuda_impl,
     ampc_cuda_last_error,
+    ampc_cast_fp8_cuda_impl,
+    ampc_cast_from_fp8_cuda_impl,
+    ampc_fp8_amax_cuda_impl,
+    ampc_fp8_update_scales_cuda_impl,
+    ampc_fp8_gemm_cuda_impl,
 };
 
 extern "C" __attribute__((visibility("default"))) const struct ampc_cuda_api *

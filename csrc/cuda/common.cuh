@@ -8,10 +8,12 @@
  *   bits (uint32_t, a 16-bit value in the low half) so that a same-dtype cast is a plain
  *   copy, and convert with the functions of dtype.h, so the GPU computes bit for bit what
  *   the CPU computes;
- * - 16-byte vector loads and stores of 8 elements (one uint4 of a 16-bit type, two of fp32);
+ * - 16-byte vector loads and stores of 8 elements (one uint4 of a 16-bit type, two of fp32,
+ *   half of one of an fp8 type);
  * - a deterministic block sum;
  * - the launchers of each op (defined in cast.cu, unscale_check.cu, check_norm.cu,
- *   update_scale.cu, adam.cu) and the few torch functions they call.
+ *   update_scale.cu, adam.cu, fp8.cu, fp8_scaling.cu, fp8_gemm.cu) and the few torch
+ *   functions they call.
  */
 #ifndef AMPC_CUDA_COMMON_CUH
 #define AMPC_CUDA_COMMON_CUH
@@ -48,6 +50,18 @@ ampc_status ampc_update_scale_cuda_impl(float *scale, int32_t *growth_tracker,
 ampc_status ampc_adam_cuda_impl(const struct ampc_adam_lists *lists,
                                 const struct ampc_adam_control *control,
                                 const struct ampc_adam_args *args, void *stream);
+ampc_status ampc_cast_fp8_cuda_impl(const struct ampc_list *dst, const struct ampc_list *amax,
+                                    const struct ampc_list *src, const struct ampc_list *scale,
+                                    void *stream);
+ampc_status ampc_cast_from_fp8_cuda_impl(const struct ampc_list *dst, const struct ampc_list *src,
+                                         const struct ampc_list *scale_inv, void *stream);
+ampc_status ampc_fp8_amax_cuda_impl(const struct ampc_list *amax, const struct ampc_list *src,
+                                    void *stream);
+ampc_status ampc_fp8_update_scales_cuda_impl(float *amax_history, float *scale,
+                                             float *scale_inv, const float *amax,
+                                             const struct ampc_fp8_scaling_args *args,
+                                             void *stream);
+ampc_status ampc_fp8_gemm_cuda_impl(struct ampc_fp8_gemm_args *args, void *stream);
 }
 
 /* The 3 x 3 table of a kernel template on two dtypes, [first][second] in ampc_dtype order. */
@@ -94,6 +108,8 @@ __device__ __forceinline__ uint32_t load1(const void *p, int i)
 {
     if (DT == AMPC_F32)
         return ((const uint32_t *)p)[i];
+    if (ampc_dtype_size(DT) == 1)
+        return ((const uint8_t *)p)[i];
     return ((const uint16_t *)p)[i];
 }
 
@@ -102,6 +118,8 @@ __device__ __forceinline__ void store1(void *p, int i, uint32_t x)
 {
     if (DT == AMPC_F32)
         ((uint32_t *)p)[i] = x;
+    else if (ampc_dtype_size(DT) == 1)
+        ((uint8_t *)p)[i] = (uint8_t)x;
     else
         ((uint16_t *)p)[i] = (uint16_t)x;
 }
@@ -112,11 +130,19 @@ __device__ __forceinline__ bool vec_ok(const void *p)
     return ((uintptr_t)p & 15) == 0;
 }
 
-/* v[0..8) = raw bits of elements [8u, 8u + 8) of p; p must pass vec_ok. */
+/* v[0..8) = raw bits of elements [8u, 8u + 8) of p; p must pass vec_ok. An fp8 dtype
+ * moves 8 bytes (half a vector). */
 template <ampc_dtype DT>
 __device__ __forceinline__ void load8(uint32_t v[8], const void *p, int u)
 {
-    if (DT == AMPC_F32) {
+    if (ampc_dtype_size(DT) == 1) {
+        uint2 a = ((const uint2 *)p)[u];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            v[j] = (a.x >> (8 * j)) & 0xffu;
+            v[4 + j] = (a.y >> (8 * j)) & 0xffu;
+        }
+    } else if (DT == AMPC_F32) {
         const uint4 *q = (const uint4 *)p + 2 * u;
         uint4 a = q[0];
         uint4 b = q[1];
@@ -137,7 +163,10 @@ __device__ __forceinline__ void load8(uint32_t v[8], const void *p, int u)
 template <ampc_dtype DT>
 __device__ __forceinline__ void store8(void *p, int u, const uint32_t v[8])
 {
-    if (DT == AMPC_F32) {
+    if (ampc_dtype_size(DT) == 1) {
+        ((uint2 *)p)[u] = make_uint2(v[0] | v[1] << 8 | v[2] << 16 | v[3] << 24,
+                                     v[4] | v[5] << 8 | v[6] << 16 | v[7] << 24);
+    } else if (DT == AMPC_F32) {
         uint4 *q = (uint4 *)p + 2 * u;
         q[0] = make_uint4(v[0], v[1], v[2], v[3]);
         q[1] = make_uint4(v[4], v[5], v[6], v[7]);

@@ -1,0 +1,16 @@
+"""ampc.fp8: FP8 training. Scaled casts with amax in one pass (ampc.ops.cast_fp8),
+delayed or current scaling on the device, FP8 GEMMs through cuBLASLt on GPUs that have
+FP8 and an exact reference path on the CPU.
+
+    model = ampc.fp8.convert(model)           # optional: nn.Linear -> ampc.fp8.Linear now
+    with ampc.fp8.autocast(recipe=ampc.fp8.DelayedScaling()):
+        loss = loss_fn(model(x), y)
+    loss.backward()
+"""
+from .autocast import autocast
+from .gemm import gemm
+from .linear import Linear, convert
+from .recipe import DelayedScaling, Float8CurrentScaling, Format
+
+__all__ = ["autocast", "gemm", "Linear", "convert", "DelayedScaling", "Float8CurrentScaling",
+           "Format"]

@@ -1,0 +1,18 @@
+"""The FP8 region of the current thread: the recipe and module types of the innermost
+ampc.fp8.autocast, or none."""
+import threading
+
+_local = threading.local()
+
+
+def stack():
+    s = getattr(_local, "stack", None)
+    if s is None:
+        s = _local.stack = []
+    return s
+
+
+def current():
+    """(recipe, module types) of the innermost enabled region, or None."""
+    s = stack()
+    return s[-1] if s and s[-1] is not None else None

@@ -1,0 +1,91 @@
+"""ampc.fp8.autocast: a region in which the GEMMs of listed modules run in FP8.
+
+Inside it, ampc.fp8.Linear runs FP8, and modules whose type is exactly one of ``modules``
+(nn.Linear by default) become ampc.fp8.Linear when their parent module is called, so they
+run FP8 from their first call; a listed module called directly (no parent) is converted by
+its first call and runs FP8 from its second. Call ampc.fp8.convert(model) first to avoid
+both, and before loading an FP8 checkpoint into a fresh model.
+"""
+import threading
+
+from torch import nn
+from torch.nn.modules import module as _module
+
+from . import _region
+from .linear import Linear, to_fp8
+from .recipe import RECIPES, DelayedScaling
+
+_hook_lock = threading.Lock()
+_hook = None
+_hook_users = 0
+
+
+def _convert_listed(module, args):
+    region = _region.current()
+    if region is None:
+        return
+    listed = region[1]
+    if type(module) in listed:
+        to_fp8(module)
+    for child in module._modules.values():
+        if child is not None and type(child) in listed:
+            to_fp8(child)
+
+
+def _check_modules(modules):
+    if not isinstance(modules, (tuple, list)):
+        raise TypeError(f"ampc.fp8.autocast: modules must be a tuple of module types, "
+                        f"got {type(modules).__name__}")
+    for m in modules:
+        if not (isinstance(m, type) and issubclass(m, nn.Linear)) or \
+                m.forward is not nn.Linear.forward and m is not Linear:
+            raise TypeError(f"ampc.fp8.autocast: modules lists module types to run in FP8; "
+                            f"only nn.Linear and its subclasses that keep its forward can, "
+                            f"got {m!r}")
+    return tuple(modules)
+
+
+class autocast:
+    """Runs the GEMMs of listed modules in FP8 with ``recipe``.
+
+    Args:
+        enabled (bool): False makes a region without FP8 (nested regions included).
+        recipe: ampc.fp8.DelayedScaling (default: DelayedScaling()) or
+            ampc.fp8.Float8CurrentScaling.
+        modules (tuple of types): module types turned into ampc.fp8.Linear inside the region.
+            Default: (nn.Linear,).
+
+    Example::
+
+        >>> with ampc.fp8.autocast(recipe=ampc.fp8.DelayedScaling(amax_history_len=16)):
+        ...     loss = model(x).float().pow(2).mean()
+        >>> loss.backward()     # the backward of an FP8 forward runs FP8 wherever it runs
+    """
+
+    def __init__(self, enabled=True, recipe=None, modules=(nn.Linear,)):
+        recipe = DelayedScaling() if recipe is None else recipe
+        if not isinstance(recipe, RECIPES):
+            raise TypeError(f"ampc.fp8.autocast: recipe must be an ampc.fp8.DelayedScaling or "
+                            f"ampc.fp8.Float8CurrentScaling, got {type(recipe).__name__}")
+        self.enabled = bool(enabled)
+        self.recipe = recipe
+        self.modules = _check_modules(modules)
+
+    def __enter__(self):
+        global _hook, _hook_users
+        with _hook_lock:
+            if _hook_users == 0:
+                _hook = _module.register_module_forward_pre_hook(_convert_listed)
+            _hook_users += 1
+        _region.stack().append((self.recipe, self.modules) if self.enabled else None)
+        return self
+
+    def __exit__(self, *exc):
+        global _hook, _hook_users
+        _region.stack().pop()
+        with _hook_lock:
+            _hook_users -= 1
+            if _hook_users == 0:
+                _hook.remove()
+                _hook = None
+        return False

@@ -1,0 +1,143 @@
+"""ampc.fp8.Linear: nn.Linear whose GEMMs run in FP8 inside ampc.fp8.autocast.
+
+Forward: input and weight cast to e4m3 with their scales (amax taken in the same pass),
+one FP8 GEMM. Backward: the output gradient cast to the recipe's backward format (e5m2 with
+Format.HYBRID), one FP8 GEMM for the input gradient and one for the weight gradient; the
+bias gradient is summed from the unquantized output gradient. Outside a region it is
+nn.Linear. The scaling state is in its state_dict (see scaling.py).
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _region
+from .gemm import gemm
+from .scaling import PERSISTENT, init_state, match_recipe, scaled_cast
+
+MULTIPLE = 16   # cuBLASLt's FP8 kernels: the inner and output dimensions
+
+
+def _out_dtype(dtype):
+    """The GEMM writes bf16 or fp32; fp16 comes from fp32."""
+    return dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+
+
+def _pad_rows(t, multiple=MULTIPLE):
+    """t [r, c] with zero rows added up to a multiple: the weight gradient's inner
+    dimension is the number of input rows, which may be anything; zeros add nothing."""
+    extra = -t.shape[0] % multiple
+    if not extra:
+        return t
+    out = torch.zeros(t.shape[0] + extra, t.shape[1], dtype=t.dtype, device=t.device)
+    out[:t.shape[0]] = t
+    return out
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, module, recipe, out_dtype):
+        (x8, w8), sinv = scaled_cast(module, "fwd", [x, weight.contiguous()],
+                                     recipe.fp8_format.fwd_dtype, recipe)
+        gemm_dtype = _out_dtype(out_dtype)
+        epilogue = bias is not None and gemm_dtype == torch.bfloat16
+        y = gemm(x8, w8.t(), sinv[0:1], sinv[1:2], out_dtype=gemm_dtype,
+                 bias=bias.to(torch.bfloat16) if epilogue else None)
+        if bias is not None and not epilogue:
+            y = y.add_(bias)
+        ctx.save_for_backward(x8, w8, sinv)
+        ctx.module, ctx.recipe = module, recipe
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x8, w8, sinv = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dy = dy.contiguous()
+        if dy.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            dy = dy.float()
+        (dy8,), ginv = scaled_cast(ctx.module, "bwd", [dy], ctx.recipe.fp8_format.bwd_dtype,
+                                   ctx.recipe)
+        dx = dw = db = None
+        if need_x:      # dx [m, in] = dy [m, out] @ w [out, in]
+            dx = gemm(dy8, w8.t().contiguous().t(), ginv, sinv[1:2],
+                      out_dtype=_out_dtype(x_dtype)).to(x_dtype)
+        if need_w:      # dw [out, in] = dy^T [out, m] @ x [m, in]
+            dy8_t = _pad_rows(dy8).t().contiguous()
+            x8_t = _pad_rows(x8).t().contiguous()
+            dw = gemm(dy8_t, x8_t.t(), ginv, sinv[0:1],
+                      out_dtype=_out_dtype(w_dtype)).to(w_dtype)
+        if need_b:
+            db = dy.sum(0, dtype=torch.float32).to(b_dtype)
+        return dx, dw, db, None, None, None
+
+
+def linear(module, x, recipe):
+    """F.linear(x, module.weight, module.bias) with FP8 GEMMs and the module's state."""
+    out_f, in_f = module.weight.shape
+    if in_f % MULTIPLE or out_f % MULTIPLE:
+        raise ValueError(f"ampc.fp8.Linear: FP8 GEMMs need in_features and out_features that "
+                         f"are multiples of {MULTIPLE}, got {in_f} and {out_f}; leave this "
+                         f"layer out of the FP8 region")
+    if x.shape[-1] != in_f:
+        raise ValueError(f"ampc.fp8.Linear: input has {x.shape[-1]} features, the layer "
+                         f"takes {in_f}")
+    match_recipe(module, recipe)
+    out_dtype = (torch.get_autocast_dtype(x.device.type)
+                 if torch.is_autocast_enabled(x.device.type) else x.dtype)
+    x2 = x.reshape(-1, in_f)
+    if x2.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        x2 = x2.float()
+    y = _Fp8LinearFn.apply(x2.contiguous(), module.weight, module.bias, module, recipe,
+                           out_dtype)
+    return y.reshape(*x.shape[:-1], out_f)
+
+
+class Linear(nn.Linear):
+    """A drop-in for nn.Linear (same constructor, parameters and state_dict keys, plus the
+    FP8 scaling state), whose GEMMs run in FP8 inside ``ampc.fp8.autocast``.
+
+    A state_dict without the FP8 state (one saved from nn.Linear) loads: the state starts
+    afresh. One saved with another amax history length loads with that length.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias, device, dtype)
+        init_state(self, device=self.weight.device)
+
+    def forward(self, input):
+        region = _region.current()
+        if region is None:
+            return F.linear(input, self.weight, self.bias)
+        return linear(self, input, region[0])
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        history = state_dict.get(prefix + "fp8_fwd_amax_history")
+        if history is not None and history.shape != self.fp8_fwd_amax_history.shape:
+            init_state(self, history.shape[0], self.fp8_fwd_amax_history.device)
+        if history is None:
+            init_state(self, self.fp8_fwd_amax_history.shape[0], self.fp8_fwd_amax_history.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        ours = {prefix + name for name in PERSISTENT}
+        missing_keys[:] = [k for k in missing_keys if k not in ours]
+
+
+def convert(model, modules=(nn.Linear,)):
+    """Turns every module of `model` (itself included) whose type is exactly one of `modules`
+    into an ampc.fp8.Linear in place, its parameters kept, with a fresh FP8 state. Done by
+    ampc.fp8.autocast as modules are reached; call it yourself before loading a checkpoint
+    saved from an FP8-trained model into a fresh one. Returns `model`."""
+    for m in model.modules():
+        if type(m) in modules:
+            to_fp8(m)
+    return model
+
+
+def to_fp8(module):
+    if not isinstance(module, Linear):
+        module.__class__ = Linear
+        init_state(module, device=module.weight.device)
+    return module
