@@ -50,12 +50,13 @@ ampc_status ampc_adam_cuda_impl(const struct ampc_adam_lists *lists,
                                 const struct ampc_adam_args *args, void *stream);
 }
 
-/* The 3 x 3 table of a kernel template on two dtypes, [first][second] in ampc_dtype order. */
-#define DTYPE_PAIRS(k)                                                                    \
+/* The 3 x 3 table of a kernel template on two dtypes and the kernel parameter space P
+ * (multi_tensor.cuh), [first][second] in ampc_dtype order. */
+#define DTYPE_PAIRS(k, P)                                                                 \
     {                                                                                     \
-        {k<AMPC_F32, AMPC_F32>, k<AMPC_F32, AMPC_F16>, k<AMPC_F32, AMPC_BF16>},           \
-        {k<AMPC_F16, AMPC_F32>, k<AMPC_F16, AMPC_F16>, k<AMPC_F16, AMPC_BF16>},           \
-        {k<AMPC_BF16, AMPC_F32>, k<AMPC_BF16, AMPC_F16>, k<AMPC_BF16, AMPC_BF16>},        \
+        {k<AMPC_F32, AMPC_F32, P>, k<AMPC_F32, AMPC_F16, P>, k<AMPC_F32, AMPC_BF16, P>},  \
+        {k<AMPC_F16, AMPC_F32, P>, k<AMPC_F16, AMPC_F16, P>, k<AMPC_F16, AMPC_BF16, P>},  \
+        {k<AMPC_BF16, AMPC_F32, P>, k<AMPC_BF16, AMPC_F16, P>, k<AMPC_BF16, AMPC_BF16, P>}, \
     }
 
 // ---- element access ----

@@ -4,23 +4,25 @@
  *
  * Launch shape: every tensor is cut into chunks of `chunk` elements (Note [chunk per call]
  * below: 4,096 to MT_CHUNK, a power of two); one block of
- * MT_THREADS threads works on one chunk. A launch covers up to MT_MAX_TENSORS consecutive
- * non-empty tensors with all their chunks (one launch for a single huge tensor), so the
- * grid has one block per chunk. Its table (pointers, numel, the list index of each
+ * MT_THREADS threads works on one chunk. A launch covers as many consecutive non-empty
+ * tensors as its table holds, with all their chunks (one launch for a single huge tensor),
+ * so the grid has one block per chunk. Its table (pointers, numel, the list index of each
  * tensor's element 0, the first block of each tensor) travels by value as the kernel
- * argument: under the 4 KB that every GPU and driver accepts, with no copy to the device
- * and nothing to free, so the launches can be captured in a CUDA graph. A block finds its
+ * argument, with no copy to the device and nothing to free, so the launches can be
+ * captured in a CUDA graph. A block finds its
  * tensor with a binary search of the first-block column (all threads read the same
  * constant-bank words). Empty tensors are skipped and take no slot, which also keeps the
  * search valid. Sizes and offsets are 64-bit: a tensor may exceed 2^31 elements.
  *
- * The table is a template on its number of pointer lists and of tensors, so that an op
- * with more lists per tensor (Adam: 7) keeps the same walk with fewer tensors a launch.
+ * The table is a template on its number of pointer lists and on the kernel parameter
+ * space it fills (Note [kernel parameter space]), so that an op with more lists per tensor
+ * (Adam: 7) keeps the same walk with fewer tensors a launch.
  */
 #ifndef AMPC_CUDA_MULTI_TENSOR_CUH
 #define AMPC_CUDA_MULTI_TENSOR_CUH
 
 #include <limits.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.cuh"
@@ -30,34 +32,83 @@
 #define MT_BLOCKS_PER_SM 4
 #define MT_THREADS 512
 #define MT_ILP 4                /* 16-byte vectors in flight per thread */
-#define MT_MAX_TENSORS 96
 
-template <int LISTS, int MAX_TENSORS>
+/*
+ * Note [kernel parameter space]: every GPU and driver takes 4 KB of kernel arguments;
+ * with CUDA 12.1 or newer (the toolkit that builds and the driver that runs) and sm_70 or
+ * newer, 32,764 bytes. The 4 KB table of a two-list kernel holds 106 tensors (Adam's 7
+ * lists: 50), the 32 KB one 902 (Adam: 427), so 1,000 tensors take 2 launches instead
+ * of 10 (Adam: 3 instead of 20). Each kernel is built for both sizes (the parameter
+ * space P is a template argument) and the call picks one at run time
+ * (mt_large_params): the large table only when the list does not fit one small table and
+ * the driver takes it, so the launches of small lists do not change.
+ * AMPC_CUDA_SMALL_PARAMS=1 forces the 4 KB tables (read once per process).
+ */
+#define MT_PARAMS_SMALL 4096
+#if CUDART_VERSION >= 12010
+#define MT_PARAMS_LARGE 32764
+#else
+#define MT_PARAMS_LARGE MT_PARAMS_SMALL     /* this toolkit builds 4 KB kernels only */
+#endif
+#define MT_PARAMS_OTHER 256     /* kept for a kernel's arguments besides its table */
+
+#if MT_PARAMS_LARGE > 4096 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
+#error "32 KB kernel parameters need sm_70 or newer: build for sm_70+ or with CUDA < 12.1"
+#endif
+
+/* Tensors a table of `lists` pointer lists holds within `bytes` of kernel parameters. */
+constexpr int mt_capacity(int lists, int bytes)
+{
+    return (bytes - MT_PARAMS_OTHER - 24) / (8 * lists + 20);
+}
+
+template <int LISTS, int P>
 struct mt_table_of {
     static constexpr int lists = LISTS;
-    static constexpr int max_tensors = MAX_TENSORS;
-    void *ptr[LISTS][MAX_TENSORS];      /* [0]: first list (the written one), then the others */
-    int64_t numel[MAX_TENSORS];
-    int64_t first[MAX_TENSORS];         /* list index of element 0 (Note [stochastic rounding]) */
-    int32_t block_start[MAX_TENSORS];   /* first block of the launch on this tensor */
+    static constexpr int param_bytes = P;
+    static constexpr int max_tensors = mt_capacity(LISTS, P);
+    void *ptr[LISTS][max_tensors];      /* [0]: first list (the written one), then the others */
+    int64_t numel[max_tensors];
+    int64_t first[max_tensors];         /* list index of element 0 (Note [stochastic rounding]) */
+    int32_t block_start[max_tensors];   /* first block of the launch on this tensor */
     int32_t count;
     int32_t chunk;                      /* elements per block, for the whole call */
     int64_t block_offset;               /* blocks of the earlier launches for the same list */
 };
 
 /* The table of the one- and two-list kernels (cast, unscale, norm). */
-struct mt_table : mt_table_of<2, MT_MAX_TENSORS> {};
+template <int P>
+using mt_table = mt_table_of<2, P>;
 
-/* Leaves room for the kernels' other arguments within the 4 KB argument limit. */
-static_assert(sizeof(struct mt_table) <= 4096 - 256, "mt_table too large for a kernel argument");
+/*
+ * True when a call over `count` tensors with tables of `lists` lists takes the 32 KB
+ * tables (Note [kernel parameter space]).
+ */
+static inline bool mt_large_params(int64_t count, int lists)
+{
+    static int ok = -1;         /* threads may race to set it: all set the same */
+    int v = __atomic_load_n(&ok, __ATOMIC_RELAXED);
+
+    if (MT_PARAMS_LARGE == MT_PARAMS_SMALL || count <= mt_capacity(lists, MT_PARAMS_SMALL))
+        return false;
+    if (v < 0) {
+        const char *force_small = getenv("AMPC_CUDA_SMALL_PARAMS");
+        int driver = 0;
+        v = (!force_small || !*force_small || strcmp(force_small, "0") == 0) &&
+            cudaDriverGetVersion(&driver) == cudaSuccess && driver >= 12010;
+        cudaGetLastError();
+        __atomic_store_n(&ok, v, __ATOMIC_RELAXED);
+    }
+    return v != 0;
+}
 
 /*
  * The chunk of the calling block: returns its tensor's slot t and sets *start (element
  * offset in tensor t) and *len (1..tab->chunk). Element i of the chunk has list index
  * tab->first[t] + *start + i.
  */
-template <int L, int N>
-__device__ __forceinline__ int mt_chunk(const struct mt_table_of<L, N> *tab, int64_t *start,
+template <int L, int P>
+__device__ __forceinline__ int mt_chunk(const struct mt_table_of<L, P> *tab, int64_t *start,
                                         int *len)
 {
     int block = (int)blockIdx.x;
@@ -194,6 +245,8 @@ static inline ampc_status mt_apply_lists(const struct ampc_list *const lists[], 
                                          ampc_status (*launch)(const Table *, int, void *),
                                          void *ctx)
 {
+    static_assert(sizeof(Table) <= Table::param_bytes - MT_PARAMS_OTHER,
+                  "table too large for its kernel parameter space");
     Table tab;
     int64_t first = 0;
     int blocks = 0;
@@ -228,32 +281,32 @@ static inline ampc_status mt_apply_lists(const struct ampc_list *const lists[], 
     return launch(&tab, blocks, ctx);
 }
 
-/* Launches one kernel for `tab` with `nblocks` blocks; returns the launch's status. */
-typedef ampc_status (*mt_launch_fn)(const struct mt_table *tab, int nblocks, void *ctx);
-
 /* The launch of a one-list kernel that takes the table and two more arguments. */
-template <typename A, typename B>
+template <int P, typename A, typename B>
 struct mt_launch2 {
-    void (*kernel)(const struct mt_table, A, B);
+    void (*kernel)(const mt_table<P>, A, B);
     A a;
     B b;
     cudaStream_t stream;
 };
 
-template <typename A, typename B>
-static ampc_status mt_launch2_fn(const struct mt_table *tab, int nblocks, void *ctx)
+template <int P, typename A, typename B>
+static ampc_status mt_launch2_fn(const mt_table<P> *tab, int nblocks, void *ctx)
 {
-    const struct mt_launch2<A, B> *c = (const struct mt_launch2<A, B> *)ctx;
+    const struct mt_launch2<P, A, B> *c = (const struct mt_launch2<P, A, B> *)ctx;
     c->kernel<<<nblocks, MT_THREADS, 0, c->stream>>>(*tab, c->a, c->b);
     return ampc_cuda_status(cudaGetLastError());
 }
 
 /* mt_apply_lists over list a (and b, same numels, or NULL) with the two-list table. */
+template <int P>
 static inline ampc_status mt_apply(const struct ampc_list *a, const struct ampc_list *b,
-                                   int64_t chunk, mt_launch_fn launch, void *ctx)
+                                   int64_t chunk,
+                                   ampc_status (*launch)(const mt_table<P> *, int, void *),
+                                   void *ctx)
 {
     const struct ampc_list *lists[2] = {a, b};
-    return mt_apply_lists<struct mt_table>(lists, chunk, launch, ctx);
+    return mt_apply_lists<mt_table<P>>(lists, chunk, launch, ctx);
 }
 
 #endif /* AMPC_CUDA_MULTI_TENSOR_CUH */
