@@ -61,24 +61,6 @@ __device__ __forceinline__ bool skipped(const float *found_inf)
 
 // ---- W elements: one (the fallback) or 8 (one 16-byte vector of 16-bit values) ----
 
-template <ampc_dtype DT, int W>
-__device__ __forceinline__ void load_w(uint32_t x[W], const void *p, int u)
-{
-    if constexpr (W == 8)
-        load8<DT>(x, p, u);
-    else
-        x[0] = load1<DT>(p, u);
-}
-
-template <ampc_dtype DT, int W>
-__device__ __forceinline__ void store_w(void *p, int u, const uint32_t x[W])
-{
-    if constexpr (W == 8)
-        store8<DT>(p, u, x);
-    else
-        store1<DT>(p, u, x[0]);
-}
-
 /* The raw bits of elements [W u, W u + W) of a chunk, as loaded. */
 template <int W>
 struct adam_regs {
@@ -90,15 +72,15 @@ template <ampc_dtype PD, ampc_dtype GD, int W>
 __device__ __forceinline__ void adam_load(const struct ampc_adam_ptrs *q, int u,
                                           struct adam_regs<W> *r)
 {
-    load_w<GD, W>(r->g, q->grad, u);
+    loadw<GD, W>(r->g, q->grad, u);
     if (q->master)
-        load_w<AMPC_F32, W>(r->w, q->master, u);
+        loadw<AMPC_F32, W>(r->w, q->master, u);
     else
-        load_w<PD, W>(r->w, q->param, u);
-    load_w<AMPC_F32, W>(r->m, q->m, u);
-    load_w<AMPC_F32, W>(r->v, q->v, u);
+        loadw<PD, W>(r->w, q->param, u);
+    loadw<AMPC_F32, W>(r->m, q->m, u);
+    loadw<AMPC_F32, W>(r->v, q->v, u);
     if (q->vmax)
-        load_w<AMPC_F32, W>(r->vmax, q->vmax, u);
+        loadw<AMPC_F32, W>(r->vmax, q->vmax, u);
 }
 
 /* Updates and stores elements [W u, W u + W) from their loaded bits; k is the list index
@@ -125,13 +107,13 @@ __device__ __forceinline__ void adam_update(const struct ampc_adam_ptrs *q, int 
         vmax[e] = ampc_f32_bits(vmaxf);
         p[e] = ampc_round_bits(wf, PD, args->stochastic, c->seed, k + (uint64_t)(W * u + e));
     }
-    store_w<AMPC_F32, W>(q->m, u, m);
-    store_w<AMPC_F32, W>(q->v, u, v);
+    storew<AMPC_F32, W>(q->m, u, m);
+    storew<AMPC_F32, W>(q->v, u, v);
     if (q->vmax)
-        store_w<AMPC_F32, W>(q->vmax, u, vmax);
+        storew<AMPC_F32, W>(q->vmax, u, vmax);
     if (q->master)
-        store_w<AMPC_F32, W>(q->master, u, w);
-    store_w<PD, W>(q->param, u, p);
+        storew<AMPC_F32, W>(q->master, u, w);
+    storew<PD, W>(q->param, u, p);
 }
 
 template <ampc_dtype PD, ampc_dtype GD, int W>

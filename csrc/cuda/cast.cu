@@ -9,7 +9,8 @@
  *
  * Launch shape: multi_tensor.cuh (one 512-thread block per chunk of 4,096 to 65,536
  * elements, Note [chunk per call]), walked by mt_visit: 16-byte vectors when both chunk
- * starts are aligned, one element a thread when a storage offset breaks the alignment.
+ * starts are aligned or off by the same elements, narrower ones when storage offsets
+ * break that (Note [misaligned views] in multi_tensor.cuh).
  */
 #include "cast.h"
 #include "common.cuh"
@@ -24,8 +25,9 @@ __device__ __forceinline__ uint32_t cast1(uint32_t x, int stochastic, uint64_t s
     return ampc_round_bits(to_f32<S>(x), D, stochastic, seed, k);
 }
 
+/* Two blocks an SM (at most 64 registers), as before the narrower vectors' code. */
 template <ampc_dtype S, ampc_dtype D, int P>
-__global__ void __launch_bounds__(MT_THREADS)
+__global__ void __launch_bounds__(MT_THREADS, 2)
 cast_kernel(const __grid_constant__ mt_table<P> tab, int stochastic, uint64_t seed,
             const int64_t *seed_tensor)
 {

@@ -30,7 +30,7 @@ check_norm_kernel(const __grid_constant__ mt_table<P> tab, double *partial,
     uint32_t top = 0;       /* largest |g| of this thread, as fp32 bits */
     int bad = 0;
 
-    mt_visit<DT, DT>(g, NULL, len, [&](uint32_t x, int) {
+    mt_visit<DT, DT, false>(g, NULL, len, [&](uint32_t x, int) {
         float f = to_f32<DT>(x);
         uint32_t a = ampc_f32_bits(f) & 0x7fffffffu;
         bad |= ampc_non_finite(f);
@@ -41,7 +41,7 @@ check_norm_kernel(const __grid_constant__ mt_table<P> tab, double *partial,
     double sum = sum32;
     if (!ampc_squares_safe_in_f32(top)) {   /* rare: this thread's run again, in double */
         sum = 0.0;
-        mt_visit<DT, DT>(g, NULL, len, [&](uint32_t x, int) {
+        mt_visit<DT, DT, false>(g, NULL, len, [&](uint32_t x, int) {
             sum += ampc_square(to_f32<DT>(x));
             return x;
         });

@@ -8,7 +8,7 @@
  *   bits (uint32_t, a 16-bit value in the low half) so that a same-dtype cast is a plain
  *   copy, and convert with the functions of dtype.h, so the GPU computes bit for bit what
  *   the CPU computes;
- * - 16-byte vector loads and stores of 8 elements (one uint4 of a 16-bit type, two of fp32);
+ * - vector loads and stores of W elements (8: one uint4 of a 16-bit type, two of fp32);
  * - a deterministic block sum;
  * - the launchers of each op (defined in cast.cu, unscale_check.cu, check_norm.cu,
  *   update_scale.cu, adam.cu) and the few torch functions they call.
@@ -107,45 +107,63 @@ __device__ __forceinline__ void store1(void *p, int i, uint32_t x)
         ((uint16_t *)p)[i] = (uint16_t)x;
 }
 
-/* True when p can move as 16-byte vectors (load8, store8). */
+/* True when p can move as 16-byte vectors (loadw, storew of 8 elements). */
 __device__ __forceinline__ bool vec_ok(const void *p)
 {
     return ((uintptr_t)p & 15) == 0;
 }
 
-/* v[0..8) = raw bits of elements [8u, 8u + 8) of p; p must pass vec_ok. */
-template <ampc_dtype DT>
-__device__ __forceinline__ void load8(uint32_t v[8], const void *p, int u)
+/* The unsigned type of one access of BYTES (2 to 16) bytes. */
+template <int BYTES> struct access_of;
+template <> struct access_of<2> { typedef uint16_t type; };
+template <> struct access_of<4> { typedef uint32_t type; };
+template <> struct access_of<8> { typedef uint2 type; };
+template <> struct access_of<16> { typedef uint4 type; };
+
+/* W elements of dtype DT, seen as accesses of up to 16 bytes or as elements. */
+template <ampc_dtype DT, int W>
+union elems_of {
+    static constexpr int bytes = W * (DT == AMPC_F32 ? 4 : 2);
+    static constexpr int accesses = bytes <= 16 ? 1 : bytes / 16;
+    typedef typename access_of<bytes / accesses>::type access;
+    access a[accesses];
+    uint32_t f32[W];
+    uint16_t f16[W];
+};
+
+/* v[0..W) = raw bits of elements [W u, W u + W) of p; p aligned to W elements (to 16
+ * bytes when that is less). */
+template <ampc_dtype DT, int W>
+__device__ __forceinline__ void loadw(uint32_t v[W], const void *p, int u)
 {
-    if (DT == AMPC_F32) {
-        const uint4 *q = (const uint4 *)p + 2 * u;
-        uint4 a = q[0];
-        uint4 b = q[1];
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-    } else {
-        uint4 a = ((const uint4 *)p)[u];
-        uint32_t w[4] = {a.x, a.y, a.z, a.w};
+    typedef elems_of<DT, W> E;
+    const typename E::access *q = (const typename E::access *)p + (size_t)u * E::accesses;
+    E x;
 #pragma unroll
-        for (int j = 0; j < 4; j++) {   /* little endian: element 2j is the low half */
-            v[2 * j] = w[j] & 0xffffu;
-            v[2 * j + 1] = w[j] >> 16;
-        }
-    }
+    for (int k = 0; k < E::accesses; k++)
+        x.a[k] = q[k];
+#pragma unroll
+    for (int e = 0; e < W; e++)
+        v[e] = DT == AMPC_F32 ? x.f32[e] : x.f16[e];
 }
 
-/* Elements [8u, 8u + 8) of p = raw bits v[0..8); p must pass vec_ok. */
-template <ampc_dtype DT>
-__device__ __forceinline__ void store8(void *p, int u, const uint32_t v[8])
+/* Elements [W u, W u + W) of p = raw bits v[0..W); p aligned as for loadw. */
+template <ampc_dtype DT, int W>
+__device__ __forceinline__ void storew(void *p, int u, const uint32_t v[W])
 {
-    if (DT == AMPC_F32) {
-        uint4 *q = (uint4 *)p + 2 * u;
-        q[0] = make_uint4(v[0], v[1], v[2], v[3]);
-        q[1] = make_uint4(v[4], v[5], v[6], v[7]);
-    } else {
-        ((uint4 *)p)[u] = make_uint4(v[0] | v[1] << 16, v[2] | v[3] << 16,
-                                     v[4] | v[5] << 16, v[6] | v[7] << 16);
+    typedef elems_of<DT, W> E;
+    typename E::access *q = (typename E::access *)p + (size_t)u * E::accesses;
+    E x;
+#pragma unroll
+    for (int e = 0; e < W; e++) {
+        if (DT == AMPC_F32)
+            x.f32[e] = v[e];
+        else
+            x.f16[e] = (uint16_t)v[e];
     }
+#pragma unroll
+    for (int k = 0; k < E::accesses; k++)
+        q[k] = x.a[k];
 }
 
 // ---- reductions ----

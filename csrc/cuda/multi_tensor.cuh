@@ -128,59 +128,101 @@ __device__ __forceinline__ int mt_chunk(const struct mt_table_of<L, P> *tab, int
     return lo;
 }
 
-/* Elements of dtype DT before the first 16-byte boundary at or after p (p is aligned to
- * its element, as every tensor's data is). */
-template <ampc_dtype DT>
-__device__ __forceinline__ int head_elems(const void *p)
+/*
+ * Whether elements [head, len) of in (dtype S) and out (dtype D, or NULL) can move as
+ * vectors of W elements, and from which head: each vector access is aligned to its size
+ * (to 16 bytes when that is less) on both sides. in and out are aligned to their
+ * elements, as every tensor's data is; their element offsets within such an access must
+ * agree modulo the smaller access's element count.
+ */
+template <ampc_dtype S, ampc_dtype D, int W>
+__device__ __forceinline__ bool vec_head(const void *in, const void *out, int len, int *head)
 {
-    return (int)(((16 - ((uintptr_t)p & 15)) & 15) / ampc_dtype_size(DT));
+    constexpr int s_size = S == AMPC_F32 ? 4 : 2;
+    constexpr int d_size = D == AMPC_F32 ? 4 : 2;
+    constexpr int s_align = W * s_size < 16 ? W * s_size : 16;
+    constexpr int d_align = W * d_size < 16 ? W * d_size : 16;
+    int s_head = (int)((s_align - (uintptr_t)in % s_align) % s_align) / s_size;
+    int d_head = out ? (int)((d_align - (uintptr_t)out % d_align) % d_align) / d_size : s_head;
+    int s_mod = s_align / s_size;       /* the heads that align each side recur every */
+    int d_mod = d_align / d_size;       /* s_mod and d_mod elements (powers of two) */
+
+    if ((s_head - d_head) % (s_mod < d_mod ? s_mod : d_mod) != 0)
+        return false;
+    *head = s_mod >= d_mod ? s_head : d_head;
+    return *head < len;
+}
+
+/*
+ * Elements [head, len) of the chunk as vectors of W elements, the first `head` one a
+ * thread; returns where the vectors end. Each thread has MT_ILP vectors in flight, loaded
+ * before the first is used (more of the narrow ones would cost the 16-byte path registers).
+ */
+template <ampc_dtype S, ampc_dtype D, int W, typename Op>
+__device__ __forceinline__ int mt_visit_vectors(const char *in, char *out, int head, int len,
+                                                Op op)
+{
+    constexpr int ilp = MT_ILP;
+
+    for (int i = threadIdx.x; i < head; i += MT_THREADS) {
+        uint32_t x = op(load1<S>(in, i), i);
+        if (out)
+            store1<D>(out, i, x);
+    }
+    const char *vin = in + head * ampc_dtype_size(S);
+    char *vout = out ? out + head * ampc_dtype_size(D) : NULL;
+    int nvec = (len - head) / W;
+    for (int u0 = threadIdx.x; u0 < nvec; u0 += MT_THREADS * ilp) {
+        uint32_t v[ilp][W];
+#pragma unroll
+        for (int j = 0; j < ilp; j++)
+            if (u0 + j * MT_THREADS < nvec)
+                loadw<S, W>(v[j], vin, u0 + j * MT_THREADS);
+#pragma unroll
+        for (int j = 0; j < ilp; j++) {
+            int u = u0 + j * MT_THREADS;
+            if (u >= nvec)
+                break;
+#pragma unroll
+            for (int e = 0; e < W; e++)
+                v[j][e] = op(v[j][e], head + W * u + e);
+            if (vout)
+                storew<D, W>(vout, u, v[j]);
+        }
+    }
+    return head + nvec * W;
 }
 
 /*
  * Visits elements [0, len) of the calling block's chunk: x = op(x, i) on the raw bits x of
  * element i, read as dtype S from `in` and, unless `out` is NULL (a read-only visit),
- * written as dtype D to `out`. Each thread moves 16-byte vectors of 8 elements, MT_ILP of
- * them loaded before the first is used, to keep enough bytes in flight. A view into a flat
- * buffer may start off a 16-byte boundary: when the input and the output are off by the
- * same number of elements (always so for unscale_check, check_norm and a same-dtype copy),
- * the first `head` elements go one a thread and the vectors start after them; otherwise
- * the whole chunk goes one element a thread.
+ * written as dtype D to `out`. The widest vectors both pointers allow (Note [misaligned
+ * views]), then the tail one element a thread. OFFSETS_DIFFER = false (an in-place or a
+ * read-only visit: in and out never differ) leaves out the narrower vectors' code.
+ *
+ * Note [misaligned views]: a view into a flat buffer may start off a 16-byte boundary.
+ * When the input and the output are off by the same number of elements (always so for
+ * unscale_check, check_norm and a same-dtype copy), the first few elements go one a
+ * thread and 16-byte vectors follow. When they are not (a cast between views at other
+ * offsets), vectors of 4 or 2 elements, as wide as both allow, take the place of 8:
+ * fp16 and bf16 views 4 elements apart move with 8-byte accesses, fp32 and bf16 views 2
+ * apart with 8- and 4-byte ones; only offsets an odd number of elements apart leave one
+ * element a thread.
  */
-template <ampc_dtype S, ampc_dtype D, typename Op>
+template <ampc_dtype S, ampc_dtype D, bool OFFSETS_DIFFER = true, typename Op>
 __device__ __forceinline__ void mt_visit(const char *in, char *out, int len, Op op)
 {
-    int head = head_elems<S>(in);
+    int head = 0;
     int tail = 0;
 
-    if (head < len && (out == NULL || head_elems<D>(out) == head)) {
-        for (int i = threadIdx.x; i < head; i += MT_THREADS) {
-            uint32_t x = op(load1<S>(in, i), i);
-            if (out)
-                store1<D>(out, i, x);
-        }
-        const char *vin = in + head * ampc_dtype_size(S);
-        char *vout = out ? out + head * ampc_dtype_size(D) : NULL;
-        int nvec = (len - head) / 8;
-        for (int u0 = threadIdx.x; u0 < nvec; u0 += MT_THREADS * MT_ILP) {
-            uint32_t v[MT_ILP][8];
-#pragma unroll
-            for (int j = 0; j < MT_ILP; j++)
-                if (u0 + j * MT_THREADS < nvec)
-                    load8<S>(v[j], vin, u0 + j * MT_THREADS);
-#pragma unroll
-            for (int j = 0; j < MT_ILP; j++) {
-                int u = u0 + j * MT_THREADS;
-                if (u >= nvec)
-                    break;
-#pragma unroll
-                for (int e = 0; e < 8; e++)
-                    v[j][e] = op(v[j][e], head + 8 * u + e);
-                if (vout)
-                    store8<D>(vout, u, v[j]);
-            }
-        }
-        tail = head + nvec * 8;
-    }
+    /* with fp32 on either side, 4 elements need what 8 need: 16-byte fp32 accesses */
+    if (vec_head<S, D, 8>(in, out, len, &head))
+        tail = mt_visit_vectors<S, D, 8>(in, out, head, len, op);
+    else if (OFFSETS_DIFFER && S != AMPC_F32 && D != AMPC_F32 &&
+             vec_head<S, D, 4>(in, out, len, &head))
+        tail = mt_visit_vectors<S, D, 4>(in, out, head, len, op);
+    else if (OFFSETS_DIFFER && vec_head<S, D, 2>(in, out, len, &head))
+        tail = mt_visit_vectors<S, D, 2>(in, out, head, len, op);
     for (int i = tail + threadIdx.x; i < len; i += MT_THREADS) {
         uint32_t x = op(load1<S>(in, i), i);
         if (out)

@@ -24,7 +24,7 @@ unscale_check_kernel(const __grid_constant__ mt_table<P> tab, float *found_inf,
     float inv = *inv_scale;
     int bad = 0;
 
-    mt_visit<DT, DT>(g, g, len, [&](uint32_t x, int) {
+    mt_visit<DT, DT, false>(g, g, len, [&](uint32_t x, int) {
         return from_f32<DT>(ampc_unscale_element(to_f32<DT>(x), inv, &bad));
     });
     /* Racing threads all store the same 1.0f, so the race is harmless. */
