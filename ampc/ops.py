@@ -265,12 +265,11 @@ def adam_master(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, masters=None
         lr_tensor = [lr if lr.dtype == torch.float32 else lr.to(torch.float32)]
         lr = 0.0
     _run(
-        "adam_master", params, grads, masters or [], exp_avgs, exp_avg_sqs, max_exp_avg_sqs or [], steps,
-        lr_tensor, _optional(op, "inv_scale", inv_scale),
+        "adam_master", params, grads, masters or [], exp_avgs, exp_avg_sqs,
+        max_exp_avg_sqs or [], steps, lr_tensor, _optional(op, "inv_scale", inv_scale),
         _optional(op, "clip_coef", clip_coef), _optional(op, "found_inf", found_inf),
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         bool(decoupled), bool(maximize), bool(stochastic), _int64(seed))
-
 
 
 def adam_packed(params, grads, state, steps, layout, *, lr, amsgrad=False, master=False,
@@ -296,7 +295,8 @@ def adam_packed(params, grads, state, steps, layout, *, lr, amsgrad=False, maste
         lr_tensor = [lr if lr.dtype == torch.float32 else lr.to(torch.float32)]
         lr = 0.0
     return not _run(
-        "adam_packed", params, grads, state, steps, layout, lr_tensor, _optional(op, "inv_scale", inv_scale),
+        "adam_packed", params, grads, state, steps, layout, lr_tensor,
+        _optional(op, "inv_scale", inv_scale),
         _optional(op, "clip_coef", clip_coef), _optional(op, "found_inf", found_inf),
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         bool(decoupled), bool(maximize), bool(amsgrad), bool(master), bool(stochastic),

@@ -9,9 +9,10 @@
  *
  * Launch shape: multi_tensor.cuh's walk (one block per chunk of 4,096 to 65,536 elements,
  * Note [chunk per call], all chunks of up to 50 tensors in one launch, 427 with 32 KB of
- * kernel parameters: Note [kernel parameter space]) with a 7-list table. Blocks of 256 threads, two per SM at most 128 registers a thread (the
- * kernel needs 70-112): 16 warps an SM as with one 512-thread block, but one block's
- * start overlaps the other's work. At the start, five lanes of warp 0 read found_inf, lr,
+ * kernel parameters: Note [kernel parameter space]) with a 7-list table. Blocks of 256
+ * threads, two per SM at most 128 registers a thread (the kernel needs 70-112): 16 warps
+ * an SM as with one 512-thread block, but one block's start overlaps the other's work.
+ * At the start, five lanes of warp 0 read found_inf, lr,
  * inv_scale, clip_coef and the tensor's step at once (one round trip), and lane 0 computes
  * the tensor's constants (in double, as adam.h does) for the whole block, while every
  * thread's first loads are already in flight. Each thread moves 8 elements at a time with
