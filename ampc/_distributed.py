@@ -12,6 +12,8 @@ A Partial placement (a pending sum) is refused: its local values are not the gra
 DDP needs nothing here: it all-reduces the grads, so every rank sees the same values.
 """
 import weakref
+from itertools import repeat
+from itertools import repeat
 
 import torch.distributed as dist
 
@@ -118,6 +120,8 @@ def split_grads(who, grads):
     be summed over (in the order of first appearance, the same on every rank); plain
     tensors and replicated DTensors have none. One entry, with no groups, for plain
     grads."""
+    if DTensor is None or not any(map(isinstance, grads, repeat(DTensor))):    # in C
+        return [((), list(grads))] if grads else []
     classes = {}
     layouts = {}                # (mesh, placements) -> groups, looked up once per call
     for g in grads:

@@ -9,12 +9,14 @@ import ctypes
 import math
 from collections import defaultdict
 from itertools import repeat
+from operator import attrgetter
 
 import torch
 
 from ._lib import lib as _clib
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TENSOR = repeat(torch.Tensor)
 
 
 def _check_list(op, name, tensors):
@@ -24,6 +26,14 @@ def _check_list(op, name, tensors):
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"ampc.{op}: {name}[{i}] must be a Tensor, got {type(t).__name__}")
+
+
+def _check_list_fast(op, name, tensors):
+    """_check_list with the per-tensor loop in C; the one that names the culprit runs only
+    on failure (and when torch.compile traces, which follows the plain loop)."""
+    if (torch.compiler.is_compiling() or not isinstance(tensors, (list, tuple))
+            or not all(map(isinstance, tensors, _TENSOR))):
+        _check_list(op, name, tensors)
 
 
 def _check_tensor(op, name, t):
@@ -70,7 +80,7 @@ def cast(tensors, dtype, *, stochastic=False, seed=0):
 
         >>> w16 = ampc.ops.cast([torch.randn(4, 4)], torch.bfloat16)[0]
     """
-    _check_list("cast", "tensors", tensors)
+    _check_list_fast("cast", "tensors", tensors)
     if dtype not in _FLOAT_DTYPES:
         raise TypeError(f"ampc.cast: dtype must be torch.float32, torch.float16 or "
                         f"torch.bfloat16, got {dtype}")
@@ -100,7 +110,7 @@ def cast_(dst, src, *, stochastic=False, seed=0):
     if isinstance(seed, torch.Tensor):
         seed_tensor, seed = [seed], 0
     _call("cast", {"dst": dst, "src": src},
-          lambda d, s: torch.ops.ampc.cast(d, s, seed_tensor, bool(stochastic), _int64(seed)))
+          lambda d, s: _run("cast", d, s, seed_tensor, bool(stochastic), _int64(seed)))
 
 
 def unscale_check(grads, found_inf, inv_scale, *, check_only=False):
@@ -130,7 +140,7 @@ def unscale_check(grads, found_inf, inv_scale, *, check_only=False):
     _check_tensor("unscale_check", "found_inf", found_inf)
     _check_tensor("unscale_check", "inv_scale", inv_scale)
     _call("unscale_check", {"grads": grads},
-          lambda g: torch.ops.ampc.unscale_check(g, found_inf, inv_scale))
+          lambda g: _run("unscale_check", g, found_inf, inv_scale))
 
 
 def check_norm(grads, found_inf, inv_scale):
@@ -148,7 +158,7 @@ def check_norm(grads, found_inf, inv_scale):
     _check_tensor("check_norm", "found_inf", found_inf)
     _check_tensor("check_norm", "inv_scale", inv_scale)
     try:        # one dtype, the usual case: no per-tensor Python work
-        return torch.ops.ampc.check_norm(grads, found_inf, inv_scale)
+        return _run("check_norm", grads, found_inf, inv_scale)
     except (TypeError, RuntimeError):
         _check_list("check_norm", "grads", grads)
         groups = defaultdict(list)  # the kernel takes one dtype: one call per dtype
@@ -156,7 +166,7 @@ def check_norm(grads, found_inf, inv_scale):
             groups[g.dtype].append(g)
         if len(groups) <= 1:
             raise
-    norms = [torch.ops.ampc.check_norm(g, found_inf, inv_scale) for g in groups.values()]
+    norms = [_run("check_norm", g, found_inf, inv_scale) for g in groups.values()]
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
@@ -191,10 +201,9 @@ def update_scale(scale, growth_tracker, found_inf, growth_factor, backoff_factor
                              f"hysteresis > 1, got hysteresis={hysteresis}")
         hysteresis_tracker = torch.empty(0, dtype=torch.int32, device=scale.device)
     _check_tensor("update_scale", "hysteresis_tracker", hysteresis_tracker)
-    torch.ops.ampc.update_scale(scale, growth_tracker, hysteresis_tracker, found_inf,
-                                float(growth_factor), float(backoff_factor),
-                                int(growth_interval), int(hysteresis), float(min_scale),
-                                float(max_scale))
+    _run("update_scale", scale, growth_tracker, hysteresis_tracker, found_inf,
+         float(growth_factor), float(backoff_factor), int(growth_interval), int(hysteresis),
+         float(min_scale), float(max_scale))
 
 
 def _optional(op, name, t):
@@ -247,7 +256,7 @@ def adam_master(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, masters=None
     op = "adam_master"
     for name, value in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
                         ("exp_avg_sqs", exp_avg_sqs), ("steps", steps)):
-        _check_list(op, name, value)
+        _check_list_fast(op, name, value)
     if len(params) == 0 and not any((grads, exp_avgs, exp_avg_sqs, steps, masters,
                                      max_exp_avg_sqs)):
         return
@@ -255,15 +264,12 @@ def adam_master(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, masters=None
     if isinstance(lr, torch.Tensor):
         lr_tensor = [lr if lr.dtype == torch.float32 else lr.to(torch.float32)]
         lr = 0.0
-    torch.ops.ampc.adam_master(
-        params, grads, masters or [], exp_avgs, exp_avg_sqs, max_exp_avg_sqs or [], steps,
-        lr_tensor, _optional(op, "inv_scale", inv_scale),
+    _run(
+        "adam_master", params, grads, masters or [], exp_avgs, exp_avg_sqs,
+        max_exp_avg_sqs or [], steps, lr_tensor, _optional(op, "inv_scale", inv_scale),
         _optional(op, "clip_coef", clip_coef), _optional(op, "found_inf", found_inf),
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         bool(decoupled), bool(maximize), bool(stochastic), _int64(seed))
-
-
-_TENSOR = repeat(torch.Tensor)
 
 
 def adam_packed(params, grads, state, steps, layout, *, lr, amsgrad=False, master=False,
@@ -283,15 +289,14 @@ def adam_packed(params, grads, state, steps, layout, *, lr, amsgrad=False, maste
     """
     op = "adam_packed"
     for name, value in (("params", params), ("grads", grads)):
-        # in C, per step of a thousand params; the loop that names the culprit only on failure
-        if not (isinstance(value, (list, tuple)) and all(map(isinstance, value, _TENSOR))):
-            _check_list(op, name, value)
+        _check_list_fast(op, name, value)
     lr_tensor = []
     if isinstance(lr, torch.Tensor):
         lr_tensor = [lr if lr.dtype == torch.float32 else lr.to(torch.float32)]
         lr = 0.0
-    return not torch.ops.ampc.adam_packed(
-        params, grads, state, steps, layout, lr_tensor, _optional(op, "inv_scale", inv_scale),
+    return not _run(
+        "adam_packed", params, grads, state, steps, layout, lr_tensor,
+        _optional(op, "inv_scale", inv_scale),
         _optional(op, "clip_coef", clip_coef), _optional(op, "found_inf", found_inf),
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         bool(decoupled), bool(maximize), bool(amsgrad), bool(master), bool(stochastic),
@@ -435,8 +440,17 @@ def stream_bytes():
 # This kernel, one dispatch key above the backends, refuses tensors that require grad
 # while grad mode is on (the ops are not differentiable), bumps the versions of the
 # tensors the op writes, and passes the call on.
+#
+# Through the dispatcher that costs about 0.1 us a tensor beyond the work itself: each
+# list is turned into Python objects and back. The wrappers above hold the lists
+# already, so in plain eager calls (_run) they do the same work on them and enter the
+# op below this kernel; under grad mode off that is the version bumps alone. Tracing,
+# inference mode, dispatch or function modes and functorch take the dispatcher's way.
 
 _lib = torch.library.Library("ampc", "IMPL")
+_GUARDS = {}
+_REQUIRES_GRAD = attrgetter("requires_grad")
+_BELOW_GUARD = torch._C._AutoDispatchBelowADInplaceOrView
 
 
 def _guard_autograd(name):
@@ -452,28 +466,49 @@ def _guard_autograd(name):
 
     def refuse_grad(args):
         for i, arg, is_list, _ in tensors:
-            for k, t in enumerate(args[i] if is_list else (args[i],)):
-                if t.requires_grad:
-                    where = f"{arg}[{k}]" if is_list else arg
-                    raise RuntimeError(
-                        f"ampc.{name}: {where} requires grad, and ampc's ops are not "
-                        f"differentiable; call them under torch.no_grad()")
+            ts = args[i] if is_list else (args[i],)
+            if not any(map(_REQUIRES_GRAD, ts)):    # in C: the usual case
+                continue
+            k = next(k for k, t in enumerate(ts) if t.requires_grad)
+            where = f"{arg}[{k}]" if is_list else arg
+            raise RuntimeError(
+                f"ampc.{name}: {where} requires grad, and ampc's ops are not "
+                f"differentiable; call them under torch.no_grad()")
 
-    def kernel(keyset, *args):
+    def prepare(args):
         if torch.is_grad_enabled():
             refuse_grad(args)
         for i in lists:
             bump(args[i])
         if singles:
             bump([args[i] for i in singles])
+
+    def kernel(keyset, *args):
+        prepare(args)
         return overload.redispatch(keyset & below, *args)
 
     _lib.impl(name, kernel, "ADInplaceOrView", with_keyset=True)
+    _GUARDS[name] = (overload, prepare)
 
 
 for _name in ("cast", "unscale_check", "check_norm", "update_scale", "adam_master",
               "adam_packed", "cast_fp8", "fp8_amax", "cast_from_fp8", "fp8_update_scales"):
     _guard_autograd(_name)
+
+
+def _run(name, *args):
+    """torch.ops.ampc.<name>(*args), the guard's work done here in plain eager calls."""
+    overload, prepare = _GUARDS[name]
+    if (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
+            or torch._C._are_functorch_transforms_active()
+            or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()):
+        return overload(*args)
+    try:
+        prepare(args)
+    except (AttributeError, TypeError):     # not a tensor where one belongs: the op says so
+        return overload(*args)
+    with _BELOW_GUARD():
+        return overload(*args)
 
 
 # ---- fake kernels: shapes only, for torch.compile and meta tensors ----

@@ -1,14 +1,18 @@
-"""Host time of ampc.optim.AdamW.step() on many params, the kernel excluded.
+"""Host time of a training step's ampc calls on many small params: the per-tensor cost.
 
-    python benchmarks/bench_adam_host.py [--params N] [--reps R]
+    python benchmarks/bench_adam_host.py [--params N] [--reps R] [--json]
 
-A found_inf of 1 makes the kernel return at once, after the binding has taken and checked
-every tensor: what is left is step()'s Python and the crossing into C, the cost that grows
-with the number of params whatever the size of the update. Printed per case: the median
-microseconds of one step() and per param; bf16 params with fp32 master weights, and fp32
-params, of 16 elements each.
+What grows with the number of params whatever the size of the work: the Python of
+step(), the autograd guard of the ops, the crossing into C and the binding's checks.
+Params of 16 elements (CPU), so the kernels' own work is a small part:
+- AdamW.step() with found_inf = 1: the kernel returns at once, after the binding has taken
+  and checked every tensor (bf16 params with fp32 masters, and fp32 params);
+- ops.adam_master with found_inf = 1, the per-tensor (unpacked) call, under no_grad and
+  with grad mode on (the guard then checks every tensor for requires_grad);
+- ops.unscale_check and ops.cast on the grads (kernels included: 16 elements each);
+- GradScaler.unscale_ + update on the optimizer's grads.
+Printed per case: the median microseconds of one call and per param.
 """
-import argparse
 import statistics
 import time
 
@@ -19,32 +23,78 @@ import _harness as H
 ampc = H.import_ampc()
 
 
-def host_us(opt, reps):
-    opt.grad_scale = torch.ones(1)
-    opt.found_inf = torch.ones(1)       # the kernel skips the step after every check
-    opt.step()
+def median_us(fn, reps):
+    fn()
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        opt.step()
+        fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times) * 1e6
 
 
+def step_case(dtype, n):
+    params = [torch.nn.Parameter(torch.randn(16, dtype=dtype)) for _ in range(n)]
+    for q in params:
+        q.grad = torch.randn_like(q)
+    opt = ampc.optim.AdamW(params, lr=1e-3)
+    opt.step()                          # the state exists before timing
+    opt.grad_scale = torch.ones(1)
+    opt.found_inf = torch.ones(1)       # the kernel skips the step after every check
+    return opt
+
+
+def cases(n):
+    opt16 = step_case(torch.bfloat16, n)
+    opt32 = step_case(torch.float32, n)
+    params = [p for g in opt16.param_groups for p in g["params"]]
+    grads = [p.grad for p in params]
+    lists = dict(params=[p.detach() for p in params], grads=grads, masters=[torch.randn(16) for _ in params],
+                 exp_avgs=[torch.zeros(16) for _ in params],
+                 exp_avg_sqs=[torch.zeros(16) for _ in params],
+                 steps=[torch.zeros(1) for _ in params])
+    found_inf = torch.ones(1)
+
+    def adam_master():
+        ampc.ops.adam_master(lists["params"], lists["grads"], lists["exp_avgs"],
+                             lists["exp_avg_sqs"], lists["steps"], masters=lists["masters"],
+                             lr=1e-3, found_inf=found_inf)
+
+    def adam_master_no_grad():
+        with torch.no_grad():
+            adam_master()
+
+    grads32 = [p.grad for g in opt32.param_groups for p in g["params"]]
+    found, inv = torch.zeros(1), torch.ones(1)
+    scaler = ampc.GradScaler("cpu", init_scale=1.0)
+    scaler.scale(torch.ones(()))        # the scale tensor exists
+
+    def scaler_unscale():
+        scaler.unscale_(opt32)
+        scaler.update()
+
+    return [
+        ("AdamW.step bf16 + fp32 masters", opt16.step),
+        ("AdamW.step fp32", opt32.step),
+        ("ops.adam_master, no_grad", adam_master_no_grad),
+        ("ops.adam_master, grad mode on", adam_master),
+        ("ops.unscale_check fp32", lambda: ampc.ops.unscale_check(grads32, found, inv)),
+        ("ops.cast fp32 -> bf16", lambda: ampc.ops.cast(grads32, torch.bfloat16)),
+        ("GradScaler.unscale_ + update", scaler_unscale),
+    ]
+
+
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = H.common_args(__doc__)
     p.add_argument("--params", type=int, default=1000)
-    p.add_argument("--reps", type=int, default=200)
-    args = p.parse_args()
-    print(f"{'case':<28}{'us/step':>10}{'us/param':>10}")
-    for name, dtype in (("bf16 + fp32 masters", torch.bfloat16), ("fp32", torch.float32)):
-        params = [torch.nn.Parameter(torch.randn(16, dtype=dtype)) for _ in range(args.params)]
-        for q in params:
-            q.grad = torch.randn_like(q)
-        opt = ampc.optim.AdamW(params, lr=1e-3)
-        opt.step()                          # the state exists before timing
-        us = host_us(opt, args.reps)
-        print(f"{name + f' x{args.params}':<28}{us:>10.0f}{us / args.params:>10.2f}")
+    p.set_defaults(reps=200)
+    args = H.parse(p)
+    hdr = H.machine("cpu")
+    rows = []
+    for name, fn in cases(args.params):
+        us = median_us(fn, args.reps)
+        rows.append({"case": f"{name} x{args.params}", "us/call": us, "us/param": us / args.params})
+    H.report(hdr, rows, args.json, ["params of 16 elements; medians of --reps calls"])
 
 
 if __name__ == "__main__":

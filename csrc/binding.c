@@ -39,6 +39,8 @@ struct tensor {
     int32_t device_index;
     int64_t numel;
     void *data;
+    int64_t dim;            /* -1 until shape() reads it with sizes */
+    int64_t *sizes;
     int written;            /* the op writes it */
     int host;               /* read by the binding on the host (a CPU tensor on any call) */
 };
@@ -213,6 +215,7 @@ static struct list *take_list(struct call *c, StableIValue v, const char *name, 
     for (int64_t i = 0; i < ls->count; i++) {
         ls->t[i].name = name;
         ls->t[i].index = i;
+        ls->t[i].dim = -1;
         ls->t[i].written = written;
     }
     return ls;
@@ -333,25 +336,31 @@ static void check_scalar(struct call *c, const struct tensor *t, int32_t dtype, 
              (long long)t->numel);
 }
 
+/* Reads a tensor's shape once: a list may be compared with several others (Adam's
+ * params with each list of state). */
+static void shape(struct call *c, struct tensor *t)
+{
+    if (t->dim >= 0)
+        return;
+    shim(c, aoti_torch_get_sizes(t->h, &t->sizes), "get_sizes");
+    shim(c, aoti_torch_get_dim(t->h, &t->dim), "get_dim");
+}
+
 /* dst[i] has the shape of src[i] for every i. */
-static void check_same_shapes(struct call *c, const struct list *a, const char *a_name,
-                              const struct list *b, const char *b_name)
+static void check_same_shapes(struct call *c, struct list *a, const char *a_name,
+                              struct list *b, const char *b_name)
 {
     char n[64];
     if (a->count != b->count)
         fail(c, "%s must have as many tensors as %s (%lld), got %lld", a_name, b_name,
              (long long)b->count, (long long)a->count);
     for (int64_t i = 0; i < a->count; i++) {
-        int64_t da = 0;
-        int64_t db = 0;
-        int64_t *sa = NULL;
-        int64_t *sb = NULL;
-        shim(c, aoti_torch_get_dim(a->t[i].h, &da), "get_dim");
-        shim(c, aoti_torch_get_dim(b->t[i].h, &db), "get_dim");
-        shim(c, aoti_torch_get_sizes(a->t[i].h, &sa), "get_sizes");
-        shim(c, aoti_torch_get_sizes(b->t[i].h, &sb), "get_sizes");
-        if (da != db || memcmp(sa, sb, sizeof(*sa) * (size_t)da) != 0)
-            fail(c, "%s must have the shape of %s[%lld]", tensor_name(&a->t[i], n, sizeof(n)),
+        struct tensor *ta = &a->t[i];
+        struct tensor *tb = &b->t[i];
+        shape(c, ta);
+        shape(c, tb);
+        if (ta->dim != tb->dim || memcmp(ta->sizes, tb->sizes, sizeof(int64_t) * (size_t)ta->dim))
+            fail(c, "%s must have the shape of %s[%lld]", tensor_name(ta, n, sizeof(n)),
                  b_name, (long long)i);
     }
 }
@@ -363,11 +372,40 @@ struct range {
     const struct tensor *t;
 };
 
-static int by_begin(const void *x, const void *y)
+/*
+ * Sorts r[0..n) by begin, using tmp[0..n); returns the sorted array (r or tmp). Each pass
+ * merges pairs of the ascending runs already there, and a list's tensors mostly lie in
+ * address order (allocated one after another, or views into one buffer), so a call takes
+ * a few linear passes, not the n log n calls of a qsort comparator.
+ */
+static struct range *sort_ranges(struct range *r, struct range *tmp, size_t n)
 {
-    const struct range *a = x;
-    const struct range *b = y;
-    return a->begin < b->begin ? -1 : a->begin > b->begin;
+    for (;;) {
+        size_t runs = 0;
+        for (size_t i = 0; i < n; runs++) {
+            size_t mid = i + 1;
+            while (mid < n && r[mid - 1].begin <= r[mid].begin)
+                mid++;
+            size_t end = mid < n ? mid + 1 : n;
+            while (end < n && r[end - 1].begin <= r[end].begin)
+                end++;
+            size_t a = i;
+            size_t b = mid;
+            size_t o = i;
+            while (a < mid && b < end)
+                tmp[o++] = r[b].begin < r[a].begin ? r[b++] : r[a++];
+            while (a < mid)
+                tmp[o++] = r[a++];
+            while (b < end)
+                tmp[o++] = r[b++];
+            i = end;
+        }
+        struct range *sorted = tmp;
+        tmp = r;
+        r = sorted;
+        if (runs <= 1)
+            return r;
+    }
 }
 
 static size_t add_range(struct range *r, size_t n, const struct tensor *t)
@@ -391,16 +429,17 @@ static void check_overlap(struct call *c)
     size_t cap = (size_t)c->n_singles;
     for (int l = 0; l < c->n_lists; l++)
         cap += (size_t)c->lists[l].count;
-    struct range *r = malloc(sizeof(*r) * (cap ? cap : 1));
-    if (!r)
+    struct range *buf = malloc(sizeof(*buf) * 2 * (cap ? cap : 1));
+    if (!buf)
         fail(c, "out of memory");
+    struct range *r = buf;
     size_t n = 0;
     for (int l = 0; l < c->n_lists; l++)
         for (int64_t i = 0; i < c->lists[l].count; i++)
             n = add_range(r, n, &c->lists[l].t[i]);
     for (int s = 0; s < c->n_singles; s++)
         n = add_range(r, n, &c->singles[s]);
-    qsort(r, n, sizeof(*r), by_begin);
+    r = sort_ranges(r, buf + cap, n);
     const struct range *far = NULL;         /* furthest-reaching range so far */
     const struct range *far_written = NULL; /* the same among written ones */
     const struct tensor *x = NULL;
@@ -418,7 +457,7 @@ static void check_overlap(struct call *c)
         if (r[i].t->written && (!far_written || r[i].end > far_written->end))
             far_written = &r[i];
     }
-    free(r);
+    free(buf);
     if (x) {
         char a[64];
         char b[64];
@@ -768,8 +807,8 @@ static ampc_status adam_on_cuda(void *j, void *stream)
 }
 
 /* A list of fp32 tensors with the shapes of `like` (or, when `optional`, no tensor). */
-static struct ampc_list f32_list(struct call *c, const struct list *ls, const char *name,
-                                 const struct list *like, const char *like_name, int optional)
+static struct ampc_list f32_list(struct call *c, struct list *ls, const char *name,
+                                 struct list *like, const char *like_name, int optional)
 {
     char a[64];
     struct ampc_list out = { ls->ptr, ls->numel, ls->count, AMPC_F32 };

@@ -26,7 +26,7 @@ pytestmark = [
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 CHUNK = 65536
-MAX_TENSORS = 96        # tensors in one launch's table of cast, unscale_check, check_norm
+MAX_TENSORS = 902       # tensors in one launch's 32 KB table of cast, unscale_check, check_norm
 
 
 def bits(t):
@@ -419,3 +419,44 @@ def test_mixed_dtype_lists_match_cpu_cuda():
         assert_bits(outs["cuda"][0][i], outs["cpu"][0][i], f"mixed cast {i}")
         assert_bits(outs["cuda"][1][i], outs["cpu"][1][i], f"mixed unscale {i}")
     assert outs["cuda"][2].item() == outs["cpu"][2].item() == 0.0
+
+
+# ---- casts between views misaligned differently (Note [misaligned views]) ----
+
+def views_at(sizes, dtype, offset, seed=None):
+    """Views into one flat CUDA buffer, each starting `offset` elements past a 16-byte
+    boundary (random values when seeded)."""
+    per16 = 16 // dtype.itemsize
+    starts, at = [], 0
+    for n in sizes:
+        starts.append(at + offset)
+        at += -(-(n + offset) // per16) * per16
+    flat = torch.empty(at, dtype=dtype, device="cuda")
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+        flat.copy_(torch.randn(at, generator=gen) * 100)
+    return [flat[a:a + n] for a, n in zip(starts, sizes)]
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", [(a, b) for a in (f32, f16, bf16)
+                                                 for b in (f32, f16, bf16)],
+                         ids=lambda d: str(d).replace("torch.", ""))
+def test_every_misalignment_pair_matches_cpu_cuda(src_dtype, dst_dtype):
+    # each source offset against each destination offset within 16 bytes: the kernel picks
+    # 16-, 8-, 4-byte or element accesses from how the two differ; the bits must not care
+    sizes = [CHUNK + 13, 1000, 37, 3]
+    for s_off in range(16 // src_dtype.itemsize):
+        src = views_at(sizes, src_dtype, s_off, seed=s_off)
+        cpu_src = [s.cpu() for s in src]
+        for d_off in range(16 // dst_dtype.itemsize):
+            dst = views_at(sizes, dst_dtype, d_off)
+            what = f"{src_dtype}->{dst_dtype} offsets {s_off}/{d_off}"
+            ampc.ops.cast_(dst, src)
+            for i, (d, s) in enumerate(zip(dst, cpu_src)):
+                assert_bits(d, s.to(dst_dtype), f"{what} tensor {i} vs Tensor.to")
+            if src_dtype.itemsize > dst_dtype.itemsize:
+                ampc.ops.cast_(dst, src, stochastic=True, seed=5)
+                cpu_dst = [torch.empty(n, dtype=dst_dtype) for n in sizes]
+                ampc.ops.cast_(cpu_dst, cpu_src, stochastic=True, seed=5)
+                for i, (d, c) in enumerate(zip(dst, cpu_dst)):
+                    assert_bits(d, c, f"{what} tensor {i} stochastic vs CPU")

@@ -283,6 +283,58 @@ def test_mutated_tensors_get_new_versions():
     assert (scale._version, growth._version, found_inf._version) == (1, 1, 2)
 
 
+def test_direct_op_calls_and_modes_bump_versions_once():
+    # the wrappers do the guard's work themselves and enter the op below the dispatcher's
+    # guard; direct torch.ops calls and calls under a dispatch mode go through the guard:
+    # every way bumps each written tensor once and refuses tensors that require grad
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def call(way, x, found_inf, inv):
+        if way == "torch.ops":
+            torch.ops.ampc.unscale_check([x], found_inf, inv)
+        elif way == "mode":
+            with PassThrough():
+                ampc.ops.unscale_check([x], found_inf, inv)
+        else:
+            ampc.ops.unscale_check([x], found_inf, inv)
+
+    for way in ("wrapper", "torch.ops", "mode"):
+        x, found_inf, inv = torch.randn(8), torch.zeros(1), torch.ones(1)
+        call(way, x, found_inf, inv)
+        assert (x._version, found_inf._version, inv._version) == (1, 1, 0), way
+        y = torch.randn(3, requires_grad=True) * 2
+        with pytest.raises(RuntimeError, match=r"^ampc\.unscale_check: grads\[0\] requires grad"):
+            call(way, y, found_inf, inv)
+        assert y._version == 0, way
+
+
+def test_overlap_check_over_many_tensors_in_any_address_order():
+    # the check sorts the ranges by merging the runs already in address order: lists
+    # sorted, reversed, interleaved and shuffled, with one overlap planted anywhere or none
+    gen = torch.Generator().manual_seed(21)
+    buf = torch.zeros(64 * 400, dtype=bf16)
+    slots = [buf[64 * i:64 * i + 48] for i in range(400)]
+    orders = {"sorted": list(range(400)), "reversed": list(range(399, -1, -1)),
+              "interleaved": [i for k in range(4) for i in range(k, 400, 4)],
+              "shuffled": torch.randperm(400, generator=gen).tolist()}
+    for name, order in orders.items():
+        views = [slots[i] for i in order]
+        src, dst = views[:200], views[200:]
+        ampc.ops.cast_(dst, [s.float() for s in src])          # no overlap: runs
+        with pytest.raises(RuntimeError, match="overlaps"):
+            # a source that starts inside a destination
+            ampc.ops.cast_(dst, src[:199] + [buf[64 * order[350] + 10:][:48]])
+        k = int(torch.randint(0, 200, (1,), generator=gen))
+        j = (k + 57) % 200                  # dst[k] moved onto part of dst[j]
+        shifted = dst[:k] + [buf[64 * order[200 + j] + 8:][:48]] + dst[k + 1:]
+        with pytest.raises(RuntimeError, match=r"dst\[\d+\] overlaps"):
+            ampc.ops.cast_(shifted, [torch.zeros(48) for _ in range(200)])
+
+
 def test_in_place_write_to_a_tensor_saved_for_backward_is_caught():
     w = torch.randn(4, requires_grad=True)
     x = torch.randn(4)

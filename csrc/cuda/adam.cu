@@ -8,10 +8,11 @@
  * the param is only written, never read: 2 + 8 + 16 + 2 = 28 bytes a bf16 parameter.
  *
  * Launch shape: multi_tensor.cuh's walk (one block per chunk of 4,096 to 65,536 elements,
- * Note [chunk per call], all chunks of up to ADAM_MAX_TENSORS tensors in one launch) with a
- * 7-list table. Blocks of 256 threads, two per SM at most 128 registers a thread (the
- * kernel needs 70-112): 16 warps an SM as with one 512-thread block, but one block's
- * start overlaps the other's work. At the start, five lanes of warp 0 read found_inf, lr,
+ * Note [chunk per call], all chunks of up to 50 tensors in one launch, 427 with 32 KB of
+ * kernel parameters: Note [kernel parameter space]) with a 7-list table. Blocks of 256
+ * threads, two per SM at most 128 registers a thread (the kernel needs 70-112): 16 warps
+ * an SM as with one 512-thread block, but one block's start overlaps the other's work.
+ * At the start, five lanes of warp 0 read found_inf, lr,
  * inv_scale, clip_coef and the tensor's step at once (one round trip), and lane 0 computes
  * the tensor's constants (in double, as adam.h does) for the whole block, while every
  * thread's first loads are already in flight. Each thread moves 8 elements at a time with
@@ -40,22 +41,19 @@ enum {
 };
 
 #define ADAM_THREADS 256
-#define ADAM_MAX_TENSORS 48
-#define ADAM_MAX_STEPS 480
 
-struct adam_table : mt_table_of<ADAM_LISTS, ADAM_MAX_TENSORS> {};
+template <int P>
+using adam_table = mt_table_of<ADAM_LISTS, P>;
 
-static_assert(sizeof(struct adam_table) + sizeof(struct ampc_adam_control) +
-              sizeof(struct ampc_adam_args) <= 4096, "adam kernel arguments over 4 KB");
+static_assert(MT_PARAMS_OTHER >= sizeof(struct ampc_adam_control) + sizeof(struct ampc_adam_args),
+              "adam's kernel arguments do not fit beside its table");
 
-/* The step counts one launch advances. */
+/* The step counts one launch advances: as many as fit the kernel parameter space P. */
+template <int P>
 struct adam_steps {
-    float *ptr[ADAM_MAX_STEPS];
+    float *ptr[(P - 16) / sizeof(float *) - 1];
     int32_t count;
 };
-
-static_assert(sizeof(struct adam_steps) + sizeof(float *) <= 4096,
-              "adam step arguments over 4 KB");
 
 __device__ __forceinline__ bool skipped(const float *found_inf)
 {
@@ -63,24 +61,6 @@ __device__ __forceinline__ bool skipped(const float *found_inf)
 }
 
 // ---- W elements: one (the fallback) or 8 (one 16-byte vector of 16-bit values) ----
-
-template <ampc_dtype DT, int W>
-__device__ __forceinline__ void load_w(uint32_t x[W], const void *p, int u)
-{
-    if constexpr (W == 8)
-        load8<DT>(x, p, u);
-    else
-        x[0] = load1<DT>(p, u);
-}
-
-template <ampc_dtype DT, int W>
-__device__ __forceinline__ void store_w(void *p, int u, const uint32_t x[W])
-{
-    if constexpr (W == 8)
-        store8<DT>(p, u, x);
-    else
-        store1<DT>(p, u, x[0]);
-}
 
 /* The raw bits of elements [W u, W u + W) of a chunk, as loaded. */
 template <int W>
@@ -93,15 +73,15 @@ template <ampc_dtype PD, ampc_dtype GD, int W>
 __device__ __forceinline__ void adam_load(const struct ampc_adam_ptrs *q, int u,
                                           struct adam_regs<W> *r)
 {
-    load_w<GD, W>(r->g, q->grad, u);
+    loadw<GD, W>(r->g, q->grad, u);
     if (q->master)
-        load_w<AMPC_F32, W>(r->w, q->master, u);
+        loadw<AMPC_F32, W>(r->w, q->master, u);
     else
-        load_w<PD, W>(r->w, q->param, u);
-    load_w<AMPC_F32, W>(r->m, q->m, u);
-    load_w<AMPC_F32, W>(r->v, q->v, u);
+        loadw<PD, W>(r->w, q->param, u);
+    loadw<AMPC_F32, W>(r->m, q->m, u);
+    loadw<AMPC_F32, W>(r->v, q->v, u);
     if (q->vmax)
-        load_w<AMPC_F32, W>(r->vmax, q->vmax, u);
+        loadw<AMPC_F32, W>(r->vmax, q->vmax, u);
 }
 
 /* Updates and stores elements [W u, W u + W) from their loaded bits; k is the list index
@@ -128,13 +108,13 @@ __device__ __forceinline__ void adam_update(const struct ampc_adam_ptrs *q, int 
         vmax[e] = ampc_f32_bits(vmaxf);
         p[e] = ampc_round_bits(wf, PD, args->stochastic, c->seed, k + (uint64_t)(W * u + e));
     }
-    store_w<AMPC_F32, W>(q->m, u, m);
-    store_w<AMPC_F32, W>(q->v, u, v);
+    storew<AMPC_F32, W>(q->m, u, m);
+    storew<AMPC_F32, W>(q->v, u, v);
     if (q->vmax)
-        store_w<AMPC_F32, W>(q->vmax, u, vmax);
+        storew<AMPC_F32, W>(q->vmax, u, vmax);
     if (q->master)
-        store_w<AMPC_F32, W>(q->master, u, w);
-    store_w<PD, W>(q->param, u, p);
+        storew<AMPC_F32, W>(q->master, u, w);
+    storew<PD, W>(q->param, u, p);
 }
 
 template <ampc_dtype PD, ampc_dtype GD, int W>
@@ -150,7 +130,8 @@ __device__ __forceinline__ void adam_elements(const struct ampc_adam_ptrs *q, in
 
 // ---- kernels ----
 
-static __device__ struct ampc_adam_ptrs chunk_at(const struct adam_table *tab, int t,
+template <int P>
+static __device__ struct ampc_adam_ptrs chunk_at(const adam_table<P> *tab, int t,
                                                  int64_t start, ampc_dtype pd, ampc_dtype gd)
 {
     return ampc_adam_ptrs_at(tab->ptr[ADAM_PARAM][t], pd, tab->ptr[ADAM_GRAD][t], gd,
@@ -166,7 +147,8 @@ static __device__ bool chunk_vec_ok(const struct ampc_adam_ptrs *q)
 
 /* The block's constants, or *skip: lanes 0-4 of warp 0 each read one device value, so
  * the five reads are in flight together; lane 0 computes from them. */
-static __device__ void block_start(const struct adam_table *tab, int t,
+template <int P>
+static __device__ void block_start(const adam_table<P> *tab, int t,
                                    const struct ampc_adam_control *control,
                                    const struct ampc_adam_args *args,
                                    struct ampc_adam_coef *coef, bool *skip)
@@ -196,9 +178,9 @@ static __device__ void block_start(const struct adam_table *tab, int t,
     *coef = ampc_adam_tensor_coef(args, &read, step, tab->ptr[ADAM_MAX_EXP_AVG_SQ][t] != NULL);
 }
 
-template <ampc_dtype PD, ampc_dtype GD>
+template <ampc_dtype PD, ampc_dtype GD, int P>
 __global__ void __launch_bounds__(ADAM_THREADS, 2)
-adam_kernel(const __grid_constant__ struct adam_table tab,
+adam_kernel(const __grid_constant__ adam_table<P> tab,
             const __grid_constant__ struct ampc_adam_control control,
             const __grid_constant__ struct ampc_adam_args args)
 {
@@ -231,49 +213,53 @@ adam_kernel(const __grid_constant__ struct adam_table tab,
         adam_elements<PD, GD, 1>(&q, i, k, &c, &args);
 }
 
-/* One thread a step count; runs after every update launch of the call. */
-__global__ void adam_steps_kernel(const __grid_constant__ struct adam_steps steps,
+/* One block over the step counts; runs after every update launch of the call. */
+template <int P>
+__global__ void adam_steps_kernel(const __grid_constant__ struct adam_steps<P> steps,
                                   const float *found_inf)
 {
-    if ((int)threadIdx.x < steps.count && !skipped(found_inf))
-        *steps.ptr[threadIdx.x] += 1.0f;
+    if (skipped(found_inf))
+        return;
+    for (int i = threadIdx.x; i < steps.count; i += blockDim.x)
+        *steps.ptr[i] += 1.0f;
 }
 
 // ---- launchers ----
 
-typedef void (*adam_kernel_fn)(const struct adam_table, const struct ampc_adam_control,
-                               const struct ampc_adam_args);
-
-/* [param dtype][grad dtype], in ampc_dtype order */
-static const adam_kernel_fn adam_kernels[3][3] = DTYPE_PAIRS(adam_kernel);
-
+template <int P>
 struct adam_ctx {
-    adam_kernel_fn kernel;
+    void (*kernel)(const adam_table<P>, const struct ampc_adam_control,
+                   const struct ampc_adam_args);
     struct ampc_adam_control control;
     struct ampc_adam_args args;
     cudaStream_t stream;
 };
 
-static ampc_status adam_launch(const struct adam_table *tab, int nblocks, void *ctx)
+template <int P>
+static ampc_status adam_launch(const adam_table<P> *tab, int nblocks, void *ctx)
 {
-    const struct adam_ctx *c = (const struct adam_ctx *)ctx;
+    const struct adam_ctx<P> *c = (const struct adam_ctx<P> *)ctx;
     c->kernel<<<nblocks, ADAM_THREADS, 0, c->stream>>>(*tab, c->control, c->args);
     return ampc_cuda_status(cudaGetLastError());
 }
 
-/* Adds 1 to every step count of the list, ADAM_MAX_STEPS a launch. */
+/* Adds 1 to every step count of the list, as many a launch as adam_steps<P> holds. */
+template <int P>
 static ampc_status advance_steps(const struct ampc_list *list, const float *found_inf,
                                  cudaStream_t stream)
 {
-    struct adam_steps steps;
+    static_assert(sizeof(struct adam_steps<P>) + sizeof(float *) <= P,
+                  "adam step arguments over the kernel parameter space");
+    const int max_steps = (int)(sizeof(adam_steps<P>::ptr) / sizeof(float *));
+    struct adam_steps<P> steps;
 
-    for (int64_t i = 0; i < list->count; i += ADAM_MAX_STEPS) {
+    for (int64_t i = 0; i < list->count; i += max_steps) {
         int64_t left = list->count - i;
-        steps.count = left < ADAM_MAX_STEPS ? (int32_t)left : ADAM_MAX_STEPS;
+        steps.count = left < max_steps ? (int32_t)left : max_steps;
         for (int j = 0; j < steps.count; j++)
             steps.ptr[j] = (float *)list->ptr[i + j];
-        int threads = CEIL_DIV(steps.count, 32) * 32;
-        adam_steps_kernel<<<1, threads, 0, stream>>>(steps, found_inf);
+        int threads = CEIL_DIV(steps.count < 1024 ? steps.count : 1024, 32) * 32;
+        adam_steps_kernel<P><<<1, threads, 0, stream>>>(steps, found_inf);
         ampc_status st = ampc_cuda_status(cudaGetLastError());
         if (st != AMPC_OK)
             return st;
@@ -281,24 +267,32 @@ static ampc_status advance_steps(const struct ampc_list *list, const float *foun
     return AMPC_OK;
 }
 
-extern "C" ampc_status ampc_adam_cuda_impl(const struct ampc_adam_lists *lists,
-                                           const struct ampc_adam_control *control,
-                                           const struct ampc_adam_args *args, void *stream)
+template <int P>
+static ampc_status adam_apply(const struct ampc_adam_lists *lists,
+                              const struct ampc_adam_control *control,
+                              const struct ampc_adam_args *args, cudaStream_t stream)
 {
+    /* [param dtype][grad dtype], in ampc_dtype order */
+    static const decltype(adam_ctx<P>::kernel) kernels[3][3] = DTYPE_PAIRS(adam_kernel, P);
     const struct ampc_list *table_lists[ADAM_LISTS] = {
         &lists->params, &lists->grads, &lists->masters, &lists->exp_avgs,
         &lists->exp_avg_sqs, &lists->max_exp_avg_sqs, &lists->steps,
     };
-    struct adam_ctx c;
+    struct adam_ctx<P> c = {kernels[lists->params.dtype][lists->grads.dtype], *control, *args,
+                            stream};
 
-    c.kernel = adam_kernels[lists->params.dtype][lists->grads.dtype];
-    c.control = *control;
-    c.args = *args;
-    c.stream = (cudaStream_t)stream;
-    ampc_status st = mt_apply_lists<struct adam_table>(table_lists,
-                                                       mt_chunk_size(&lists->params),
-                                                       adam_launch, &c);
+    ampc_status st = mt_apply_lists<adam_table<P>>(table_lists, mt_chunk_size(&lists->params),
+                                                   adam_launch<P>, &c);
     if (st != AMPC_OK)
         return st;
-    return advance_steps(&lists->steps, control->found_inf, c.stream);
+    return advance_steps<P>(&lists->steps, control->found_inf, stream);
+}
+
+extern "C" ampc_status ampc_adam_cuda_impl(const struct ampc_adam_lists *lists,
+                                           const struct ampc_adam_control *control,
+                                           const struct ampc_adam_args *args, void *stream)
+{
+    if (mt_large_params(lists->params.count, ADAM_LISTS))
+        return adam_apply<MT_PARAMS_LARGE>(lists, control, args, (cudaStream_t)stream);
+    return adam_apply<MT_PARAMS_SMALL>(lists, control, args, (cudaStream_t)stream);
 }

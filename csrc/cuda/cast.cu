@@ -9,7 +9,8 @@
  *
  * Launch shape: multi_tensor.cuh (one 512-thread block per chunk of 4,096 to 65,536
  * elements, Note [chunk per call]), walked by mt_visit: 16-byte vectors when both chunk
- * starts are aligned, one element a thread when a storage offset breaks the alignment.
+ * starts are aligned or off by the same elements, narrower ones when storage offsets
+ * break that (Note [misaligned views] in multi_tensor.cuh).
  */
 #include "cast.h"
 #include "common.cuh"
@@ -24,9 +25,10 @@ __device__ __forceinline__ uint32_t cast1(uint32_t x, int stochastic, uint64_t s
     return ampc_round_bits(to_f32<S>(x), D, stochastic, seed, k);
 }
 
-template <ampc_dtype S, ampc_dtype D>
-__global__ void __launch_bounds__(MT_THREADS)
-cast_kernel(const __grid_constant__ struct mt_table tab, int stochastic, uint64_t seed,
+/* Two blocks an SM (at most 64 registers), as before the narrower vectors' code. */
+template <ampc_dtype S, ampc_dtype D, int P>
+__global__ void __launch_bounds__(MT_THREADS, 2)
+cast_kernel(const __grid_constant__ mt_table<P> tab, int stochastic, uint64_t seed,
             const int64_t *seed_tensor)
 {
     int64_t start;
@@ -44,37 +46,41 @@ cast_kernel(const __grid_constant__ struct mt_table tab, int stochastic, uint64_
     });
 }
 
-typedef void (*cast_kernel_fn)(const struct mt_table, int, uint64_t, const int64_t *);
-
-/* [src dtype][dst dtype], in ampc_dtype order */
-static const cast_kernel_fn cast_kernels[3][3] = DTYPE_PAIRS(cast_kernel);
-
+template <int P>
 struct cast_ctx {
-    cast_kernel_fn kernel;
+    void (*kernel)(const mt_table<P>, int, uint64_t, const int64_t *);
     int stochastic;
     uint64_t seed;
     const int64_t *seed_tensor;
     cudaStream_t stream;
 };
 
-static ampc_status cast_launch(const struct mt_table *tab, int nblocks, void *ctx)
+template <int P>
+static ampc_status cast_launch(const mt_table<P> *tab, int nblocks, void *ctx)
 {
-    const struct cast_ctx *c = (const struct cast_ctx *)ctx;
+    const struct cast_ctx<P> *c = (const struct cast_ctx<P> *)ctx;
     c->kernel<<<nblocks, MT_THREADS, 0, c->stream>>>(*tab, c->stochastic, c->seed,
                                                      c->seed_tensor);
     return ampc_cuda_status(cudaGetLastError());
+}
+
+template <int P>
+static ampc_status cast_apply(const struct ampc_list *dst, const struct ampc_list *src,
+                              const struct ampc_cast_args *args, cudaStream_t stream)
+{
+    /* [src dtype][dst dtype], in ampc_dtype order */
+    static const decltype(cast_ctx<P>::kernel) kernels[3][3] = DTYPE_PAIRS(cast_kernel, P);
+    struct cast_ctx<P> c = {kernels[src->dtype][dst->dtype], args->stochastic, args->seed,
+                            args->seed_tensor, stream};
+
+    return mt_apply<P>(dst, src, mt_chunk_size(src), cast_launch<P>, &c);
 }
 
 extern "C" ampc_status ampc_cast_cuda_impl(const struct ampc_list *dst,
                                            const struct ampc_list *src,
                                            const struct ampc_cast_args *args, void *stream)
 {
-    struct cast_ctx c;
-
-    c.kernel = cast_kernels[src->dtype][dst->dtype];
-    c.stochastic = args->stochastic;
-    c.seed = args->seed;
-    c.seed_tensor = args->seed_tensor;
-    c.stream = (cudaStream_t)stream;
-    return mt_apply(dst, src, mt_chunk_size(src), cast_launch, &c);
+    if (mt_large_params(src->count, 2))
+        return cast_apply<MT_PARAMS_LARGE>(dst, src, args, (cudaStream_t)stream);
+    return cast_apply<MT_PARAMS_SMALL>(dst, src, args, (cudaStream_t)stream);
 }

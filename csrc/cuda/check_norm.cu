@@ -17,9 +17,9 @@
 #include "common.cuh"
 #include "multi_tensor.cuh"
 
-template <ampc_dtype DT>
+template <ampc_dtype DT, int P>
 __global__ void __launch_bounds__(MT_THREADS)
-check_norm_kernel(const __grid_constant__ struct mt_table tab, double *partial,
+check_norm_kernel(const __grid_constant__ mt_table<P> tab, double *partial,
                   float *found_inf)
 {
     int64_t start;
@@ -30,7 +30,7 @@ check_norm_kernel(const __grid_constant__ struct mt_table tab, double *partial,
     uint32_t top = 0;       /* largest |g| of this thread, as fp32 bits */
     int bad = 0;
 
-    mt_visit<DT, DT>(g, NULL, len, [&](uint32_t x, int) {
+    mt_visit<DT, DT, false>(g, NULL, len, [&](uint32_t x, int) {
         float f = to_f32<DT>(x);
         uint32_t a = ampc_f32_bits(f) & 0x7fffffffu;
         bad |= ampc_non_finite(f);
@@ -41,7 +41,7 @@ check_norm_kernel(const __grid_constant__ struct mt_table tab, double *partial,
     double sum = sum32;
     if (!ampc_squares_safe_in_f32(top)) {   /* rare: this thread's run again, in double */
         sum = 0.0;
-        mt_visit<DT, DT>(g, NULL, len, [&](uint32_t x, int) {
+        mt_visit<DT, DT, false>(g, NULL, len, [&](uint32_t x, int) {
             sum += ampc_square(to_f32<DT>(x));
             return x;
         });
@@ -65,41 +65,48 @@ check_norm_finish_kernel(float *norm, const double *partial, int64_t n, const fl
         *norm = (float)(fabs((double)*inv_scale) * sqrt(sum));
 }
 
-typedef void (*check_norm_kernel_fn)(const struct mt_table, double *, float *);
-
-static const check_norm_kernel_fn check_norm_kernels[3] = {
-    check_norm_kernel<AMPC_F32>, check_norm_kernel<AMPC_F16>, check_norm_kernel<AMPC_BF16>,
-};
-
-
 /*
  * The scratch array lives in torch's caching allocator on the current device, which
  * begin() made the grads' device through torch's guard, and is tied to the current
  * stream, so freeing it right after the launches is safe: the allocator hands the block
  * out again only to later work on the same stream.
  */
-extern "C" ampc_status ampc_check_norm_cuda_impl(const struct ampc_list *grads,
-                                                 float *found_inf, float *norm,
-                                                 const float *inv_scale, void *stream)
+template <int P>
+static ampc_status check_norm_apply(const struct ampc_list *grads, float *found_inf,
+                                    float *norm, const float *inv_scale, cudaStream_t stream)
 {
-    struct mt_launch2<double *, float *> c = {check_norm_kernels[grads->dtype], NULL,
-                                              found_inf, (cudaStream_t)stream};
+    typedef struct mt_launch2<P, double *, float *> launch;
+    static const decltype(launch::kernel) kernels[3] = {
+        check_norm_kernel<AMPC_F32, P>, check_norm_kernel<AMPC_F16, P>,
+        check_norm_kernel<AMPC_BF16, P>,
+    };
+    launch c = {kernels[grads->dtype], NULL, found_inf, stream};
     int64_t chunk = mt_chunk_size(grads);
     int64_t nchunks = mt_list_chunks(grads, chunk);
     void *scratch = NULL;
     ampc_status st;
 
     if (nchunks == 0)       /* nothing to read: the norm of an empty list is 0 */
-        return ampc_cuda_status(cudaMemsetAsync(norm, 0, sizeof(*norm), c.stream));
+        return ampc_cuda_status(cudaMemsetAsync(norm, 0, sizeof(*norm), stream));
     if (aoti_torch_cuda_caching_allocator_raw_alloc(nchunks * sizeof(double), &scratch) != 0)
         return ampc_cuda_fail(AMPC_ERR_NOMEM, "out of memory for the check_norm scratch");
     c.a = (double *)scratch;            /* the kernel's partial sums, one per block */
-    st = mt_apply(grads, NULL, chunk, mt_launch2_fn<double *, float *>, &c);
+    st = mt_apply<P>(grads, NULL, chunk, mt_launch2_fn<P, double *, float *>, &c);
     if (st == AMPC_OK) {
-        check_norm_finish_kernel<<<1, MT_THREADS, 0, c.stream>>>(norm, c.a, nchunks,
-                                                                  inv_scale);
+        check_norm_finish_kernel<<<1, MT_THREADS, 0, stream>>>(norm, c.a, nchunks, inv_scale);
         st = ampc_cuda_status(cudaGetLastError());
     }
     aoti_torch_cuda_caching_allocator_raw_delete(scratch);
     return st;
+}
+
+extern "C" ampc_status ampc_check_norm_cuda_impl(const struct ampc_list *grads,
+                                                 float *found_inf, float *norm,
+                                                 const float *inv_scale, void *stream)
+{
+    if (mt_large_params(grads->count, 2))
+        return check_norm_apply<MT_PARAMS_LARGE>(grads, found_inf, norm, inv_scale,
+                                                 (cudaStream_t)stream);
+    return check_norm_apply<MT_PARAMS_SMALL>(grads, found_inf, norm, inv_scale,
+                                             (cudaStream_t)stream);
 }

@@ -8,8 +8,8 @@
  *   bits (uint32_t, a 16-bit value in the low half) so that a same-dtype cast is a plain
  *   copy, and convert with the functions of dtype.h, so the GPU computes bit for bit what
  *   the CPU computes;
- * - 16-byte vector loads and stores of 8 elements (one uint4 of a 16-bit type, two of fp32,
- *   half of one of an fp8 type);
+ * - vector loads and stores of W elements (8: one uint4 of a 16-bit type, two of fp32,
+ *   a uint2 of an fp8 type);
  * - a deterministic block sum;
  * - the launchers of each op (defined in cast.cu, unscale_check.cu, check_norm.cu,
  *   update_scale.cu, adam.cu, fp8.cu, fp8_scaling.cu, fp8_gemm.cu) and the few torch
@@ -64,15 +64,23 @@ ampc_status ampc_fp8_update_scales_cuda_impl(float *amax_history, float *scale,
 ampc_status ampc_fp8_gemm_cuda_impl(struct ampc_fp8_gemm_args *args, void *stream);
 }
 
-/* The 3 x 3 table of a kernel template on two dtypes, [first][second] in ampc_dtype order. */
-#define DTYPE_PAIRS(k)                                                                    \
+/* The 3 x 3 table of a kernel template on two dtypes and the kernel parameter space P
+ * (multi_tensor.cuh), [first][second] in ampc_dtype order. */
+#define DTYPE_PAIRS(k, P)                                                                 \
     {                                                                                     \
-        {k<AMPC_F32, AMPC_F32>, k<AMPC_F32, AMPC_F16>, k<AMPC_F32, AMPC_BF16>},           \
-        {k<AMPC_F16, AMPC_F32>, k<AMPC_F16, AMPC_F16>, k<AMPC_F16, AMPC_BF16>},           \
-        {k<AMPC_BF16, AMPC_F32>, k<AMPC_BF16, AMPC_F16>, k<AMPC_BF16, AMPC_BF16>},        \
+        {k<AMPC_F32, AMPC_F32, P>, k<AMPC_F32, AMPC_F16, P>, k<AMPC_F32, AMPC_BF16, P>},  \
+        {k<AMPC_F16, AMPC_F32, P>, k<AMPC_F16, AMPC_F16, P>, k<AMPC_F16, AMPC_BF16, P>},  \
+        {k<AMPC_BF16, AMPC_F32, P>, k<AMPC_BF16, AMPC_F16, P>, k<AMPC_BF16, AMPC_BF16, P>}, \
     }
 
 // ---- element access ----
+
+/* Bytes of one element of dtype DT, at compile time (dtype.h's ampc_dtype_size is not). */
+template <ampc_dtype DT>
+__host__ __device__ constexpr int elem_bytes()
+{
+    return DT == AMPC_F32 ? 4 : DT == AMPC_F16 || DT == AMPC_BF16 ? 2 : 1;
+}
 
 /* The value of raw bits x of dtype DT, exactly. */
 template <ampc_dtype DT>
@@ -108,7 +116,7 @@ __device__ __forceinline__ uint32_t load1(const void *p, int i)
 {
     if (DT == AMPC_F32)
         return ((const uint32_t *)p)[i];
-    if (ampc_dtype_size(DT) == 1)
+    if (elem_bytes<DT>() == 1)
         return ((const uint8_t *)p)[i];
     return ((const uint16_t *)p)[i];
 }
@@ -118,62 +126,73 @@ __device__ __forceinline__ void store1(void *p, int i, uint32_t x)
 {
     if (DT == AMPC_F32)
         ((uint32_t *)p)[i] = x;
-    else if (ampc_dtype_size(DT) == 1)
+    else if (elem_bytes<DT>() == 1)
         ((uint8_t *)p)[i] = (uint8_t)x;
     else
         ((uint16_t *)p)[i] = (uint16_t)x;
 }
 
-/* True when p can move as 16-byte vectors (load8, store8). */
+/* True when p can move as 16-byte vectors (loadw, storew of 8 elements). */
 __device__ __forceinline__ bool vec_ok(const void *p)
 {
     return ((uintptr_t)p & 15) == 0;
 }
 
-/* v[0..8) = raw bits of elements [8u, 8u + 8) of p; p must pass vec_ok. An fp8 dtype
- * moves 8 bytes (half a vector). */
-template <ampc_dtype DT>
-__device__ __forceinline__ void load8(uint32_t v[8], const void *p, int u)
+/* The unsigned type of one access of BYTES (1 to 16) bytes. */
+template <int BYTES> struct access_of;
+template <> struct access_of<1> { typedef uint8_t type; };
+template <> struct access_of<2> { typedef uint16_t type; };
+template <> struct access_of<4> { typedef uint32_t type; };
+template <> struct access_of<8> { typedef uint2 type; };
+template <> struct access_of<16> { typedef uint4 type; };
+
+/* W elements of dtype DT, seen as accesses of up to 16 bytes or as elements. */
+template <ampc_dtype DT, int W>
+union elems_of {
+    static constexpr int bytes = W * elem_bytes<DT>();
+    static constexpr int accesses = bytes <= 16 ? 1 : bytes / 16;
+    typedef typename access_of<bytes / accesses>::type access;
+    access a[accesses];
+    uint32_t f32[W];
+    uint16_t f16[W];
+    uint8_t f8[W];
+};
+
+/* v[0..W) = raw bits of elements [W u, W u + W) of p; p aligned to W elements (to 16
+ * bytes when that is less). */
+template <ampc_dtype DT, int W>
+__device__ __forceinline__ void loadw(uint32_t v[W], const void *p, int u)
 {
-    if (ampc_dtype_size(DT) == 1) {
-        uint2 a = ((const uint2 *)p)[u];
+    typedef elems_of<DT, W> E;
+    const typename E::access *q = (const typename E::access *)p + (size_t)u * E::accesses;
+    E x;
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            v[j] = (a.x >> (8 * j)) & 0xffu;
-            v[4 + j] = (a.y >> (8 * j)) & 0xffu;
-        }
-    } else if (DT == AMPC_F32) {
-        const uint4 *q = (const uint4 *)p + 2 * u;
-        uint4 a = q[0];
-        uint4 b = q[1];
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-    } else {
-        uint4 a = ((const uint4 *)p)[u];
-        uint32_t w[4] = {a.x, a.y, a.z, a.w};
+    for (int k = 0; k < E::accesses; k++)
+        x.a[k] = q[k];
 #pragma unroll
-        for (int j = 0; j < 4; j++) {   /* little endian: element 2j is the low half */
-            v[2 * j] = w[j] & 0xffffu;
-            v[2 * j + 1] = w[j] >> 16;
-        }
-    }
+    for (int e = 0; e < W; e++)
+        v[e] = DT == AMPC_F32 ? x.f32[e] : elem_bytes<DT>() == 1 ? x.f8[e] : x.f16[e];
 }
 
-/* Elements [8u, 8u + 8) of p = raw bits v[0..8); p must pass vec_ok. */
-template <ampc_dtype DT>
-__device__ __forceinline__ void store8(void *p, int u, const uint32_t v[8])
+/* Elements [W u, W u + W) of p = raw bits v[0..W); p aligned as for loadw. */
+template <ampc_dtype DT, int W>
+__device__ __forceinline__ void storew(void *p, int u, const uint32_t v[W])
 {
-    if (ampc_dtype_size(DT) == 1) {
-        ((uint2 *)p)[u] = make_uint2(v[0] | v[1] << 8 | v[2] << 16 | v[3] << 24,
-                                     v[4] | v[5] << 8 | v[6] << 16 | v[7] << 24);
-    } else if (DT == AMPC_F32) {
-        uint4 *q = (uint4 *)p + 2 * u;
-        q[0] = make_uint4(v[0], v[1], v[2], v[3]);
-        q[1] = make_uint4(v[4], v[5], v[6], v[7]);
-    } else {
-        ((uint4 *)p)[u] = make_uint4(v[0] | v[1] << 16, v[2] | v[3] << 16,
-                                     v[4] | v[5] << 16, v[6] | v[7] << 16);
+    typedef elems_of<DT, W> E;
+    typename E::access *q = (typename E::access *)p + (size_t)u * E::accesses;
+    E x;
+#pragma unroll
+    for (int e = 0; e < W; e++) {
+        if (DT == AMPC_F32)
+            x.f32[e] = v[e];
+        else if (elem_bytes<DT>() == 1)
+            x.f8[e] = (uint8_t)v[e];
+        else
+            x.f16[e] = (uint16_t)v[e];
     }
+#pragma unroll
+    for (int k = 0; k < E::accesses; k++)
+        q[k] = x.a[k];
 }
 
 // ---- reductions ----

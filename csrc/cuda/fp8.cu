@@ -21,11 +21,9 @@
 #include "fp8.h"
 #include "multi_tensor.cuh"
 
-#define FP8_TENSORS 64
-
-/* [0]: output (unused by fp8_amax), [1]: input, [2]: its scale, [3]: its amax */
-struct fp8_table : mt_table_of<4, FP8_TENSORS> {};
-static_assert(sizeof(struct fp8_table) <= 4096 - 256, "fp8_table too large for a kernel argument");
+/* [0]: output (unused by fp8_amax), [1]: input, [2]: its scale, [3]: its amax; the 4 KB
+ * table (73 tensors a launch) */
+struct fp8_table : mt_table_of<4, MT_PARAMS_SMALL> {};
 
 /* The max of v over the block, valid in thread 0 (one call per kernel: shared scratch). */
 __device__ uint32_t block_max(uint32_t v)

@@ -12,9 +12,9 @@
 #include "multi_tensor.cuh"
 #include "unscale_check.h"
 
-template <ampc_dtype DT>
+template <ampc_dtype DT, int P>
 __global__ void __launch_bounds__(MT_THREADS)
-unscale_check_kernel(const __grid_constant__ struct mt_table tab, float *found_inf,
+unscale_check_kernel(const __grid_constant__ mt_table<P> tab, float *found_inf,
                      const float *inv_scale)
 {
     int64_t start;
@@ -24,7 +24,7 @@ unscale_check_kernel(const __grid_constant__ struct mt_table tab, float *found_i
     float inv = *inv_scale;
     int bad = 0;
 
-    mt_visit<DT, DT>(g, g, len, [&](uint32_t x, int) {
+    mt_visit<DT, DT, false>(g, g, len, [&](uint32_t x, int) {
         return from_f32<DT>(ampc_unscale_element(to_f32<DT>(x), inv, &bad));
     });
     /* Racing threads all store the same 1.0f, so the race is harmless. */
@@ -32,19 +32,28 @@ unscale_check_kernel(const __grid_constant__ struct mt_table tab, float *found_i
         *found_inf = 1.0f;
 }
 
-typedef void (*unscale_check_kernel_fn)(const struct mt_table, float *, const float *);
+template <int P>
+static ampc_status unscale_check_apply(const struct ampc_list *grads, float *found_inf,
+                                       const float *inv_scale, cudaStream_t stream)
+{
+    typedef struct mt_launch2<P, float *, const float *> launch;
+    static const decltype(launch::kernel) kernels[3] = {
+        unscale_check_kernel<AMPC_F32, P>, unscale_check_kernel<AMPC_F16, P>,
+        unscale_check_kernel<AMPC_BF16, P>,
+    };
+    launch c = {kernels[grads->dtype], found_inf, inv_scale, stream};
 
-static const unscale_check_kernel_fn unscale_check_kernels[3] = {
-    unscale_check_kernel<AMPC_F32>, unscale_check_kernel<AMPC_F16>,
-    unscale_check_kernel<AMPC_BF16>,
-};
+    return mt_apply<P>(grads, NULL, mt_chunk_size(grads),
+                       mt_launch2_fn<P, float *, const float *>, &c);
+}
 
 extern "C" ampc_status ampc_unscale_check_cuda_impl(const struct ampc_list *grads,
                                                     float *found_inf, const float *inv_scale,
                                                     void *stream)
 {
-    struct mt_launch2<float *, const float *> c = {unscale_check_kernels[grads->dtype],
-                                                   found_inf, inv_scale, (cudaStream_t)stream};
-    return mt_apply(grads, NULL, mt_chunk_size(grads), mt_launch2_fn<float *, const float *>,
-                    &c);
+    if (mt_large_params(grads->count, 2))
+        return unscale_check_apply<MT_PARAMS_LARGE>(grads, found_inf, inv_scale,
+                                                    (cudaStream_t)stream);
+    return unscale_check_apply<MT_PARAMS_SMALL>(grads, found_inf, inv_scale,
+                                                (cudaStream_t)stream);
 }
