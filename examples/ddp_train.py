@@ -12,6 +12,7 @@ Master-weight training works too: `model, opt = ampc.prepare(model, ampc.optim.A
 torch.bfloat16)` before wrapping the model in DDP.
 """
 import argparse
+import gc
 import os
 
 import torch
@@ -70,5 +71,12 @@ def main():
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def run():
     main()
+    # DDP's reducer holds the gloo group: free it while the interpreter is whole, not in
+    # its teardown at exit
+    gc.collect()
+
+
+if __name__ == "__main__":
+    run()

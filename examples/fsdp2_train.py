@@ -15,6 +15,7 @@ and loads the shards, the moments and the scaler: `--ckpt DIR` resumes from DIR 
 holds a checkpoint and saves to it at the end.
 """
 import argparse
+import gc
 import os
 
 import torch
@@ -88,5 +89,12 @@ def main():
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def run():
     main()
+    # the sharded tensors hold the device mesh and its gloo group: free them while the
+    # interpreter is whole, not in its teardown at exit
+    gc.collect()
+
+
+if __name__ == "__main__":
+    run()
