@@ -9,18 +9,12 @@ from ampc import fp8, validate
 from ampc.validate._compare import parse_setup
 
 
-VOCAB = 16
+from test_validate import VOCAB, make_batch
 
 
 def make_model():
     return nn.Sequential(nn.Embedding(VOCAB, 32), nn.Linear(32, 32), nn.GELU(),
                          nn.LayerNorm(32), nn.Linear(32, VOCAB))
-
-
-def make_batch(step):
-    g = torch.Generator().manual_seed(step)
-    x = torch.randint(0, VOCAB, (8, 6), generator=g)
-    return x, (3 * x + 1) % VOCAB
 
 
 def test_fp8_setup_is_named_and_not_a_default():

@@ -114,11 +114,11 @@ class Linear(nn.Linear):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        mine = self.fp8_fwd_amax_history
         history = state_dict.get(prefix + "fp8_fwd_amax_history")
-        if history is not None and history.shape != self.fp8_fwd_amax_history.shape:
-            init_state(self, history.shape[0], self.fp8_fwd_amax_history.device)
-        if history is None:
-            init_state(self, self.fp8_fwd_amax_history.shape[0], self.fp8_fwd_amax_history.device)
+        if history is None or history.shape != mine.shape:
+            # none saved: start afresh; another history length: take that one
+            init_state(self, mine.shape[0] if history is None else history.shape[0], mine.device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         ours = {prefix + name for name in PERSISTENT}
