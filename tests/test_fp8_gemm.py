@@ -83,8 +83,14 @@ def test_cpu_against_torch_scaled_mm(out_dtype, with_bias):
     a, b, sa, sb = operands(48, 96, 64, seed=7)
     bias = torch.randn(64).to(torch.bfloat16) if with_bias else None
     ours = gemm(a, b, sa, sb, bias=bias, out_dtype=out_dtype)
-    theirs = torch._scaled_mm(a, b, sa.reshape(()), sb.reshape(()), bias=bias,
-                              out_dtype=out_dtype)
+    try:
+        theirs = torch._scaled_mm(a, b, sa.reshape(()), sb.reshape(()), bias=bias,
+                                  out_dtype=out_dtype)
+    except RuntimeError as e:   # oneDNN has no FP8 matmul without AVX-512 (AVX2-only CPUs)
+        if "primitive descriptor" not in str(e):
+            raise
+        pytest.skip("torch's CPU _scaled_mm cannot run on this CPU; ampc's path is checked "
+                    "against float64 by the tests above")
     assert ours.dtype == theirs.dtype == out_dtype
     # torch's CPU path scales the operands before its matmul and we scale the fp32
     # result after it (as cuBLASLt does): the two differ by fp32 roundings only
