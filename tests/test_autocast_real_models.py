@@ -43,15 +43,9 @@ def _compare(build, batches, loss_fn, fused_cast, monkeypatch):
     torch.manual_seed(0)
     model = build()
     twin = copy.deepcopy(model)
-    spares = [copy.deepcopy(model) for _ in range(3)]
     want = _train(model, batches, loss_fn, "torch", False, monkeypatch)
-    while bool((want[1:] == want[:-1]).any()) and spares:
-        # torch's side skipped a step: on the CPU, torch.amp.GradScaler with AdamW(fused=True)
-        # now and then skips a step whose gradients are all finite (seen in about one run in
-        # three, without ampc loaded at all); a run that skipped nothing is the reference
-        want = _train(spares.pop(), batches, loss_fn, "torch", False, monkeypatch)
     got = _train(twin, batches, loss_fn, "ampc", fused_cast, monkeypatch)
-    assert torch.isfinite(want).all() and want[-1] < want[0]      # it trains
+    assert torch.isfinite(want).all() and bool((want[1:] < want[:-1]).all())  # no step skipped
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got, want, rtol=5e-3, atol=0, msg=lambda m: f"{m}\ntorch {want}\nampc  {got}")
 
@@ -80,8 +74,12 @@ def test_transformers_llama(monkeypatch):
 
 
 def test_torchvision_resnet18(monkeypatch):
+    # 32x32, not 16x16: at 16x16, layer4.0.conv1 sees a 1x1 input with stride 2 and padding 1,
+    # and torch's CPU bf16 convolution backward then puts NaN into its weight gradient about one
+    # run in eight (torch.autocast alone, ampc not imported; the NaNs move from run to run), so
+    # either side's scaler rightly skips a step the other side takes
     g = torch.Generator().manual_seed(2)
-    batches = [(torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g))] * STEPS
+    batches = [(torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g))] * STEPS
 
     def loss_fn(model, batch):
         x, y = batch
