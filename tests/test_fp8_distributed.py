@@ -13,10 +13,11 @@ import struct
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from ampc import fp8
-from test_distributed import WORLD, assert_same_bits, run_ranks
+from test_distributed import WORLD, assert_same_bits, ddp, fsdp, full, run_ranks
 from test_fp8_scaling import ref_step
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
@@ -247,3 +248,100 @@ def test_bad_group_and_recipe_arguments_name_them():
     with pytest.raises(TypeError, match=r"ampc\.fp8\.DelayedScaling: reduce_amax must be a "
                                         r"bool, got 1"):
         fp8.DelayedScaling(reduce_amax=1)
+
+
+# ---- DDP and FSDP2 train a small model ----
+
+TRAIN_STEPS = 4
+TRAIN_RECIPES = {"reduced": fp8.DelayedScaling(amax_history_len=8),
+                 "control": fp8.DelayedScaling(amax_history_len=8, reduce_amax=False)}
+
+
+def train_batch(step, rank):
+    """Rank 1's inputs are 4x rank 0's: scales made from rank 0's alone saturate them."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 32, generator=g) * (4.0 if rank else 1.0), \
+        torch.randn(16, 16, generator=g)
+
+
+def _train(rank, wrap, recipe):
+    torch.manual_seed(0)
+    model = fp8.convert(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)))
+    layers = [model[0], model[2]]
+    model = wrap(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(TRAIN_STEPS):
+        x, y = train_batch(step, rank)
+        opt.zero_grad(set_to_none=True)
+        with fp8.autocast(recipe=recipe):
+            out = model(x)
+        loss = F.mse_loss(out.float(), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"states": snapshot(*layers), "params": [full(p) for p in model.parameters()],
+            "losses": losses}
+
+
+def _trainings(rank):
+    return {(wrap.__name__, name): _train(rank, wrap, recipe)
+            for wrap in (ddp, fsdp) for name, recipe in TRAIN_RECIPES.items()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return run_ranks(_trainings, tmp_path=tmp_path_factory.mktemp("fp8_train"))
+
+
+def input_amaxes(rank):
+    """Layer 0's input amaxes of the steps, newest first, as its history holds them."""
+    return [amax(train_batch(step, rank)[0]) for step in reversed(range(TRAIN_STEPS))]
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_ddp_and_fsdp2_ranks_agree_on_the_reduced_state(trained, wrap):
+    r0, r1 = trained[0][(wrap, "reduced")], trained[1][(wrap, "reduced")]
+    assert_same_bits(r0["states"], r1["states"], f"{wrap}: FP8 state")
+    assert_same_bits(r0["params"], r1["params"], f"{wrap}: params")
+    assert all(math.isfinite(v) for v in r0["losses"] + r1["losses"])
+    want = [max(a, b) for a, b in zip(input_amaxes(0), input_amaxes(1))]
+    history = r0["states"][0]["fp8_fwd_amax_history"][:, 0].tolist()
+    assert history == want + [0.0] * (8 - TRAIN_STEPS)
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_ddp_and_fsdp2_without_reduction_drift_apart(trained, wrap):
+    """The control. Under DDP, whose buffer broadcast hands every rank rank 0's state at
+    each forward, rank 1's history holds its own last amax on top of rank 0's; under FSDP2
+    each rank keeps its own."""
+    r0, r1 = trained[0][(wrap, "control")], trained[1][(wrap, "control")]
+    own0, own1 = input_amaxes(0), input_amaxes(1)
+    h0 = r0["states"][0]["fp8_fwd_amax_history"][:TRAIN_STEPS, 0].tolist()
+    h1 = r1["states"][0]["fp8_fwd_amax_history"][:TRAIN_STEPS, 0].tolist()
+    assert h0 == own0
+    assert h1 == (own1[:1] + own0[1:] if wrap == "ddp" else own1)
+    with pytest.raises(AssertionError):
+        assert_same_bits(r0["states"], r1["states"], wrap)
+
+
+# ---- one process ----
+
+def test_a_one_rank_process_group_changes_nothing(tmp_path, monkeypatch):
+    """torch.distributed initialized with one rank: no collective, and the states of the
+    run without it, bit for bit: each cast updates its scales right after it."""
+    recipe = RECIPES["max"]
+    alone = _two_linears(0, recipe, None)
+    assert_matches_reference(alone["states"],
+                             reference(recipe, alone["weights"], reduced=False, rank=0), "one")
+    calls = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (calls.append(t), real(t, *a, **k)))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        grouped = _two_linears(0, recipe, None)
+    finally:
+        dist.destroy_process_group()
+    assert calls == []
+    assert_same_bits(grouped, alone, "world size 1")

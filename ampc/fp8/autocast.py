@@ -82,26 +82,24 @@ class autocast:
         self.modules = _check_modules(modules)
         check_group(fp8_group)
         self.fp8_group = fp8_group
-        self._pending = []
 
     def __enter__(self):
         global _hook, _hook_users
-        with _hook_lock:
-            if _hook_users == 0:
-                _hook = _module.register_module_forward_pre_hook(_convert_listed)
-            _hook_users += 1
         pending = None
         if self.enabled and self.recipe.reduce_amax:
             group = resolve_group(self.fp8_group)
             pending = None if group is None else Pending(group)
-        self._pending.append(pending)       # a region object may be entered again, nested
+        with _hook_lock:
+            if _hook_users == 0:
+                _hook = _module.register_module_forward_pre_hook(_convert_listed)
+            _hook_users += 1
         _region.stack().append((self.recipe, self.modules, pending) if self.enabled else None)
         return self
 
     def __exit__(self, exc_type, exc, tb):
         global _hook, _hook_users
-        _region.stack().pop()
-        pending = self._pending.pop()
+        region = _region.stack().pop()
+        pending = None if region is None else region[2]
         with _hook_lock:
             _hook_users -= 1
             if _hook_users == 0:
