@@ -1,5 +1,5 @@
-"""The FP8 region of the current thread: the recipe and module types of the innermost
-ampc.fp8.autocast, or none."""
+"""The FP8 region of the current thread: the recipe, module types and amax reduction
+(a _amax_reduction.Pending, or None) of the innermost ampc.fp8.autocast, or none."""
 import threading
 
 _local = threading.local()
@@ -13,6 +13,6 @@ def stack():
 
 
 def current():
-    """(recipe, module types) of the innermost enabled region, or None."""
+    """(recipe, module types, pending) of the innermost enabled region, or None."""
     s = stack()
     return s[-1] if s and s[-1] is not None else None

@@ -4,7 +4,8 @@ Inside it, ampc.fp8.Linear runs FP8, and modules whose type is exactly one of ``
 (nn.Linear by default) become ampc.fp8.Linear when their parent module is called, so they
 run FP8 from their first call; a listed module called directly (no parent) is converted by
 its first call and runs FP8 from its second. Call ampc.fp8.convert(model) first to avoid
-both, and before loading an FP8 checkpoint into a fresh model.
+both, and before loading an FP8 checkpoint into a fresh model. Under torch.distributed a
+region reduces delayed scaling's amaxes across its process group (_amax_reduction.py).
 """
 import threading
 
@@ -12,6 +13,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from . import _region
+from ._amax_reduction import Pending, check_group, resolve_group
 from .linear import Linear, to_fp8
 from .recipe import RECIPES, DelayedScaling
 
@@ -54,6 +56,14 @@ class autocast:
             ampc.fp8.Float8CurrentScaling.
         modules (tuple of types): module types turned into ampc.fp8.Linear inside the region.
             Default: (nn.Linear,).
+        fp8_group (ProcessGroup, optional): the ranks across which DelayedScaling's amaxes
+            are reduced (MAX) when its ``reduce_amax`` is True: one all_reduce of the forward
+            amaxes of every module that ran in the region at its exit, one of the backward
+            amaxes at the end of the backward pass, the scale updates after each, on the
+            device. Default: the default group when torch.distributed is initialized with
+            more than one rank; a group of one rank, or one process, reduces nothing. Every
+            rank must run the same FP8 modules in the same order; a region left by an
+            exception skips its reduction and updates.
 
     Example::
 
@@ -62,7 +72,7 @@ class autocast:
         >>> loss.backward()     # the backward of an FP8 forward runs FP8 wherever it runs
     """
 
-    def __init__(self, enabled=True, recipe=None, modules=(nn.Linear,)):
+    def __init__(self, enabled=True, recipe=None, modules=(nn.Linear,), fp8_group=None):
         recipe = DelayedScaling() if recipe is None else recipe
         if not isinstance(recipe, RECIPES):
             raise TypeError(f"ampc.fp8.autocast: recipe must be an ampc.fp8.DelayedScaling or "
@@ -70,22 +80,31 @@ class autocast:
         self.enabled = bool(enabled)
         self.recipe = recipe
         self.modules = _check_modules(modules)
+        check_group(fp8_group)
+        self.fp8_group = fp8_group
 
     def __enter__(self):
         global _hook, _hook_users
+        pending = None
+        if self.enabled and self.recipe.reduce_amax:
+            group = resolve_group(self.fp8_group)
+            pending = None if group is None else Pending(group)
         with _hook_lock:
             if _hook_users == 0:
                 _hook = _module.register_module_forward_pre_hook(_convert_listed)
             _hook_users += 1
-        _region.stack().append((self.recipe, self.modules) if self.enabled else None)
+        _region.stack().append((self.recipe, self.modules, pending) if self.enabled else None)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
         global _hook, _hook_users
-        _region.stack().pop()
+        region = _region.stack().pop()
+        pending = None if region is None else region[2]
         with _hook_lock:
             _hook_users -= 1
             if _hook_users == 0:
                 _hook.remove()
                 _hook = None
+        if pending is not None and exc_type is None:
+            pending.finish()
         return False

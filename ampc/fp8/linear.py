@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _region
+from ._amax_reduction import backward_pending
 from .gemm import gemm
 from .scaling import PERSISTENT, init_state, match_recipe, scaled_cast
 
@@ -35,9 +36,9 @@ def _pad_rows(t, multiple=MULTIPLE):
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, module, recipe, out_dtype):
+    def forward(ctx, x, weight, bias, module, recipe, out_dtype, pending):
         (x8, w8), sinv = scaled_cast(module, "fwd", [x, weight.contiguous()],
-                                     recipe.fp8_format.fwd_dtype, recipe)
+                                     recipe.fp8_format.fwd_dtype, recipe, pending)
         gemm_dtype = _out_dtype(out_dtype)
         epilogue = bias is not None and gemm_dtype == torch.bfloat16
         y = gemm(x8, w8.t(), sinv[0:1], sinv[1:2], out_dtype=gemm_dtype,
@@ -46,6 +47,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             y = y.add_(bias)
         ctx.save_for_backward(x8, w8, sinv)
         ctx.module, ctx.recipe = module, recipe
+        ctx.group = None if pending is None else pending.group
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.to(out_dtype)
 
@@ -57,8 +59,9 @@ class _Fp8LinearFn(torch.autograd.Function):
         dy = dy.contiguous()
         if dy.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             dy = dy.float()
+        pending = None if ctx.group is None else backward_pending(ctx.group)
         (dy8,), ginv = scaled_cast(ctx.module, "bwd", [dy], ctx.recipe.fp8_format.bwd_dtype,
-                                   ctx.recipe)
+                                   ctx.recipe, pending)
         dx = dw = db = None
         if need_x:      # dx [m, in] = dy [m, out] @ w [out, in]
             dx = gemm(dy8, w8.t().contiguous().t(), ginv, sinv[1:2],
@@ -70,11 +73,12 @@ class _Fp8LinearFn(torch.autograd.Function):
                       out_dtype=_out_dtype(w_dtype)).to(w_dtype)
         if need_b:
             db = dy.sum(0, dtype=torch.float32).to(b_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
-def linear(module, x, recipe):
-    """F.linear(x, module.weight, module.bias) with FP8 GEMMs and the module's state."""
+def linear(module, x, recipe, pending=None):
+    """F.linear(x, module.weight, module.bias) with FP8 GEMMs and the module's state;
+    `pending`: the region's amax reduction, if any."""
     out_f, in_f = module.weight.shape
     if in_f % MULTIPLE or out_f % MULTIPLE:
         raise ValueError(f"ampc.fp8.Linear: FP8 GEMMs need in_features and out_features that "
@@ -90,7 +94,7 @@ def linear(module, x, recipe):
     if x2.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x2 = x2.float()
     y = _Fp8LinearFn.apply(x2.contiguous(), module.weight, module.bias, module, recipe,
-                           out_dtype)
+                           out_dtype, pending)
     return y.reshape(*x.shape[:-1], out_f)
 
 
@@ -110,7 +114,7 @@ class Linear(nn.Linear):
         region = _region.current()
         if region is None:
             return F.linear(input, self.weight, self.bias)
-        return linear(self, input, region[0])
+        return linear(self, input, region[0], region[2])
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):

@@ -39,11 +39,21 @@ class DelayedScaling:
     ``amax_history_len`` steps' amaxes or the latest one (``"most_recent"``). A step whose
     amax is 0, inf or nan keeps the previous scale. The amax of a step is taken in the same
     pass as its cast, and the scales are updated on the device: no host sync.
+
+    ``reduce_amax`` (default True): where the region has a process group of more than one
+    rank (``ampc.fp8.autocast(fp8_group=...)``, the default group when torch.distributed is
+    initialized), the amaxes are reduced with MAX across its ranks before the scales are
+    updated, so every data-parallel rank casts with the same scales, made from everyone's
+    data: one all_reduce for the forward amaxes of all modules at the region's exit, one for
+    the backward amaxes when the backward pass ends, the updates after each. Until then a
+    module keeps its scales, and a module used twice in one region gets the max of both
+    uses. In one process nothing changes: each cast updates its scales right after it.
     """
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
+    reduce_amax: bool = True
 
     def __post_init__(self):
         _check_format("DelayedScaling", self.fp8_format)
@@ -56,6 +66,9 @@ class DelayedScaling:
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
             raise ValueError(f"ampc.fp8.DelayedScaling: amax_compute_algo must be one of "
                              f"{AMAX_COMPUTE_ALGOS}, got {self.amax_compute_algo!r}")
+        if not isinstance(self.reduce_amax, bool):
+            raise TypeError(f"ampc.fp8.DelayedScaling: reduce_amax must be a bool, "
+                            f"got {self.reduce_amax!r}")
 
     current = False
 
@@ -68,13 +81,23 @@ class DelayedScaling:
 class Float8CurrentScaling:
     """Each tensor is cast with the scale of its own amax, taken in a read pass just before
     the cast (two passes over the tensor, no history): the most accurate choice, at the cost
-    of the extra read."""
+    of the extra read.
+
+    No amax is reduced across ranks. Under data parallelism each rank's tensor is a whole
+    tensor of its own (its batch's activations and gradients; the weight, the same on every
+    rank, all-gathered whole under FSDP2), so its own amax is the right one, and a max over
+    ranks would only coarsen the scales of the ranks with smaller data. TransformerEngine
+    reduces current-scaling amaxes only where one tensor is split across ranks (sequence or
+    tensor parallel input sharding), which ampc.fp8 does not do. The state left in the
+    buffers (the last amax and scale) may differ across ranks; nothing reads it before it is
+    recomputed."""
     fp8_format: Format = Format.HYBRID
 
     def __post_init__(self):
         _check_format("Float8CurrentScaling", self.fp8_format)
 
     current = True
+    reduce_amax = False
     margin = 0
     history_len = 1
     amax_compute_algo = "most_recent"

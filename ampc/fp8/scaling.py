@@ -6,7 +6,9 @@ A module keeps, as buffers in its state_dict (so a checkpoint resumes bit for bi
     fp8_bwd_amax_history [H, 1]  amaxes of the output gradient
     fp8_bwd_scale [1], fp8_bwd_scale_inv [1]
 and, outside the state_dict, the amax scratch of the step being cast. H is the recipe's
-amax_history_len (1 for current scaling). Every update runs on the device.
+amax_history_len (1 for current scaling). Every update runs on the device. Where delayed
+scaling's amaxes are reduced across ranks, a cast hands its amax to `pending` and the
+update waits for the reduction (_amax_reduction.py).
 """
 import torch
 
@@ -35,10 +37,11 @@ def match_recipe(module, recipe):
         init_state(module, recipe.history_len, module.fp8_fwd_amax_history.device)
 
 
-def scaled_cast(module, kind, tensors, dtype, recipe):
+def scaled_cast(module, kind, tensors, dtype, recipe, pending=None):
     """Casts `tensors` (contiguous fp32/bf16/fp16) to `dtype` with the module's `kind` scales.
     Returns the fp8 tensors and a copy of the inverse scales they were cast with (the GEMMs
-    that use them may run after the scales moved on: the backward pass does)."""
+    that use them may run after the scales moved on: the backward pass does). With
+    `pending` (delayed scaling reduced across ranks) the update is left to it."""
     history = getattr(module, f"fp8_{kind}_amax_history")
     amax = getattr(module, f"fp8_{kind}_amax")
     scale = getattr(module, f"fp8_{kind}_scale")
@@ -51,5 +54,8 @@ def scaled_cast(module, kind, tensors, dtype, recipe):
     ops.cast_fp8(out, tensors, scale, amax)
     used = scale_inv.clone()
     if not recipe.current:
-        ops.fp8_update_scales(history, amax, scale, scale_inv, **update)
+        if pending is None:
+            ops.fp8_update_scales(history, amax, scale, scale_inv, **update)
+        else:
+            pending.add(module, kind, amax, update)
     return out, used
