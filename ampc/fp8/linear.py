@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _region
+from . import _recompute, _region
 from .gemm import gemm
 from .scaling import PERSISTENT, init_state, match_recipe, scaled_cast
 
@@ -35,9 +35,15 @@ def _pad_rows(t, multiple=MULTIPLE):
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, module, recipe, out_dtype):
-        (x8, w8), sinv = scaled_cast(module, "fwd", [x, weight.contiguous()],
-                                     recipe.fp8_format.fwd_dtype, recipe)
+    def forward(ctx, x, weight, bias, module, recipe, out_dtype, replay, record):
+        tensors, dtype = [x, weight.contiguous()], recipe.fp8_format.fwd_dtype
+        if replay is not None:      # a checkpoint's recomputation: the forward's casts again
+            (x8, w8), sinv = replay.cast(tensors, dtype)
+        else:
+            keep = None if record is None else []
+            (x8, w8), sinv = scaled_cast(module, "fwd", tensors, dtype, recipe, keep)
+            if record is not None:
+                record.add(module, recipe, keep[0], sinv)
         gemm_dtype = _out_dtype(out_dtype)
         epilogue = bias is not None and gemm_dtype == torch.bfloat16
         y = gemm(x8, w8.t(), sinv[0:1], sinv[1:2], out_dtype=gemm_dtype,
@@ -70,11 +76,12 @@ class _Fp8LinearFn(torch.autograd.Function):
                       out_dtype=_out_dtype(w_dtype)).to(w_dtype)
         if need_b:
             db = dy.sum(0, dtype=torch.float32).to(b_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
-def linear(module, x, recipe):
-    """F.linear(x, module.weight, module.bias) with FP8 GEMMs and the module's state."""
+def linear(module, x, recipe, replay=None):
+    """F.linear(x, module.weight, module.bias) with FP8 GEMMs and the module's state; with
+    ``replay`` (a checkpoint's recomputation) with its recipe and scales, the state untouched."""
     out_f, in_f = module.weight.shape
     if in_f % MULTIPLE or out_f % MULTIPLE:
         raise ValueError(f"ampc.fp8.Linear: FP8 GEMMs need in_features and out_features that "
@@ -83,14 +90,17 @@ def linear(module, x, recipe):
     if x.shape[-1] != in_f:
         raise ValueError(f"ampc.fp8.Linear: input has {x.shape[-1]} features, the layer "
                          f"takes {in_f}")
-    match_recipe(module, recipe)
+    record = None
+    if replay is None:
+        match_recipe(module, recipe)
+        record = _recompute.recording()
     out_dtype = (torch.get_autocast_dtype(x.device.type)
                  if torch.is_autocast_enabled(x.device.type) else x.dtype)
     x2 = x.reshape(-1, in_f)
     if x2.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x2 = x2.float()
     y = _Fp8LinearFn.apply(x2.contiguous(), module.weight, module.bias, module, recipe,
-                           out_dtype)
+                           out_dtype, replay, record)
     return y.reshape(*x.shape[:-1], out_f)
 
 
@@ -107,10 +117,17 @@ class Linear(nn.Linear):
         init_state(self, device=self.weight.device)
 
     def forward(self, input):
-        region = _region.current()
-        if region is None:
+        replay = _recompute.replayed(self)
+        if replay is None:              # not a checkpoint's recomputation
+            region = _region.current()
+            if region is None:
+                if _region.stack():     # a disabled region inside an enabled one
+                    _recompute.record_not_fp8(self)
+                return F.linear(input, self.weight, self.bias)
+            return linear(self, input, region[0])
+        if replay is _recompute.NOT_FP8:
             return F.linear(input, self.weight, self.bias)
-        return linear(self, input, region[0])
+        return linear(self, input, replay.recipe, replay)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
