@@ -117,6 +117,10 @@ class Linear(nn.Linear):
         init_state(self, device=self.weight.device)
 
     def forward(self, input):
+        if torch.compiler.is_compiling():
+            if not _region.stack():     # no FP8 region open: nn.Linear, traced
+                return F.linear(input, self.weight, self.bias)
+            return _eager_forward(self, input)
         replay = _recompute.replayed(self)
         if replay is None:              # not a checkpoint's recomputation
             region = _region.current()
@@ -140,6 +144,12 @@ class Linear(nn.Linear):
                                       unexpected_keys, error_msgs)
         ours = {prefix + name for name in PERSISTENT}
         missing_keys[:] = [k for k in missing_keys if k not in ours]
+
+
+# torch.compile: an FP8 call runs eagerly, a graph break on each side. Traced, the scaling
+# state's in-place updates and the copies of the scales taken before them are not kept apart:
+# AOTAutograd's backward read the inverse scale of the cast after its update.
+_eager_forward = torch.compiler.disable(Linear.forward, recursive=True)
 
 
 def convert(model, modules=(nn.Linear,)):
