@@ -66,7 +66,7 @@ def _region(recipe, bf16):
 
 
 def _state(net):
-    return {k: v.clone() for k, v in net.state_dict().items() if ".fp8_" in k or "fp8_" in k}
+    return {k: v.clone() for k, v in net.state_dict().items() if "fp8_" in k}
 
 
 def _grads(net):
@@ -355,3 +355,40 @@ def test_compile_of_a_checkpointed_model_matches_eager(mode, recipe):
     finally:
         torch._dynamo.reset()
     assert_same(got, train("none", RECIPES[recipe]))
+
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        self.b = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+    def forward(self, x):
+        return self.b(self.a(x) + x)
+
+
+@pytest.mark.parametrize("how", ["wrapper, no reentrant", "wrapper, reentrant", "composable"])
+def test_checkpoint_wrapper_and_composable_checkpoint(how):
+    """torch.distributed's module checkpointing reaches the same frames."""
+    from torch.distributed._composable import checkpoint as composable_checkpoint
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    def run(wrap):
+        torch.manual_seed(0)
+        net = fp8.convert(Blocks())
+        if wrap == "composable":
+            composable_checkpoint(net.a)
+            composable_checkpoint(net.b)
+        elif wrap is not None:
+            impl = {"wrapper, no reentrant": CheckpointImpl.NO_REENTRANT,
+                    "wrapper, reentrant": CheckpointImpl.REENTRANT}[wrap]
+            net.a = checkpoint_wrapper(net.a, checkpoint_impl=impl)
+            net.b = checkpoint_wrapper(net.b, checkpoint_impl=impl)
+        x = torch.randn(16, 32, requires_grad=True)
+        with fp8.autocast(recipe=RECIPES["delayed"]):
+            loss = net(x).square().mean()
+            loss.backward()
+        return [loss.detach()], [[x.grad] + _grads(net)], [_state(net)]
+
+    assert_same(run(how), run(None))

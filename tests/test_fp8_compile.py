@@ -12,6 +12,7 @@ roundings; torch._inductor.config.emulate_precision_casts restores those), and a
 turns a last-bit difference at a rounding boundary into one FP8 step (2**-3 relative for
 e4m3, 2**-2 for e5m2): the bounds are in test_compile_inductor_with_layernorm_and_gelu.
 """
+import contextlib
 import copy
 
 import pytest
@@ -197,3 +198,39 @@ def test_compile_outside_a_region_is_nn_linear_without_graph_breaks():
         torch._dynamo.reset()
     assert not breaks, breaks
     assert torch.equal(got, plain(x))
+
+
+def test_compile_follows_regions_opened_and_closed_between_calls():
+    """One compiled model called outside a region, inside one, under a disabled region and
+    with another recipe: each call as eager's (Dynamo's guards see the region change)."""
+    torch.manual_seed(0)
+    eager = fp8.convert(Net())
+    model = copy.deepcopy(eager)
+    x = torch.randn(24, 32)
+    delayed, current = RECIPES["delayed"], RECIPES["current"]
+
+    def regions():
+        yield contextlib.nullcontext()
+        yield fp8.autocast(recipe=delayed)
+        yield contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(fp8.autocast(recipe=delayed))
+        stack.enter_context(fp8.autocast(enabled=False))
+        yield stack
+        yield fp8.autocast(recipe=current)
+        yield fp8.autocast(recipe=delayed)
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="aot_eager")
+        for got_region, want_region in zip(regions(), regions()):
+            with got_region:
+                got = compiled(x)
+            with want_region:
+                want = eager(x)
+            assert torch.equal(got, want)
+            for k, v in eager.state_dict().items():
+                assert torch.equal(model.state_dict()[k], v), k
+    finally:
+        torch._dynamo.reset()
+    assert (eager.fc1.fp8_fwd_amax_history[0] > 0).all()      # the last call ran FP8

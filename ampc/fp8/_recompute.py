@@ -10,10 +10,17 @@ So each FP8 call of an ampc.fp8.Linear inside a checkpointed forward records, on
 checkpoint, the recipe and the scales it cast with (ampc/_checkpoint.py finds the checkpoint,
 as it does for ampc.autocast; both reentrant and non-reentrant checkpointing). The
 checkpoint's recomputation is wrapped to replay the record in order: the same casts, the
-scaling state left alone, FP8 or not as the forward was whatever region is open in backward.
+scaling state left alone, each call FP8 or not as in the forward, whatever region is open
+when the backward runs.
 The record lives and dies with its checkpoint, so several forwards before their backwards
 (gradient accumulation) each replay their own, in whatever order the backwards run.
-Current scaling replays too: the same scales, without the amax pass.
+Current scaling replays too: the same scales, without the amax pass (recomputing them from
+the rebuilt tensors would give the same, as test_fp8_checkpoint.py shows).
+
+A checkpoint is found through torch's saved-tensor hooks (non-reentrant) or, under no_grad,
+its frame (reentrant). Saved-tensor hooks of one's own pushed inside a checkpointed function
+around an FP8 layer, or torch.enable_grad() around one inside a reentrant checkpoint, hide it:
+the layer's forward is not recorded and its recomputation runs without FP8, undetected.
 
 A call without FP8 under a disabled region (``fp8.autocast(enabled=False)`` inside an enabled
 one) is recorded as such. Not supported, with an error rather than a wrong answer: FP8 layers

@@ -4,7 +4,9 @@ Forward: input and weight cast to e4m3 with their scales (amax taken in the same
 one FP8 GEMM. Backward: the output gradient cast to the recipe's backward format (e5m2 with
 Format.HYBRID), one FP8 GEMM for the input gradient and one for the weight gradient; the
 bias gradient is summed from the unquantized output gradient. Outside a region it is
-nn.Linear. The scaling state is in its state_dict (see scaling.py).
+nn.Linear. The scaling state is in its state_dict (see scaling.py). A checkpoint's
+recomputation casts as the forward did (_recompute.py); under torch.compile an FP8 call runs
+eagerly (see _eager_forward below).
 """
 import torch
 import torch.nn.functional as F
@@ -110,6 +112,11 @@ class Linear(nn.Linear):
 
     A state_dict without the FP8 state (one saved from nn.Linear) loads: the state starts
     afresh. One saved with another amax history length loads with that length.
+
+    Under activation checkpointing (torch.utils.checkpoint, reentrant or not) the
+    recomputation of a forward casts with the recipe and scales that forward used and leaves
+    the state alone. Under torch.compile each FP8 call runs eagerly, a graph break on each
+    side; outside a region the layer compiles as nn.Linear.
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
