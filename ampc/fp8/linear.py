@@ -153,9 +153,10 @@ class Linear(nn.Linear):
         missing_keys[:] = [k for k in missing_keys if k not in ours]
 
 
-# torch.compile: an FP8 call runs eagerly, a graph break on each side. Traced, the scaling
-# state's in-place updates and the copies of the scales taken before them are not kept apart:
-# AOTAutograd's backward read the inverse scale of the cast after its update.
+# torch.compile: an FP8 call runs eagerly, a graph break on each side. Traced (torch 2.14),
+# AOTAutograd's partitioner saved the scale_inv buffer itself for the backward and redid the
+# copy taken before its in-place update there, after the update: the weight gradient came out
+# scaled by the new inverse scale instead of the one the input was cast with.
 _eager_forward = torch.compiler.disable(Linear.forward, recursive=True)
 
 
