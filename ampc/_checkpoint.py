@@ -1,4 +1,5 @@
-"""Carrying an ampc region into activation checkpointing's recomputation.
+"""Carrying an ampc region into activation checkpointing's recomputation (and, for
+ampc.fp8, the scales the forward cast with: fp8/_recompute.py).
 
 torch's checkpoint restores torch's autocast state for the recomputation, which covers every
 op whose ampc policy equals torch's lists, but not a TorchFunctionMode. When an op with an
@@ -27,22 +28,47 @@ def _closure(fn, name):
     return fn.__closure__[code.co_freevars.index(name)].cell_contents
 
 
+def _slot(depth=64):
+    """(owner, attribute) of the recomputation function of the checkpointed forward running
+    now, or None (outside one, and inside a recomputation). Reentrant checkpointing is
+    looked for ``depth`` frames up (None: the whole stack)."""
+    hooks = top_hooks()
+    if hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):   # non-reentrant
+        # the forward's pack hook holds the frame; the recomputation's hook holds none
+        frame = _closure(hooks[0], "frame")
+        return None if frame is None else (frame, "recompute_fn")
+    if torch.is_grad_enabled():
+        return None
+    f = sys._getframe(1)                     # reentrant: the function runs under no_grad
+    while f is not None and depth != 0:
+        if f.f_code is REENTRANT_FORWARD:
+            ctx = f.f_locals.get("ctx")
+            return None if ctx is None else (ctx, "run_function")
+        f, depth = f.f_back, None if depth is None else depth - 1
+    return None
+
+
+def in_checkpointed_forward():
+    return _slot(None) is not None
+
+
+def wrap_recompute(wrap, mark, whole_stack=False):
+    """Inside a checkpointed forward, replaces its recomputation ``fn`` with ``wrap(fn)``
+    unless a function marked ``mark`` (an attribute, not None) is there already; wrappers
+    made with functools.wraps keep the marks of the function they wrap. Returns the function
+    now in place, or None outside a checkpointed forward."""
+    slot = _slot(None if whole_stack else 64)
+    if slot is None:
+        return None
+    owner, name = slot
+    fn = getattr(owner, name)
+    if getattr(fn, mark, None) is None:
+        fn = wrap(fn)
+        setattr(owner, name, fn)
+    return fn
+
+
 def carry_into_checkpoint(wrap):
     """Inside a checkpointed forward, replaces its recomputation ``fn`` with ``wrap(fn)``
     (once per checkpoint); does nothing elsewhere."""
-    hooks = top_hooks()
-    if hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):   # non-reentrant
-        frame = _closure(hooks[0], "frame")
-        if frame is not None and not getattr(frame.recompute_fn, "_ampc", False):
-            frame.recompute_fn = wrap(frame.recompute_fn)
-        return
-    if torch.is_grad_enabled():
-        return
-    f, depth = sys._getframe(1), 64          # reentrant: the function runs under no_grad
-    while f is not None and depth:
-        if f.f_code is REENTRANT_FORWARD:
-            ctx = f.f_locals.get("ctx")
-            if ctx is not None and not getattr(ctx.run_function, "_ampc", False):
-                ctx.run_function = wrap(ctx.run_function)
-            return
-        f, depth = f.f_back, depth - 1
+    wrap_recompute(wrap, "_ampc")

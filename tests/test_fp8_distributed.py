@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl, checkpoint_wrapper)
 
 from ampc import fp8
 from test_distributed import WORLD, assert_same_bits, ddp, fsdp, full, run_ranks
@@ -257,6 +259,11 @@ TRAIN_RECIPES = {"reduced": fp8.DelayedScaling(amax_history_len=8),
                  "control": fp8.DelayedScaling(amax_history_len=8, reduce_amax=False)}
 
 
+# DDP takes reentrant checkpointing only with static_graph=True: that pair is left out
+CHECKPOINTED = [(ddp, CheckpointImpl.NO_REENTRANT), (fsdp, CheckpointImpl.NO_REENTRANT),
+                (fsdp, CheckpointImpl.REENTRANT)]
+
+
 def train_batch(step, rank):
     """Rank 1's inputs are 4x rank 0's: scales made from rank 0's alone saturate them."""
     g = torch.Generator().manual_seed(1000 * step + rank)
@@ -264,15 +271,20 @@ def train_batch(step, rank):
         torch.randn(16, 16, generator=g)
 
 
-def _train(rank, wrap, recipe):
+def _train(rank, wrap, recipe, checkpointed=None):
     torch.manual_seed(0)
     model = fp8.convert(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)))
     layers = [model[0], model[2]]
+    if checkpointed:    # the first layer recomputed in the backward, outside the region
+        first = checkpoint_wrapper(nn.Sequential(model[0], model[1]), checkpoint_impl=checkpointed)
+        model = nn.Sequential(first, model[2])
     model = wrap(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(TRAIN_STEPS):
         x, y = train_batch(step, rank)
+        # reentrant checkpointing gives no param a gradient unless an input requires one
+        x.requires_grad_(checkpointed is CheckpointImpl.REENTRANT)
         opt.zero_grad(set_to_none=True)
         with fp8.autocast(recipe=recipe):
             out = model(x)
@@ -285,8 +297,11 @@ def _train(rank, wrap, recipe):
 
 
 def _trainings(rank):
-    return {(wrap.__name__, name): _train(rank, wrap, recipe)
+    runs = {(wrap.__name__, name): _train(rank, wrap, recipe)
             for wrap in (ddp, fsdp) for name, recipe in TRAIN_RECIPES.items()}
+    for wrap, impl in CHECKPOINTED:
+        runs[(wrap.__name__, impl.name)] = _train(rank, wrap, TRAIN_RECIPES["reduced"], impl)
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -308,6 +323,19 @@ def test_ddp_and_fsdp2_ranks_agree_on_the_reduced_state(trained, wrap):
     want = [max(a, b) for a, b in zip(input_amaxes(0), input_amaxes(1))]
     history = r0["states"][0]["fp8_fwd_amax_history"][:, 0].tolist()
     assert history == want + [0.0] * (8 - TRAIN_STEPS)
+
+
+@pytest.mark.parametrize("wrap, impl", [(w.__name__, i.name) for w, i in CHECKPOINTED])
+def test_a_checkpointed_layer_reduces_as_without_checkpointing(trained, wrap, impl):
+    """The recomputed forward casts with the forward's scales, and its backward's amaxes
+    are reduced over the forward's group (reentrant checkpointing runs the backward of the
+    recomputed graph): state, params and losses those of the run without checkpointing, on
+    every rank."""
+    for rank in range(WORLD):
+        want, got = trained[rank][(wrap, "reduced")], trained[rank][(wrap, impl)]
+        assert_same_bits(got["states"], want["states"], f"{wrap}, rank {rank}: FP8 state")
+        assert_same_bits(got["params"], want["params"], f"{wrap}, rank {rank}: params")
+        assert got["losses"] == want["losses"]
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])

@@ -7,6 +7,9 @@ amaxes are reduced across the ranks (DelayedScaling's reduce_amax, autocast's fp
     with ampc.fp8.autocast(recipe=ampc.fp8.DelayedScaling()):
         loss = loss_fn(model(x), y)
     loss.backward()
+
+Activation checkpointing recomputes with the forward's scales (bit for bit the training
+without it); under torch.compile the FP8 calls run eagerly between compiled graphs.
 """
 from .autocast import autocast
 from .gemm import gemm

@@ -34,6 +34,16 @@ def _convert_listed(module, args):
             to_fp8(child)
 
 
+def _add_hook(handle):
+    """Registers _convert_listed, under the key of its last registration if it had one:
+    torch.compile guards on the keys of the global hooks, and a new key every region (every
+    step) recompiled the model each time."""
+    if handle is None:
+        return _module.register_module_forward_pre_hook(_convert_listed)
+    _module._global_forward_pre_hooks[handle.id] = _convert_listed
+    return handle
+
+
 def _check_modules(modules):
     if not isinstance(modules, (tuple, list)):
         raise TypeError(f"ampc.fp8.autocast: modules must be a tuple of module types, "
@@ -91,7 +101,7 @@ class autocast:
             pending = None if group is None else Pending(group)
         with _hook_lock:
             if _hook_users == 0:
-                _hook = _module.register_module_forward_pre_hook(_convert_listed)
+                _hook = _add_hook(_hook)
             _hook_users += 1
         _region.stack().append((self.recipe, self.modules, pending) if self.enabled else None)
         return self
@@ -104,7 +114,6 @@ class autocast:
             _hook_users -= 1
             if _hook_users == 0:
                 _hook.remove()
-                _hook = None
         if pending is not None and exc_type is None:
             pending.finish()
         return False

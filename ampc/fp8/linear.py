@@ -4,13 +4,15 @@ Forward: input and weight cast to e4m3 with their scales (amax taken in the same
 one FP8 GEMM. Backward: the output gradient cast to the recipe's backward format (e5m2 with
 Format.HYBRID), one FP8 GEMM for the input gradient and one for the weight gradient; the
 bias gradient is summed from the unquantized output gradient. Outside a region it is
-nn.Linear. The scaling state is in its state_dict (see scaling.py).
+nn.Linear. The scaling state is in its state_dict (see scaling.py). A checkpoint's
+recomputation casts as the forward did (_recompute.py); under torch.compile an FP8 call runs
+eagerly (see _eager_forward below).
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _region
+from . import _recompute, _region
 from ._amax_reduction import backward_pending
 from .gemm import gemm
 from .scaling import PERSISTENT, init_state, match_recipe, scaled_cast
@@ -36,9 +38,17 @@ def _pad_rows(t, multiple=MULTIPLE):
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, module, recipe, out_dtype, pending):
-        (x8, w8), sinv = scaled_cast(module, "fwd", [x, weight.contiguous()],
-                                     recipe.fp8_format.fwd_dtype, recipe, pending)
+    def forward(ctx, x, weight, bias, module, recipe, out_dtype, pending, replay, record):
+        tensors, dtype = [x, weight.contiguous()], recipe.fp8_format.fwd_dtype
+        if replay is not None:      # a checkpoint's recomputation: the forward's casts again
+            (x8, w8), sinv = replay.cast(tensors, dtype)
+            group = replay.group
+        else:
+            keep = None if record is None else []
+            (x8, w8), sinv = scaled_cast(module, "fwd", tensors, dtype, recipe, pending, keep)
+            group = None if pending is None else pending.group
+            if record is not None:
+                record.add(module, recipe, keep[0], sinv, group)
         gemm_dtype = _out_dtype(out_dtype)
         epilogue = bias is not None and gemm_dtype == torch.bfloat16
         y = gemm(x8, w8.t(), sinv[0:1], sinv[1:2], out_dtype=gemm_dtype,
@@ -47,7 +57,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             y = y.add_(bias)
         ctx.save_for_backward(x8, w8, sinv)
         ctx.module, ctx.recipe = module, recipe
-        ctx.group = None if pending is None else pending.group
+        ctx.group = group       # the backward's amaxes are reduced over the forward's group
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.to(out_dtype)
 
@@ -73,12 +83,13 @@ class _Fp8LinearFn(torch.autograd.Function):
                       out_dtype=_out_dtype(w_dtype)).to(w_dtype)
         if need_b:
             db = dy.sum(0, dtype=torch.float32).to(b_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
-def linear(module, x, recipe, pending=None):
+def linear(module, x, recipe, pending=None, replay=None):
     """F.linear(x, module.weight, module.bias) with FP8 GEMMs and the module's state;
-    `pending`: the region's amax reduction, if any."""
+    `pending`: the region's amax reduction, if any; with ``replay`` (a checkpoint's
+    recomputation) with its recipe and scales, the state untouched."""
     out_f, in_f = module.weight.shape
     if in_f % MULTIPLE or out_f % MULTIPLE:
         raise ValueError(f"ampc.fp8.Linear: FP8 GEMMs need in_features and out_features that "
@@ -87,14 +98,17 @@ def linear(module, x, recipe, pending=None):
     if x.shape[-1] != in_f:
         raise ValueError(f"ampc.fp8.Linear: input has {x.shape[-1]} features, the layer "
                          f"takes {in_f}")
-    match_recipe(module, recipe)
+    record = None
+    if replay is None:
+        match_recipe(module, recipe)
+        record = _recompute.recording()
     out_dtype = (torch.get_autocast_dtype(x.device.type)
                  if torch.is_autocast_enabled(x.device.type) else x.dtype)
     x2 = x.reshape(-1, in_f)
     if x2.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x2 = x2.float()
     y = _Fp8LinearFn.apply(x2.contiguous(), module.weight, module.bias, module, recipe,
-                           out_dtype, pending)
+                           out_dtype, pending, replay, record)
     return y.reshape(*x.shape[:-1], out_f)
 
 
@@ -104,6 +118,11 @@ class Linear(nn.Linear):
 
     A state_dict without the FP8 state (one saved from nn.Linear) loads: the state starts
     afresh. One saved with another amax history length loads with that length.
+
+    Under activation checkpointing (torch.utils.checkpoint, reentrant or not) the
+    recomputation of a forward casts with the recipe and scales that forward used and leaves
+    the state alone. Under torch.compile each FP8 call runs eagerly, a graph break on each
+    side; outside a region the layer compiles as nn.Linear.
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
@@ -111,10 +130,21 @@ class Linear(nn.Linear):
         init_state(self, device=self.weight.device)
 
     def forward(self, input):
-        region = _region.current()
-        if region is None:
+        if torch.compiler.is_compiling():
+            if not _region.stack():     # no FP8 region open: nn.Linear, traced
+                return F.linear(input, self.weight, self.bias)
+            return _eager_forward(self, input)
+        replay = _recompute.replayed(self)
+        if replay is None:              # not a checkpoint's recomputation
+            region = _region.current()
+            if region is None:
+                if _region.stack():     # a disabled region inside an enabled one
+                    _recompute.record_not_fp8(self)
+                return F.linear(input, self.weight, self.bias)
+            return linear(self, input, region[0], region[2])
+        if replay is _recompute.NOT_FP8:
             return F.linear(input, self.weight, self.bias)
-        return linear(self, input, region[0], region[2])
+        return linear(self, input, replay.recipe, replay=replay)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -127,6 +157,13 @@ class Linear(nn.Linear):
                                       unexpected_keys, error_msgs)
         ours = {prefix + name for name in PERSISTENT}
         missing_keys[:] = [k for k in missing_keys if k not in ours]
+
+
+# torch.compile: an FP8 call runs eagerly, a graph break on each side. Traced (torch 2.14),
+# AOTAutograd's partitioner saved the scale_inv buffer itself for the backward and redid the
+# copy taken before its in-place update there, after the update: the weight gradient came out
+# scaled by the new inverse scale instead of the one the input was cast with.
+_eager_forward = torch.compiler.disable(Linear.forward, recursive=True)
 
 
 def convert(model, modules=(nn.Linear,)):

@@ -37,11 +37,12 @@ def match_recipe(module, recipe):
         init_state(module, recipe.history_len, module.fp8_fwd_amax_history.device)
 
 
-def scaled_cast(module, kind, tensors, dtype, recipe, pending=None):
+def scaled_cast(module, kind, tensors, dtype, recipe, pending=None, keep=None):
     """Casts `tensors` (contiguous fp32/bf16/fp16) to `dtype` with the module's `kind` scales.
     Returns the fp8 tensors and a copy of the inverse scales they were cast with (the GEMMs
     that use them may run after the scales moved on: the backward pass does). With
-    `pending` (delayed scaling reduced across ranks) the update is left to it."""
+    `pending` (delayed scaling reduced across ranks) the update is left to it. A list `keep`
+    receives a copy of the scales themselves (a checkpoint's recomputation casts with them)."""
     history = getattr(module, f"fp8_{kind}_amax_history")
     amax = getattr(module, f"fp8_{kind}_amax")
     scale = getattr(module, f"fp8_{kind}_scale")
@@ -53,6 +54,8 @@ def scaled_cast(module, kind, tensors, dtype, recipe, pending=None):
     out = [torch.empty(t.shape, dtype=dtype, device=t.device) for t in tensors]
     ops.cast_fp8(out, tensors, scale, amax)
     used = scale_inv.clone()
+    if keep is not None:
+        keep.append(scale.clone())
     if not recipe.current:
         if pending is None:
             ops.fp8_update_scales(history, amax, scale, scale_inv, **update)
