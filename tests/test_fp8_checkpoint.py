@@ -57,10 +57,10 @@ def _batches(n, rows=24):           # 24 rows: the weight gradient's GEMM pads t
             for i in range(n)]
 
 
-def _region(recipe, bf16):
+def _region(recipe, bf16, device="cpu"):
     stack = contextlib.ExitStack()
     if bf16:
-        stack.enter_context(ampc.autocast("cpu"))
+        stack.enter_context(ampc.autocast(device))
     stack.enter_context(fp8.autocast(recipe=recipe))
     return stack
 
@@ -78,15 +78,17 @@ def _model(mode):
     return fp8.convert(Net(mode))
 
 
-def train(mode, recipe, *, bf16=False, backward_inside=False, steps=3, model=None):
+def train(mode, recipe, *, bf16=False, backward_inside=False, steps=3, model=None,
+          device="cpu"):
     """Losses, per-step gradients and the FP8 state after each step."""
-    call = _model(mode) if model is None else model
+    call = (_model(mode) if model is None else model).to(device)
     net = getattr(call, "_orig_mod", call)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     losses, grads, states = [], [], []
     for x, y in _batches(steps):
+        x, y = x.to(device), y.to(device)
         opt.zero_grad(set_to_none=True)
-        with _region(recipe, bf16):
+        with _region(recipe, bf16, device):
             loss = F.mse_loss(call(x).float(), y)
             if backward_inside:
                 loss.backward()
@@ -122,6 +124,16 @@ def test_checkpointing_matches_no_checkpointing(mode, recipe, bf16, backward_ins
     if recipe == "delayed":     # the history moved once per step, and not all alike
         hist = want[2][-1]["fc2.fp8_fwd_amax_history"]
         assert (hist[:3] > 0).all() and (hist[3] == 0).all() and not torch.equal(hist[0], hist[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("mode", ["non-reentrant", "reentrant"])
+def test_checkpointing_matches_no_checkpointing_cuda(mode, recipe):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a CUDA GPU with FP8 (sm_89 or newer)")
+    kw = dict(bf16=True, backward_inside=False, device="cuda")
+    assert_same(train(mode, RECIPES[recipe], **kw), train("none", RECIPES[recipe], **kw))
 
 
 def _old_recomputation(monkeypatch):
