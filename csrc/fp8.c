@@ -66,6 +66,12 @@ INLINE void prefetch_start(const void *src, ampc_dtype st, int64_t n)
 
 #define AVX512BW __attribute__((target("avx512f,avx512bw")))
 
+/* The bits of |x|, for the amax (Note [amax as bits]). */
+AVX512BW INLINE __m512i abs_bits16(__m512 x)
+{
+    return _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
+}
+
 /* The low `left` bits set (none when left <= 0, all 64 from 64 on): a tail's lane mask. */
 INLINE uint64_t low_bits(int64_t left)
 {
@@ -81,8 +87,8 @@ AVX512BW INLINE __m512i fp8_codes16(__m512 x, __m512 scale, struct ampc_fp8_form
 {
     __m512i u = _mm512_castps_si512(_mm512_mul_ps(x, scale));
     __m512 abs_y = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)));
-    __m512i a = _mm512_castps_si512(_mm512_min_ps(_mm512_castsi512_ps(_mm512_set1_epi32((int)f.fmax)),
-                                                  abs_y));
+    __m512 fmax = _mm512_castsi512_ps(_mm512_set1_epi32((int)f.fmax));
+    __m512i a = _mm512_castps_si512(_mm512_min_ps(fmax, abs_y));
     __m512i magic = _mm512_set1_epi32((int)f.magic);
     __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(magic));
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, (unsigned)f.shift), _mm512_set1_epi32(1));
@@ -114,8 +120,9 @@ AVX512BW INLINE __m512i fp8_pack64(__m512i c0, __m512i c1, __m512i c2, __m512i c
  * interleave works within 128-bit lanes too, and the dword-to-word pack undoes it. The
  * amax of bf16 is taken on the 16-bit patterns (32 lanes an instruction), m16.
  */
-AVX512BW INLINE __m512i fp8_step64(const void *src, ampc_dtype st, int64_t i, int64_t n, int tail,
-                                   __m512 scale, struct ampc_fp8_format f, __m512i *m32, __m512i *m16)
+AVX512BW INLINE __m512i fp8_step64(const void *src, ampc_dtype st, int64_t i, int64_t n,
+                                   int tail, __m512 scale, struct ampc_fp8_format f,
+                                   __m512i *m32, __m512i *m16)
 {
     __m512i c0, c1, c2, c3, order;
     if (st == AMPC_BF16) {
@@ -151,8 +158,7 @@ AVX512BW INLINE __m512i fp8_step64(const void *src, ampc_dtype st, int64_t i, in
             else
                 x[v] = _mm512_cvtph_ps(_mm512_castsi512_si256(
                     _mm512_maskz_loadu_epi16(k, (const uint16_t *)src + at)));
-            *m32 = _mm512_max_epu32(*m32, _mm512_and_si512(_mm512_castps_si512(x[v]),
-                                                           _mm512_set1_epi32(0x7fffffff)));
+            *m32 = _mm512_max_epu32(*m32, abs_bits16(x[v]));
         }
         c0 = fp8_codes16(x[0], scale, f);
         c1 = fp8_codes16(x[1], scale, f);
@@ -188,8 +194,7 @@ AVX512BW INLINE uint32_t cast_fp8_loop64(uint8_t *dst, const void *src, ampc_dty
             m16 = _mm512_max_epu16(m16, _mm512_and_si512(_mm512_loadu_si512(p + 32), abs16));
         } else {
             for (int v = 0; v < 4; v++)
-                m32 = _mm512_max_epu32(m32, _mm512_and_si512(_mm512_castps_si512(load16(src, st, i + 16 * v)),
-                                                             _mm512_set1_epi32(0x7fffffff)));
+                m32 = _mm512_max_epu32(m32, abs_bits16(load16(src, st, i + 16 * v)));
         }
     }
     if (stream)
@@ -200,12 +205,18 @@ AVX512BW INLINE uint32_t cast_fp8_loop64(uint8_t *dst, const void *src, ampc_dty
             _mm512_mask_storeu_epi8(dst + i, low_bits(n - i), q);
     }
     /* bf16's amax: the largest 16-bit |x| is the top half of the largest fp32 |x| */
-    m32 = _mm512_max_epu32(m32, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(m16)), 16));
-    m32 = _mm512_max_epu32(m32, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(m16, 1)), 16));
-    return (uint32_t)_mm512_reduce_max_epu32(m32);
+    uint32_t m = (uint32_t)_mm512_reduce_max_epu32(m32);
+    uint32_t h = (uint32_t)_mm512_reduce_max_epu32(_mm512_max_epu32(
+        _mm512_and_si512(m16, _mm512_set1_epi32(0xffff)), _mm512_srli_epi32(m16, 16)));
+    return m > h << 16 ? m : h << 16;
 }
 
 // ---- AVX2 + F16C: 32 elements a step ----
+
+AVX2 INLINE __m256i abs_bits8(__m256 x)
+{
+    return _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff));
+}
 
 /* As fp8_codes16, on 8 lanes. The subnormal test compares floats: |y| is not negative, and
  * a NaN fails it, as it fails the unsigned compare of the bits. */
@@ -243,17 +254,18 @@ AVX2 INLINE __m256i fp8_step32(const void *src, ampc_dtype st, int64_t i, __m256
             __m256i h = _mm256_loadu_si256(p + v);
             *m16 = _mm256_max_epu16(*m16, _mm256_and_si256(h, _mm256_set1_epi16(0x7fff)));
             c[2 * v] = fp8_codes8(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h)), scale, f);
-            c[2 * v + 1] = fp8_codes8(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h)), scale, f);
+            __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h));
+            c[2 * v + 1] = fp8_codes8(hi, scale, f);
         }
     } else {
         for (int v = 0; v < 4; v++) {
             __m256 x = load8(src, st, i + 8 * v);
-            *m32 = _mm256_max_epu32(*m32, _mm256_and_si256(_mm256_castps_si256(x),
-                                                           _mm256_set1_epi32(0x7fffffff)));
+            *m32 = _mm256_max_epu32(*m32, abs_bits8(x));
             c[v] = fp8_codes8(x, scale, f);
         }
     }
-    __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+    __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]),
+                                    _mm256_packus_epi32(c[2], c[3]));
     if (st == AMPC_BF16)    /* 8 bytes of each source vector in turn, per 128-bit lane */
         return _mm256_permute4x64_epi64(b, 0xd8);
     return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -281,8 +293,7 @@ AVX2 INLINE uint32_t cast_fp8_loop32(uint8_t *dst, const void *src, ampc_dtype s
                                                              _mm256_set1_epi16(0x7fff)));
         } else {
             for (int v = 0; v < 4; v++)
-                m32 = _mm256_max_epu32(m32, _mm256_and_si256(_mm256_castps_si256(load8(src, st, i + 8 * v)),
-                                                             _mm256_set1_epi32(0x7fffffff)));
+                m32 = _mm256_max_epu32(m32, abs_bits8(load8(src, st, i + 8 * v)));
         }
     }
     if (i < n) {                /* the last n - i < 32: one step on a zero-padded copy */
@@ -293,13 +304,15 @@ AVX2 INLINE uint32_t cast_fp8_loop32(uint8_t *dst, const void *src, ampc_dtype s
         if (dst)
             memcpy(dst + i, &q, (size_t)(n - i));
     }
-    m32 = _mm256_max_epu32(m32, _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(m16)), 16));
-    m32 = _mm256_max_epu32(m32, _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(m16, 1)), 16));
     uint32_t lanes[8];
+    uint16_t halves[16];
     _mm256_storeu_si256((__m256i *)lanes, m32);
+    _mm256_storeu_si256((__m256i *)halves, m16);
     uint32_t r = 0;
-    for (int k = 0; k < 8; k++)
-        r = lanes[k] > r ? lanes[k] : r;
+    for (int k = 0; k < 16; k++) {
+        r = k < 8 && lanes[k] > r ? lanes[k] : r;
+        r = (uint32_t)halves[k] << 16 > r ? (uint32_t)halves[k] << 16 : r;   /* bf16's */
+    }
     return r;
 }
 
