@@ -46,12 +46,13 @@ INLINE uint32_t cast_fp8_scalar(uint8_t *dst, const void *src, ampc_dtype st, fl
  */
 #define PREFETCH_AHEAD 2048
 
-/* Prefetches the source lines of elements [i, i + elems), PREFETCH_AHEAD bytes on. */
+/* Prefetches the source lines of elements [i, i + elems), PREFETCH_AHEAD bytes on (the
+ * address is computed as an integer: it may lie past the tensor). */
 INLINE void prefetch_step(const void *src, ampc_dtype st, int64_t i, int64_t elems)
 {
-    const char *p = (const char *)src + i * ampc_dtype_size(st) + PREFETCH_AHEAD;
+    uintptr_t p = (uintptr_t)src + (uintptr_t)(i * ampc_dtype_size(st)) + PREFETCH_AHEAD;
     for (int64_t b = 0; b < elems * ampc_dtype_size(st); b += 64)
-        _mm_prefetch(p + b, _MM_HINT_T0);
+        _mm_prefetch((const char *)(p + (uintptr_t)b), _MM_HINT_T0);
 }
 
 /* The lines the first steps read, which the steps' own prefetches do not cover. */
