@@ -271,7 +271,7 @@ def train_batch(step, rank):
         torch.randn(16, 16, generator=g)
 
 
-def _train(rank, wrap, recipe, checkpointed=None):
+def _train(rank, wrap, recipe, checkpointed=None, compiled=False):
     torch.manual_seed(0)
     model = fp8.convert(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)))
     layers = [model[0], model[2]]
@@ -280,6 +280,7 @@ def _train(rank, wrap, recipe, checkpointed=None):
         model = nn.Sequential(first, model[2])
     model = wrap(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    call = torch.compile(model, backend="aot_eager") if compiled else model
     losses = []
     for step in range(TRAIN_STEPS):
         x, y = train_batch(step, rank)
@@ -287,7 +288,7 @@ def _train(rank, wrap, recipe, checkpointed=None):
         x.requires_grad_(checkpointed is CheckpointImpl.REENTRANT)
         opt.zero_grad(set_to_none=True)
         with fp8.autocast(recipe=recipe):
-            out = model(x)
+            out = call(x)
         loss = F.mse_loss(out.float(), y)
         loss.backward()
         opt.step()
@@ -301,6 +302,9 @@ def _trainings(rank):
             for wrap in (ddp, fsdp) for name, recipe in TRAIN_RECIPES.items()}
     for wrap, impl in CHECKPOINTED:
         runs[(wrap.__name__, impl.name)] = _train(rank, wrap, TRAIN_RECIPES["reduced"], impl)
+    for wrap in (ddp, fsdp):
+        runs[(wrap.__name__, "compiled")] = _train(rank, wrap, TRAIN_RECIPES["reduced"],
+                                                   compiled=True)
     return runs
 
 
@@ -333,6 +337,17 @@ def test_a_checkpointed_layer_reduces_as_without_checkpointing(trained, wrap, im
     every rank."""
     for rank in range(WORLD):
         want, got = trained[rank][(wrap, "reduced")], trained[rank][(wrap, impl)]
+        assert_same_bits(got["states"], want["states"], f"{wrap}, rank {rank}: FP8 state")
+        assert_same_bits(got["params"], want["params"], f"{wrap}, rank {rank}: params")
+        assert got["losses"] == want["losses"]
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_compiled_training_reduces_as_eager(trained, wrap):
+    """torch.compile (aot_eager) around the wrapped model: the FP8 calls run eagerly between
+    its graphs and hand their amaxes to the region's reduction as in eager."""
+    for rank in range(WORLD):
+        want, got = trained[rank][(wrap, "reduced")], trained[rank][(wrap, "compiled")]
         assert_same_bits(got["states"], want["states"], f"{wrap}, rank {rank}: FP8 state")
         assert_same_bits(got["params"], want["params"], f"{wrap}, rank {rank}: params")
         assert got["losses"] == want["losses"]
