@@ -13,7 +13,6 @@ DDP needs nothing here: it all-reduces the grads, so every rank sees the same va
 """
 import weakref
 from itertools import repeat
-from itertools import repeat
 
 import torch.distributed as dist
 

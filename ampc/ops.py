@@ -333,7 +333,7 @@ def cast_fp8(dst, src, scale, amax):
     _check_tensor("cast_fp8", "scale", scale)
     _check_tensor("cast_fp8", "amax", amax)
     _call("cast_fp8", {"dst": dst, "src": src},
-          lambda d, s: torch.ops.ampc.cast_fp8(d, s, scale, amax))
+          lambda d, s: _run("cast_fp8", d, s, scale, amax))
 
 
 def fp8_amax(src, amax):
@@ -346,7 +346,7 @@ def fp8_amax(src, amax):
         amax (Tensor): float32 of shape [len(src)], written.
     """
     _check_tensor("fp8_amax", "amax", amax)
-    _call("fp8_amax", {"src": src}, lambda s: torch.ops.ampc.fp8_amax(s, amax))
+    _call("fp8_amax", {"src": src}, lambda s: _run("fp8_amax", s, amax))
 
 
 def cast_from_fp8(dst, src, scale_inv):
@@ -360,7 +360,7 @@ def cast_from_fp8(dst, src, scale_inv):
     """
     _check_tensor("cast_from_fp8", "scale_inv", scale_inv)
     _call("cast_from_fp8", {"dst": dst, "src": src},
-          lambda d, s: torch.ops.ampc.cast_from_fp8(d, s, scale_inv))
+          lambda d, s: _run("cast_from_fp8", d, s, scale_inv))
 
 
 _AMAX_ALGOS = ("max", "most_recent")
@@ -393,8 +393,8 @@ def fp8_update_scales(amax_history, amax, scale, scale_inv, *, fmax, margin=0, a
         _check_tensor(op, name, t)
     if algo not in _AMAX_ALGOS:
         raise ValueError(f"ampc.{op}: algo must be 'max' or 'most_recent', got {algo!r}")
-    torch.ops.ampc.fp8_update_scales(amax_history, scale, scale_inv, amax, float(fmax),
-                                     float(margin), algo == "most_recent")
+    _run(op, amax_history, scale, scale_inv, amax, float(fmax), float(margin),
+         algo == "most_recent")
 
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15       # AMPC_SEED_STRIDE in csrc/dtype.h

@@ -15,6 +15,7 @@ elements past a 16-byte boundary: "misaligned alike" (source and destination sta
 elements before the boundary: a scalar head, then full vectors) and "misaligned apart" (the source off by
 one element, the destination aligned: narrower vectors on CUDA, Note [misaligned views]).
 """
+import math
 import sys
 
 import torch
@@ -35,9 +36,7 @@ def flat_views(shapes: list, dtype: torch.dtype, device: str, head: int) -> list
     offset = (per16 - head) % per16
     starts, at = [], 0
     for s in shapes:
-        n = 1
-        for d in s:
-            n *= d
+        n = math.prod(s)
         starts.append((at + offset, n, s))
         at += -(-(n + offset) // per16) * per16
     flat = torch.empty(at, dtype=dtype, device=device)

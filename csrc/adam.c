@@ -77,12 +77,7 @@ AVX512 INLINE void adam_loop16(const struct adam_ptrs *q, ampc_dtype pt, ampc_dt
                                int64_t n, const struct ampc_adam_coef *c, const int flags,
                                const int has_master, const int small)
 {
-    char *const param = q->at.param;
-    const char *const grad = q->at.grad;
-    float *const master = q->at.master;
-    float *const pm = q->at.m;
-    float *const pv = q->at.v;
-    float *const vmax = q->at.vmax;
+    const struct ampc_adam_ptrs at = q->at;     /* a local copy: no reloads */
     float *const out = q->out;
     const __m512 inv_scale = _mm512_set1_ps(c->inv_scale);
     const __m512 clip = _mm512_set1_ps(c->clip_coef);
@@ -97,35 +92,35 @@ AVX512 INLINE void adam_loop16(const struct adam_ptrs *q, ampc_dtype pt, ampc_dt
     const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
     /* with masters a 16-bit param is only written: streaming skips reading it first */
     const int stream = q->stream && has_master && pt != AMPC_F32 &&
-                       ((uintptr_t)param & 31) == 0;
+                       ((uintptr_t)at.param & 31) == 0;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        __m512 g = _mm512_mul_ps(_mm512_mul_ps(load16(grad, gt, i), inv_scale), clip);
+        __m512 g = _mm512_mul_ps(_mm512_mul_ps(load16(at.grad, gt, i), inv_scale), clip);
         if (flags & AMPC_ADAM_MAXIMIZE)
             g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
-        __m512 w = has_master ? _mm512_loadu_ps(master + i) : load16(param, pt, i);
+        __m512 w = has_master ? _mm512_loadu_ps(at.master + i) : load16(at.param, pt, i);
         if (flags & AMPC_ADAM_L2)
             g = _mm512_fmadd_ps(w, wd, g);
         if (flags & AMPC_ADAM_DECAY)
             w = _mm512_mul_ps(w, decay);
-        __m512 m = _mm512_loadu_ps(pm + i);
+        __m512 m = _mm512_loadu_ps(at.m + i);
         m = _mm512_fmadd_ps(w1, _mm512_sub_ps(g, m), small ? m : g);
         __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(w2, g), g,
-                                   _mm512_mul_ps(_mm512_loadu_ps(pv + i), beta2));
-        _mm512_storeu_ps(pm + i, m);
-        _mm512_storeu_ps(pv + i, v);
+                                   _mm512_mul_ps(_mm512_loadu_ps(at.v + i), beta2));
+        _mm512_storeu_ps(at.m + i, m);
+        _mm512_storeu_ps(at.v + i, v);
         if (flags & AMPC_ADAM_AMSGRAD) {
-            v = max_nan16(_mm512_loadu_ps(vmax + i), v);
-            _mm512_storeu_ps(vmax + i, v);
+            v = max_nan16(_mm512_loadu_ps(at.vmax + i), v);
+            _mm512_storeu_ps(at.vmax + i, v);
         }
         __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2_sqrt), eps);
         w = _mm512_add_ps(w, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), d));
         if (has_master)
-            _mm512_storeu_ps(master + i, w);
+            _mm512_storeu_ps(at.master + i, w);
         if (out)
             _mm512_storeu_ps(out + i, w);
         else
-            store16_to(param, pt, i, w, stream);
+            store16_to(at.param, pt, i, w, stream);
     }
     if (stream)
         _mm_sfence();
@@ -144,12 +139,7 @@ AVX2 INLINE void adam_loop8(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype
                             int64_t n, const struct ampc_adam_coef *c, const int flags,
                             const int has_master, const int small)
 {
-    char *const param = q->at.param;
-    const char *const grad = q->at.grad;
-    float *const master = q->at.master;
-    float *const pm = q->at.m;
-    float *const pv = q->at.v;
-    float *const vmax = q->at.vmax;
+    const struct ampc_adam_ptrs at = q->at;     /* a local copy: no reloads */
     float *const out = q->out;
     const __m256 inv_scale = _mm256_set1_ps(c->inv_scale);
     const __m256 clip = _mm256_set1_ps(c->clip_coef);
@@ -163,35 +153,35 @@ AVX2 INLINE void adam_loop8(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype
     const __m256 neg_step_size = _mm256_set1_ps(c->neg_step_size);
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const int stream = q->stream && has_master && pt != AMPC_F32 &&
-                       ((uintptr_t)param & 15) == 0;
+                       ((uintptr_t)at.param & 15) == 0;
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256 g = _mm256_mul_ps(_mm256_mul_ps(load8(grad, gt, i), inv_scale), clip);
+        __m256 g = _mm256_mul_ps(_mm256_mul_ps(load8(at.grad, gt, i), inv_scale), clip);
         if (flags & AMPC_ADAM_MAXIMIZE)
             g = _mm256_xor_ps(g, sign);
-        __m256 w = has_master ? _mm256_loadu_ps(master + i) : load8(param, pt, i);
+        __m256 w = has_master ? _mm256_loadu_ps(at.master + i) : load8(at.param, pt, i);
         if (flags & AMPC_ADAM_L2)
             g = _mm256_fmadd_ps(w, wd, g);
         if (flags & AMPC_ADAM_DECAY)
             w = _mm256_mul_ps(w, decay);
-        __m256 m = _mm256_loadu_ps(pm + i);
+        __m256 m = _mm256_loadu_ps(at.m + i);
         m = _mm256_fmadd_ps(w1, _mm256_sub_ps(g, m), small ? m : g);
         __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(w2, g), g,
-                                   _mm256_mul_ps(_mm256_loadu_ps(pv + i), beta2));
-        _mm256_storeu_ps(pm + i, m);
-        _mm256_storeu_ps(pv + i, v);
+                                   _mm256_mul_ps(_mm256_loadu_ps(at.v + i), beta2));
+        _mm256_storeu_ps(at.m + i, m);
+        _mm256_storeu_ps(at.v + i, v);
         if (flags & AMPC_ADAM_AMSGRAD) {
-            v = max_nan8(_mm256_loadu_ps(vmax + i), v);
-            _mm256_storeu_ps(vmax + i, v);
+            v = max_nan8(_mm256_loadu_ps(at.vmax + i), v);
+            _mm256_storeu_ps(at.vmax + i, v);
         }
         __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
         w = _mm256_add_ps(w, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), d));
         if (has_master)
-            _mm256_storeu_ps(master + i, w);
+            _mm256_storeu_ps(at.master + i, w);
         if (out)
             _mm256_storeu_ps(out + i, w);
         else
-            store8_to(param, pt, i, w, stream);
+            store8_to(at.param, pt, i, w, stream);
     }
     if (stream)
         _mm_sfence();

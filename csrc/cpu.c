@@ -115,8 +115,8 @@ enum ampc_isa ampc_cpu_isa(void)
         const char *cap = getenv("AMPC_CPU_ISA");
         enum ampc_isa best = ISA_SCALAR;
         __builtin_cpu_init();
-        if (__builtin_cpu_supports("avx512f"))
-            best = ISA_AVX512;
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+            best = ISA_AVX512;      /* BW: fp8.c's packs (every AVX-512 CPU but Xeon Phi) */
         else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                  __builtin_cpu_supports("f16c"))
             best = ISA_AVX2;

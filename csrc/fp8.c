@@ -63,12 +63,10 @@ INLINE void prefetch_start(const void *src, ampc_dtype st, int64_t n)
         _mm_prefetch((const char *)src + b, _MM_HINT_T0);
 }
 
-// ---- AVX-512 (with BW): 64 elements a step ----
-
-#define AVX512BW __attribute__((target("avx512f,avx512bw")))
+// ---- AVX-512: 64 elements a step ----
 
 /* The bits of |x|, for the amax (Note [amax as bits]). */
-AVX512BW INLINE __m512i abs_bits16(__m512 x)
+AVX512 INLINE __m512i abs_bits16(__m512 x)
 {
     return _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
 }
@@ -84,7 +82,7 @@ INLINE uint64_t low_bits(int64_t left)
  * of fp8_pack64 narrow 64 at a time). The clamp works on |y|: min_ps returns its second
  * operand when either is NaN, so a NaN passes it, and the sign is put back at the end.
  */
-AVX512BW INLINE __m512i fp8_codes16(__m512 x, __m512 scale, struct ampc_fp8_format f)
+AVX512 INLINE __m512i fp8_codes16(__m512 x, __m512 scale, struct ampc_fp8_format f)
 {
     __m512i u = _mm512_castps_si512(_mm512_mul_ps(x, scale));
     __m512 abs_y = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)));
@@ -106,7 +104,7 @@ AVX512BW INLINE __m512i fp8_codes16(__m512 x, __m512 scale, struct ampc_fp8_form
 /* 64 codes (each < 256) from four vectors of 16: two dword-to-word packs and a word-to-byte
  * pack (3 shuffles, where vpmovdb costs 2 each) work within 128-bit lanes, so one
  * permute of 32-bit groups puts the bytes back in order (`order`, see the loop). */
-AVX512BW INLINE __m512i fp8_pack64(__m512i c0, __m512i c1, __m512i c2, __m512i c3, __m512i order)
+AVX512 INLINE __m512i fp8_pack64(__m512i c0, __m512i c1, __m512i c2, __m512i c3, __m512i order)
 {
     __m512i w01 = _mm512_packus_epi32(c0, c1);
     __m512i w23 = _mm512_packus_epi32(c2, c3);
@@ -121,7 +119,7 @@ AVX512BW INLINE __m512i fp8_pack64(__m512i c0, __m512i c1, __m512i c2, __m512i c
  * interleave works within 128-bit lanes too, and the dword-to-word pack undoes it. The
  * amax of bf16 is taken on the 16-bit patterns (32 lanes an instruction), m16.
  */
-AVX512BW INLINE __m512i fp8_step64(const void *src, ampc_dtype st, int64_t i, int64_t n,
+AVX512 INLINE __m512i fp8_step64(const void *src, ampc_dtype st, int64_t i, int64_t n,
                                    int tail, __m512 scale, struct ampc_fp8_format f,
                                    __m512i *m32, __m512i *m16)
 {
@@ -171,7 +169,7 @@ AVX512BW INLINE __m512i fp8_step64(const void *src, ampc_dtype st, int64_t i, in
     return fp8_pack64(c0, c1, c2, c3, order);
 }
 
-AVX512BW INLINE uint32_t cast_fp8_loop64(uint8_t *dst, const void *src, ampc_dtype st, float s,
+AVX512 INLINE uint32_t cast_fp8_loop64(uint8_t *dst, const void *src, ampc_dtype st, float s,
                                          struct ampc_fp8_format f, int64_t n, int stream)
 {
     __m512 scale = _mm512_set1_ps(s);
@@ -340,7 +338,7 @@ AVX2 INLINE uint32_t cast_fp8_loop32(uint8_t *dst, const void *src, ampc_dtype s
     default: return FP8_LOOP(loop, AMPC_BF16, AMPC_F8E5M2);                                 \
     }
 
-AVX512BW static uint32_t cast_fp8_avx512(uint8_t *dst, ampc_dtype fmt, const void *src,
+AVX512 static uint32_t cast_fp8_avx512(uint8_t *dst, ampc_dtype fmt, const void *src,
                                          ampc_dtype st, float s, int64_t n, int stream)
 {
     FP8_CASES(cast_fp8_loop64)
@@ -352,20 +350,6 @@ AVX2 static uint32_t cast_fp8_avx2(uint8_t *dst, ampc_dtype fmt, const void *src
     FP8_CASES(cast_fp8_loop32)
 }
 
-/* The AVX-512 loop also needs AVX-512 BW (every AVX-512 CPU but the Xeon Phi, which
- * takes the AVX2 loop). */
-static int has_avx512bw(void)
-{
-    static int known = -1;              /* threads may race to set it: all set the same */
-    int seen = __atomic_load_n(&known, __ATOMIC_RELAXED);
-    if (seen < 0) {
-        __builtin_cpu_init();
-        seen = __builtin_cpu_supports("avx512bw") != 0;
-        __atomic_store_n(&known, seen, __ATOMIC_RELAXED);
-    }
-    return seen;
-}
-
 /* dst[0..n) = codes of src[0..n) (none when dst is NULL); returns the max of their |x|
  * bits. A NaN scale goes to the scalar loop, which picks the NaN (Note [NaN times a NaN
  * scale]). With `stream`, whole lines of dst go out through streaming stores (Note
@@ -373,10 +357,7 @@ static int has_avx512bw(void)
 static uint32_t cast_fp8_block(uint8_t *dst, ampc_dtype fmt, const void *src, ampc_dtype st,
                                float s, int64_t n, int stream)
 {
-    enum ampc_isa isa = s == s ? ampc_cpu_isa() : ISA_SCALAR;
-    if (isa == ISA_AVX512 && !has_avx512bw())
-        isa = ISA_AVX2;
-    switch (isa) {
+    switch (s == s ? ampc_cpu_isa() : ISA_SCALAR) {
     case ISA_AVX512: return cast_fp8_avx512(dst, fmt, src, st, s, n, stream);
     case ISA_AVX2: return cast_fp8_avx2(dst, fmt, src, st, s, n, stream);
     default: return cast_fp8_scalar(dst, src, st, s, ampc_fp8_format_of(fmt), 0, n);

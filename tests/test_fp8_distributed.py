@@ -8,7 +8,6 @@ amaxes, and their states differ. DDP and FSDP2 runs of a small model agree acros
 A count of the collectives shows one per region exit and one per backward pass.
 """
 import math
-import struct
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 
 from ampc import fp8
 from test_distributed import WORLD, assert_same_bits, ddp, fsdp, full, run_ranks
-from test_fp8_scaling import ref_step
+from test_fp8_scaling import f32_bits, ref_step
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
 
@@ -186,7 +185,7 @@ def reference(recipe, weights, reduced, rank=None):
 
 
 def bits(x):
-    return "nan" if x != x else struct.unpack("<I", struct.pack("<f", x))[0]
+    return "nan" if x != x else f32_bits(x)
 
 
 def assert_matches_reference(got_states, want_states, what):

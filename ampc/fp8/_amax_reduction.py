@@ -24,32 +24,33 @@ class Pending:
     def __init__(self, group):
         self.group = group
         self._lock = threading.Lock()       # a backward pass may run on several threads
-        self._amaxes = {}                   # (module, kind) -> (max of its uses, update args)
+        # (history, scale, scale_inv) of one module's casts -> (max of its uses, update args)
+        self._amaxes = {}
 
-    def add(self, module, kind, amax, update):
-        """Notes a cast's amax; a module cast again keeps the max of its uses."""
+    def add(self, state, amax, update):
+        """Notes a cast's amax for its state (history, scale, scale_inv); a module cast
+        again keeps the max of its uses."""
+        key = tuple(map(id, state))
         with self._lock:
-            seen = self._amaxes.get((module, kind))
+            seen = self._amaxes.get(key)
             if seen is None:
-                self._amaxes[(module, kind)] = (amax.clone(), update)
+                self._amaxes[key] = (state, amax.clone(), update)
             else:
-                torch.maximum(seen[0], amax, out=seen[0])
+                torch.maximum(seen[1], amax, out=seen[1])
 
     def finish(self):
         """One all_reduce(MAX) per device (one in the usual case), then the scale updates."""
         with self._lock:
             entries, self._amaxes = self._amaxes, {}
         by_device = {}
-        for (module, kind), (amax, update) in entries.items():
-            by_device.setdefault(amax.device, []).append((module, kind, amax, update))
+        for state, amax, update in entries.values():
+            by_device.setdefault(amax.device, []).append((state, amax, update))
         # the same order on every rank, whichever thread of a backward pass cast first
         for _, items in sorted(by_device.items(), key=lambda d: (d[0].type, d[0].index or 0)):
-            reduced = self._reduce(torch.cat([amax for _, _, amax, _ in items]))
-            for (module, kind, amax, update), part in zip(
-                    items, reduced.split([amax.numel() for _, _, amax, _ in items])):
-                ops.fp8_update_scales(getattr(module, f"fp8_{kind}_amax_history"), part,
-                                      getattr(module, f"fp8_{kind}_scale"),
-                                      getattr(module, f"fp8_{kind}_scale_inv"), **update)
+            reduced = self._reduce(torch.cat([amax for _, amax, _ in items]))
+            for ((history, scale, scale_inv), amax, update), part in zip(
+                    items, reduced.split([amax.numel() for _, amax, _ in items])):
+                ops.fp8_update_scales(history, part, scale, scale_inv, **update)
 
     def _reduce(self, amax):
         nan = amax.isnan()

@@ -60,5 +60,5 @@ def scaled_cast(module, kind, tensors, dtype, recipe, pending=None, keep=None):
         if pending is None:
             ops.fp8_update_scales(history, amax, scale, scale_inv, **update)
         else:
-            pending.add(module, kind, amax, update)
+            pending.add((history, scale, scale_inv), amax, update)
     return out, used

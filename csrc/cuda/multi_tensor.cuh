@@ -84,7 +84,7 @@ using mt_table = mt_table_of<2, P>;
  * True when a call over `count` tensors with tables of `lists` lists takes the 32 KB
  * tables (Note [kernel parameter space]).
  */
-static inline bool mt_large_params(int64_t count, int lists)
+inline bool mt_large_params(int64_t count, int lists)     /* inline: one `ok` per process */
 {
     static int ok = -1;         /* threads may race to set it: all set the same */
     int v = __atomic_load_n(&ok, __ATOMIC_RELAXED);
