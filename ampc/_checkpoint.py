@@ -9,7 +9,7 @@ non-reentrant checkpointing (``checkpoint(use_reentrant=False)``, ``checkpoint_w
 composable ``checkpoint``) runs the forward under saved-tensor hooks whose pack hook holds the
 checkpoint's frame and its ``recompute_fn``; reentrant checkpointing runs the function under
 no_grad inside ``CheckpointFunction.forward``, whose ``ctx.run_function`` it calls again in
-backward. Both are torch internals: tests/test_autocast_checkpoint.py fails if they move.
+backward. Both are torch internals: tests/amp/test_autocast_checkpoint.py fails if they move.
 """
 import functools
 import sys

@@ -18,7 +18,7 @@ step, so that the drift of a shared machine hits every arm alike; ms/step is the
 the warm-up (forward, backward and optimizer step), "optimizer ms" the median of the optimizer step alone.
 Before any time is printed, each pair's losses are compared step by step: the first step's losses must be
 equal bit for bit (the same forward), and every later one within LOSS_RTOL (torch's fused AdamW rounds the
-last numel % 16 elements of each tensor differently, see tests/test_adam.py, so the weights drift apart by
+last numel % 16 elements of each tensor differently, see tests/optim/test_adam.py, so the weights drift apart by
 ulps). "state MiB" counts the bytes of weights, grads and optimizer state (masters, moments, torch's fp32
 grad buffers) per arm.
 

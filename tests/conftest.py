@@ -1,8 +1,12 @@
 import os
 import shutil
+import sys
 
 import pytest
 import torch
+
+# the shared helpers (reference.py) sit here, above the per-area folders
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_configure(config):

@@ -23,7 +23,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 CHUNK = 65536
 MAX_TENSORS = 902       # tensors in one launch's 32 KB table of cast, unscale_check, check_norm

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SITE = os.path.dirname(os.path.dirname(torch.__file__))
 HEADERS = sorted(glob.glob(os.path.join(SITE, "nvidia", "*", "include", "cublasLt.h"))
                  + glob.glob(os.path.join(SITE, "nvidia", "cublas", "include", "cublasLt.h")))

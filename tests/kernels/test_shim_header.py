@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCH_INCLUDE = os.path.join(os.path.dirname(torch.__file__), "include")
 
 pytestmark = [

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CUDA_LIB = os.path.join(ROOT, "ampc", "libampc_cuda.so")
 
 pytestmark = pytest.mark.skipif(

@@ -118,7 +118,7 @@ def test_qat_after_amp_example():
     """examples/qat_after_amp.py on its tiny model: the fp32 export of the master weights
     and the int8 model after QAT both keep the accuracy of the mixed-precision model."""
     import importlib.util
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "qat_after_amp.py")
+    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples", "qat_after_amp.py")
     spec = importlib.util.spec_from_file_location("qat_after_amp", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from test_distributed import _free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
 
 

@@ -11,7 +11,7 @@ import torch
 
 import ampc
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIB = os.path.join(ROOT, "ampc", "libampc.so")
 CUDA_LIB = os.path.join(ROOT, "ampc", "libampc_cuda.so")
 # the stable C ABI, libc/libm and the gcc runtime; nothing from ATen or c10
