@@ -680,15 +680,20 @@ class GradScaler:
         """The number of iterations (update() calls) in which a step found an inf or a nan
         and was skipped, as a 0-dim int64 tensor on the scale's device. Reading its value
         (``int(...)``) waits for the device; keeping the tensor does not."""
-        if not self._enabled or self._skipped is None:
+        if not self._enabled:
             return torch.zeros((), dtype=torch.int64)
+        if self._skipped is None:       # before the first scale(): the loaded count
+            return torch.tensor(self._init_skipped, dtype=torch.int64)
         return self._skipped.clone()
 
     def last_step_skipped(self):
         """Whether a step of the last update()'s iteration was skipped, as a 0-dim bool
         tensor on the scale's device (``bool(...)`` waits for the device)."""
-        if not self._enabled or self._last_found_inf is None:
+        if not self._enabled:
             return torch.zeros((), dtype=torch.bool)
+        if self._last_found_inf is None:
+            # before the first scale(): what the checkpoint held (None: no step yet)
+            return torch.tensor(bool(self._init_last_skipped))
         return self._last_found_inf
 
     def step_records(self):
