@@ -133,13 +133,20 @@ def _own_tensors(module):
         b for b in module.buffers(recurse=False) if b is not None]
 
 
-def fp32_state_dict(model, optimizer):
+def fp32_state_dict(model, optimizer, *, full_state_dict=False):
     """The model's ``state_dict`` in fp32, with the master weights as its parameters.
 
     Every parameter that has a master weight in ``optimizer`` is replaced by a copy of
     it; other fp16/bf16 tensors are widened to fp32. The result loads into the original
     fp32 model with ``load_state_dict`` (for inference, export, or fine-tuning without
     ampc).
+
+    Under FSDP2 (``fully_shard``, DTensor params) the entries are DTensors laid out as in
+    ``model.state_dict()``, which is also what torch.distributed.checkpoint's
+    ``get_model_state_dict`` gives by default: each rank holds its shards, ready for
+    ``dcp.save``. With ``full_state_dict=True`` every DTensor is gathered into a plain
+    tensor on every rank (a collective: call it on all ranks), which loads into the
+    unsharded fp32 model.
     """
     masters = {id(p): optimizer.state[p]["master"]
                for g in optimizer.param_groups for p in g["params"]
@@ -147,11 +154,12 @@ def fp32_state_dict(model, optimizer):
     out = OrderedDict()
     for key, value in model.state_dict(keep_vars=True).items():
         if id(value) in masters:
-            out[key] = masters[id(value)].detach().clone()
+            value = masters[id(value)].detach().clone()
         elif isinstance(value, torch.Tensor) and value.dtype in _LOW:
-            out[key] = value.detach().to(torch.float32)
+            value = value.detach().to(torch.float32)
         elif isinstance(value, torch.Tensor):
-            out[key] = value.detach().clone()
-        else:
-            out[key] = value
+            value = value.detach().clone()
+        if full_state_dict and _distributed.is_dtensor(value):
+            value = value.full_tensor()
+        out[key] = value
     return out
