@@ -3,7 +3,7 @@
 # Python's standard library with fp32, torch.amp, the ampc drop-in and ampc master weights
 # side by side, checked against fp32, in about two and a half minutes on any machine.
 # Flags go to the demo (--device, --dtype, --steps, --size, --budget, --out; --help).
-# The op benchmarks are in benchmarks/ (see the README).
+# The op benchmarks are in benchmarks/ (see docs/benchmarks.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

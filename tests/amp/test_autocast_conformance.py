@@ -97,7 +97,7 @@ def _cases(device):
                 yield f"{device}:{list_name}[{i}]:{entry[0]}:{dt}", module, entry[0], args, {}, dt
 
 
-README_TORCH = "2.14.1"      # the torch whose test lists gave the README's counts
+README_TORCH = "2.14.1"      # the torch whose test lists gave the counts in docs/autocast.md
 
 
 def _conformance(device, capsys):
@@ -132,7 +132,7 @@ def _conformance(device, capsys):
 def test_conformance_cpu_lists(capsys):
     counts = _conformance("cpu", capsys)
     assert counts["cases"] >= 100
-    if torch.__version__.startswith(README_TORCH):     # the figures the README states
+    if torch.__version__.startswith(README_TORCH):     # the figures docs/autocast.md states
         assert (counts["cases"], counts["variants"]) == (110, 144)
 
 

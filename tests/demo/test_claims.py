@@ -1,4 +1,4 @@
-"""Numbers the README states that no other test pins: the default min_scale_patience of
+"""Numbers the docs state (docs/grad-scaler.md) that no other test pins: the default min_scale_patience of
 ampc.GradScaler. (The calls ampc.autocast saved by casting MultiheadAttention's inputs once
 went with the composite entry: torch's own autocast handles the ops inside it now.)"""
 import pytest

@@ -48,7 +48,7 @@ def _entry(rank, port, fn, args, out_dir, backend):
     torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
     # The result is on disk: leave without the interpreter's teardown, in which torch now and
     # then aborts a rank ("terminate called without an active exception") as it frees what
-    # holds a gloo group (seen under load, after FSDP2 runs; README, "Beyond one machine")
+    # holds a gloo group (seen under load, after FSDP2 runs; docs/distributed.md)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -3,7 +3,7 @@ steps with FP8 GEMMs track the same models trained in bf16, and the recipe state
 checkpoints and resumes bit for bit. On a GPU (cuda-marked): a whole FP8 training step
 captured in a CUDA graph replays like the eager steps.
 
-Tolerances, about 2-3x the gaps measured (README, FP8): over the last 20 steps the FP8
+Tolerances, about 2-3x the gaps measured (docs/fp8.md): over the last 20 steps the FP8
 loss stays within TRACK_FINAL of bf16's, and after the first 20 steps no 10-step average
 strays more than TRACK_MAX. One thread: these models are far too small for two, and a
 shared machine makes two threads slower still.
