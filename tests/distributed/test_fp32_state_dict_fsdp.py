@@ -126,3 +126,16 @@ def test_bf16_params_are_their_masters_rounded_and_the_export_keeps_the_lost_bit
             assert torch.equal(value.to(torch.bfloat16), param), key
             lost += int((value != param.float()).sum())
         assert lost > 0
+
+
+def test_full_state_dict_changes_nothing_without_dtensors():
+    # one process, no process group: the export is the same either way
+    model, opt = ampc.prepare(make_model(), ampc.optim.AdamW, torch.bfloat16, lr=1e-2)
+    x, y = batch(0, 0)
+    nn.functional.mse_loss(model(x).float(), y).backward()
+    opt.step()
+    plain = ampc.fp32_state_dict(model, opt)
+    whole = ampc.fp32_state_dict(model, opt, full_state_dict=True)
+    assert list(plain) == list(whole)
+    for key, value in plain.items():
+        assert value.dtype == torch.float32 and torch.equal(value, whole[key]), key
