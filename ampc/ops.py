@@ -369,7 +369,7 @@ _AMAX_ALGOS = ("max", "most_recent")
 def fp8_update_scales(amax_history, amax, scale, scale_inv, *, fmax, margin=0, algo="max"):
     """One step of delayed scaling for n fp8 tensors, in place on the device (no host sync).
 
-    TransformerEngine's rules (the exact sequence is in csrc/fp8_scaling.h): when
+    TransformerEngine's rules (the exact sequence is in csrc/math/fp8_scaling.h): when
     ``amax[j]`` is 0 the history and the scale of tensor j are left alone; otherwise column
     j of ``amax_history`` rolls down one row and row 0 receives ``amax[j]``. The amax used
     is the largest value of the column, NaN rows skipped (``algo="max"``), or ``amax[j]``
@@ -397,7 +397,7 @@ def fp8_update_scales(amax_history, amax, scale, scale_inv, *, fmax, margin=0, a
          algo == "most_recent")
 
 
-_SEED_STRIDE = 0x9E3779B97F4A7C15       # AMPC_SEED_STRIDE in csrc/dtype.h
+_SEED_STRIDE = 0x9E3779B97F4A7C15       # AMPC_SEED_STRIDE in csrc/math/dtype.h
 
 
 def step_seed(seed, step):
@@ -405,7 +405,7 @@ def step_seed(seed, step):
     param's step count after the step, 1 on the first): a param's 16-bit values are
     rounded exactly as ``cast(..., stochastic=True, seed=step_seed(seed, step))`` rounds
     the new weights. The step count lives on the device, so replays of a captured CUDA
-    graph draw new bits (Note [random bits that advance on the device] in csrc/dtype.h)."""
+    graph draw new bits (Note [random bits that advance on the device] in csrc/math/dtype.h)."""
     bits = int(torch.tensor([float(step)], dtype=torch.float32).view(torch.int32).item())
     return _int64(int(seed) + (bits & 0xFFFFFFFF) * _SEED_STRIDE)
 

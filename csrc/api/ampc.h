@@ -123,7 +123,7 @@ struct ampc_adam_lists {
  * One FP8 GEMM, row-major: out[m, n] = (a[m, k] @ b_t[n, k]^T) * (*scale_inv_a) *
  * (*scale_inv_b) + bias[n], accumulated in fp32, rounded once to out's dtype. a and b_t
  * are e4m3fn or e5m2 (not both e5m2), k and n multiples of 16, every pointer 16-byte
- * aligned (checked by the binding). CUDA only (cuBLASLt); the CPU reference is torch's.
+ * aligned (checked by the torch glue). CUDA only (cuBLASLt); the CPU reference is torch's.
  */
 struct ampc_fp8_gemm_args {
     void *out;              /* fp32 or bf16 [m, n] */

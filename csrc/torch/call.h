@@ -37,7 +37,7 @@ struct tensor {
     int64_t dim;            /* -1 until shape() reads it with sizes */
     int64_t *sizes;
     int written;            /* the op writes it */
-    int host;               /* read by the binding on the host (a CPU tensor on any call) */
+    int host;               /* read by the glue on the host (a CPU tensor on any call) */
 };
 
 struct list {
