@@ -23,9 +23,11 @@ from setuptools.command.build_ext import build_ext
 DEBUG = os.environ.get("DEBUG") == "1"
 C_SOURCES = sorted(glob.glob("csrc/cpu/*.c") + glob.glob("csrc/torch/*.c"))
 C_INCLUDES = ["csrc/api", "csrc/math", "csrc/cpu", "csrc/torch"]
+HEADERS = sorted(glob.glob("csrc/*/*.h"))
 # the CUDA files include the api and math headers (and torch_shim.h) by bare name
 CUDA_INCLUDES = ["csrc/api", "csrc/math", "csrc/torch"]
-HEADERS = sorted(glob.glob("csrc/*/*.h"))
+CUDA_HEADERS = sorted(glob.glob("csrc/api/*.h") + glob.glob("csrc/math/*.h")
+                      + glob.glob("csrc/cuda/*.cuh")) + ["csrc/torch/torch_shim.h"]
 # -std=c11 also turns off FMA contraction, which the Adam kernel's exact order relies on;
 # -fno-math-errno lets sqrtf be one instruction
 C_FLAGS = ["-std=c11", "-fexceptions", "-fno-math-errno", "-fopenmp-simd", "-fvisibility=hidden",
@@ -94,7 +96,7 @@ class BuildLibraries(build_ext):
         objects = []
         for src in sources:
             obj = os.path.join(tmp, os.path.basename(src) + ".o")
-            deps = [src] + HEADERS + glob.glob("csrc/cuda/*.cuh")
+            deps = [src] + CUDA_HEADERS
             if not os.path.exists(obj) or os.path.getmtime(obj) < max(map(os.path.getmtime, deps)):
                 print(f"nvcc {src}")
                 subprocess.check_call([nvcc, *NVCC_FLAGS, "-c", src, "-o", obj])

@@ -132,21 +132,32 @@ static void describe(struct call *c, struct tensor *t)
              tensor_name(t, a, sizeof(a)), (long long)t->numel);
 }
 
+struct list *next_list(struct call *c)
+{
+    struct list *ls = &c->lists[c->n_lists++];
+    memset(ls, 0, sizeof(*ls));
+    return ls;
+}
+
+int alloc_list(struct list *ls, int64_t n)
+{
+    ls->t = calloc(n ? n : 1, sizeof(*ls->t));
+    ls->ptr = calloc(n ? n : 1, sizeof(*ls->ptr));
+    ls->numel = calloc(n ? n : 1, sizeof(*ls->numel));
+    return ls->t && ls->ptr && ls->numel;
+}
+
 /* Takes ownership of a Tensor[] argument and of each of its tensors. */
 struct list *take_list(struct call *c, StableIValue v, const char *name, int written)
 {
     StableListHandle lh = (StableListHandle)(uintptr_t)v;
-    struct list *ls = &c->lists[c->n_lists++];
+    struct list *ls = next_list(c);
     size_t n = 0;
-    memset(ls, 0, sizeof(*ls));
     if (torch_list_size(lh, &n) != 0) {
         torch_delete_list(lh);
         fail(c, "torch's C API failed in list_size");
     }
-    ls->t = calloc(n ? n : 1, sizeof(*ls->t));
-    ls->ptr = calloc(n ? n : 1, sizeof(*ls->ptr));
-    ls->numel = calloc(n ? n : 1, sizeof(*ls->numel));
-    int ok = ls->t && ls->ptr && ls->numel;
+    int ok = alloc_list(ls, (int64_t)n);
     for (size_t i = 0; ok && i < n; i++) {
         StableIValue item = 0;
         ok = torch_list_get_item(lh, i, &item) == 0;
@@ -229,23 +240,38 @@ int to_fp8_dtype(int32_t dtype, ampc_dtype *out)
     return 1;
 }
 
-/* Every tensor of the list is fp32, fp16 or bf16: the list, with the dtype of its first
- * tensor; *mixed is set when the others do not all share it. */
-struct ampc_list float_list_mixed(struct call *c, const struct list *ls, int *mixed)
+/* Every tensor of the list has a dtype `convert` takes (`expected` names them): the list,
+ * with the dtype of its first tensor (`empty` when it has none); *mixed is set when the
+ * others do not all share it. */
+static struct ampc_list typed_list(struct call *c, const struct list *ls, int *mixed,
+                                   int (*convert)(int32_t, ampc_dtype *), ampc_dtype empty,
+                                   const char *expected)
 {
     char a[64];
-    struct ampc_list out = { ls->ptr, ls->numel, ls->count, AMPC_F32 };
+    struct ampc_list out = { ls->ptr, ls->numel, ls->count, empty };
     for (int64_t i = 0; i < ls->count; i++) {
         const struct tensor *t = &ls->t[i];
         ampc_dtype d;
-        if (!to_ampc_dtype(t->dtype, &d))
-            fail(c, "%s must be torch.float32, torch.float16 or torch.bfloat16, got %s",
-                 tensor_name(t, a, sizeof(a)), dtype_name(t->dtype));
+        if (!convert(t->dtype, &d))
+            fail(c, "%s must be %s, got %s", tensor_name(t, a, sizeof(a)), expected,
+                 dtype_name(t->dtype));
         *mixed |= t->dtype != ls->t[0].dtype;
     }
     if (ls->count > 0)
-        to_ampc_dtype(ls->t[0].dtype, &out.dtype);
+        convert(ls->t[0].dtype, &out.dtype);
     return out;
+}
+
+struct ampc_list float_list_mixed(struct call *c, const struct list *ls, int *mixed)
+{
+    return typed_list(c, ls, mixed, to_ampc_dtype, AMPC_F32,
+                      "torch.float32, torch.float16 or torch.bfloat16");
+}
+
+struct ampc_list fp8_list(struct call *c, const struct list *ls, int *mixed)
+{
+    return typed_list(c, ls, mixed, to_fp8_dtype, AMPC_F8E4M3,
+                      "torch.float8_e4m3fn or torch.float8_e5m2");
 }
 
 /* Every tensor of the list is fp32, fp16 or bf16, all the same one. */

@@ -105,6 +105,10 @@ const char *tensor_name(const struct tensor *t, char *buf, size_t size);
 
 // ---- taking arguments off the stack ----
 
+/* The call's next list, empty; it is freed with the call. */
+struct list *next_list(struct call *c);
+/* Room for n tensors in ls (count stays 0); 0 when out of memory. */
+int alloc_list(struct list *ls, int64_t n);
 /* Takes ownership of a Tensor[] argument and of each of its tensors. */
 struct list *take_list(struct call *c, StableIValue v, const char *name, int written);
 /* A list of zero or one value that lives on the device (see option()): named without an
@@ -134,6 +138,8 @@ int to_fp8_dtype(int32_t dtype, ampc_dtype *out);
 /* Every tensor of the list is fp32, fp16 or bf16: the list, with the dtype of its first
  * tensor; *mixed is set when the others do not all share it. */
 struct ampc_list float_list_mixed(struct call *c, const struct list *ls, int *mixed);
+/* The same for torch.float8_e4m3fn and torch.float8_e5m2. */
+struct ampc_list fp8_list(struct call *c, const struct list *ls, int *mixed);
 /* Every tensor of the list is fp32, fp16 or bf16, all the same one. */
 struct ampc_list float_list(struct call *c, const struct list *ls);
 /* A 1-element tensor of the given dtype (found_inf, inv_scale, scale, trackers). */

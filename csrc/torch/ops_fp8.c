@@ -3,7 +3,6 @@
  * fp8_update_scales): arguments taken off the stack and checked, then the kernels run.
  */
 #include <math.h>
-#include <stdlib.h>
 
 #include "call.h"
 
@@ -128,25 +127,6 @@ void ampc_op_fp8_gemm(StableIValue *stack, int on_cuda)
 
 // ---- the fp8 ops: cast_fp8, fp8_amax, cast_from_fp8, fp8_update_scales ----
 
-/* Every tensor of the list is torch.float8_e4m3fn or torch.float8_e5m2; *mixed is set when
- * they do not all share one. */
-static struct ampc_list fp8_list(struct call *c, const struct list *ls, int *mixed)
-{
-    char a[64];
-    struct ampc_list out = { ls->ptr, ls->numel, ls->count, AMPC_F8E4M3 };
-    for (int64_t i = 0; i < ls->count; i++) {
-        const struct tensor *t = &ls->t[i];
-        ampc_dtype d;
-        if (!to_fp8_dtype(t->dtype, &d))
-            fail(c, "%s must be torch.float8_e4m3fn or torch.float8_e5m2, got %s",
-                 tensor_name(t, a, sizeof(a)), dtype_name(t->dtype));
-        *mixed |= t->dtype != ls->t[0].dtype;
-    }
-    if (ls->count > 0)
-        to_fp8_dtype(ls->t[0].dtype, &out.dtype);
-    return out;
-}
-
 /* A 1-D fp32 tensor of `count` values (scale, amax), `per` saying what each is for. */
 static void check_values(struct call *c, const struct tensor *t, int64_t count, const char *per)
 {
@@ -164,12 +144,8 @@ static void check_values(struct call *c, const struct tensor *t, int64_t count, 
 static struct ampc_list value_list(struct call *c, const struct tensor *t, int64_t count,
                                    struct list **out)
 {
-    struct list *ls = &c->lists[c->n_lists++];
-    memset(ls, 0, sizeof(*ls));
-    ls->t = calloc(count ? count : 1, sizeof(*ls->t));
-    ls->ptr = calloc(count ? count : 1, sizeof(*ls->ptr));
-    ls->numel = calloc(count ? count : 1, sizeof(*ls->numel));
-    if (!ls->t || !ls->ptr || !ls->numel)
+    struct list *ls = next_list(c);
+    if (!alloc_list(ls, count))
         fail(c, "out of memory");
     for (int64_t i = 0; i < count; i++) {
         ls->t[i] = (struct tensor){ .name = t->name, .index = i, .dtype = t->dtype };
