@@ -1,7 +1,11 @@
 """Builds ampc's two shared libraries; neither needs torch to build.
 
-ampc/libampc.so       the C kernels and the binding (csrc/*.c), compiled as C11.
+ampc/libampc.so       the CPU kernels (csrc/cpu/*.c) and the torch glue (csrc/torch/*.c),
+                      compiled as C11.
 ampc/libampc_cuda.so  the CUDA kernels (csrc/cuda/*.cu), only when nvcc is on the PATH.
+
+csrc/ is in layers, each a folder on the include path: api/ (the C API and the list of
+ops), math/ (per-element math shared by C and CUDA), cpu/, cuda/ and torch/.
 
 Both are loaded with ctypes by ampc/_lib.py after `import torch`, and resolve torch's
 stable C ABI symbols against the libtorch that is already loaded, so one build works
@@ -17,6 +21,13 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 DEBUG = os.environ.get("DEBUG") == "1"
+C_SOURCES = sorted(glob.glob("csrc/cpu/*.c") + glob.glob("csrc/torch/*.c"))
+C_INCLUDES = ["csrc/api", "csrc/math", "csrc/cpu", "csrc/torch"]
+HEADERS = sorted(glob.glob("csrc/*/*.h"))
+# the CUDA files include the api and math headers (and torch_shim.h) by bare name
+CUDA_INCLUDES = ["csrc/api", "csrc/math", "csrc/torch"]
+CUDA_HEADERS = sorted(glob.glob("csrc/api/*.h") + glob.glob("csrc/math/*.h")
+                      + glob.glob("csrc/cuda/*.cuh")) + ["csrc/torch/torch_shim.h"]
 # -std=c11 also turns off FMA contraction, which the Adam kernel's exact order relies on;
 # -fno-math-errno lets sqrtf be one instruction
 C_FLAGS = ["-std=c11", "-fexceptions", "-fno-math-errno", "-fopenmp-simd", "-fvisibility=hidden",
@@ -26,8 +37,8 @@ C_FLAGS = ["-std=c11", "-fexceptions", "-fno-math-errno", "-fopenmp-simd", "-fvi
 NVCC_FLAGS = ["-std=c++17", "--fmad=false", "-Xcompiler", "-fPIC,-fvisibility=hidden",
               "-gencode", "arch=compute_80,code=sm_80",
               "-gencode", "arch=compute_90,code=sm_90",
-              "-gencode", "arch=compute_90,code=compute_90",
-              "-Icsrc"] + (["-O0", "-g"] if DEBUG else ["-O3"])
+              "-gencode", "arch=compute_90,code=compute_90"] + \
+    [f"-I{d}" for d in CUDA_INCLUDES] + (["-O0", "-g"] if DEBUG else ["-O3"])
 
 
 def warn_on_cuda_mismatch(nvcc):
@@ -85,7 +96,7 @@ class BuildLibraries(build_ext):
         objects = []
         for src in sources:
             obj = os.path.join(tmp, os.path.basename(src) + ".o")
-            deps = [src] + glob.glob("csrc/*.h") + glob.glob("csrc/cuda/*.cuh")
+            deps = [src] + CUDA_HEADERS
             if not os.path.exists(obj) or os.path.getmtime(obj) < max(map(os.path.getmtime, deps)):
                 print(f"nvcc {src}")
                 subprocess.check_call([nvcc, *NVCC_FLAGS, "-c", src, "-o", obj])
@@ -95,8 +106,8 @@ class BuildLibraries(build_ext):
 
 setup(
     ext_modules=[
-        Extension("ampc.libampc", sources=sorted(glob.glob("csrc/*.c")),
-                  include_dirs=["csrc"], depends=sorted(glob.glob("csrc/*.h")),
+        Extension("ampc.libampc", sources=C_SOURCES,
+                  include_dirs=C_INCLUDES, depends=HEADERS,
                   extra_compile_args=C_FLAGS,
                   extra_link_args=["-lm"]),
     ],

@@ -8,12 +8,18 @@ input raises an error that names the op and the argument.
 import ctypes
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from itertools import repeat
 from operator import attrgetter
 
 import torch
+from torch import Tensor
 
 from ._lib import lib as _clib
+
+__all__ = ["cast", "cast_", "unscale_check", "check_norm", "update_scale", "adam_master",
+           "adam_packed", "cast_fp8", "fp8_amax", "cast_from_fp8", "fp8_update_scales",
+           "FP8_MAX", "step_seed", "cpu_isa", "stream_bytes"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TENSOR = repeat(torch.Tensor)
@@ -55,7 +61,8 @@ def _call(op, lists, call):
         raise
 
 
-def cast(tensors, dtype, *, stochastic=False, seed=0):
+def cast(tensors: Sequence[Tensor], dtype: torch.dtype, *, stochastic: bool = False,
+         seed: int | Tensor = 0) -> list[Tensor]:
     """Returns a copy of each tensor converted to ``dtype``, in one fused call.
 
     Converts between torch.float32, torch.float16 and torch.bfloat16 in any
@@ -90,7 +97,8 @@ def cast(tensors, dtype, *, stochastic=False, seed=0):
     return dst
 
 
-def cast_(dst, src, *, stochastic=False, seed=0):
+def cast_(dst: Sequence[Tensor], src: Sequence[Tensor], *, stochastic: bool = False,
+          seed: int | Tensor = 0) -> None:
     """Copies each ``src[i]`` into ``dst[i]``, converting to ``dst[i]``'s dtype, in place.
 
     The fast path of :func:`cast` for preallocated outputs: all tensors are on one
@@ -113,7 +121,8 @@ def cast_(dst, src, *, stochastic=False, seed=0):
           lambda d, s: _run("cast", d, s, seed_tensor, bool(stochastic), _int64(seed)))
 
 
-def unscale_check(grads, found_inf, inv_scale, *, check_only=False):
+def unscale_check(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Tensor, *,
+                  check_only: bool = False) -> Tensor | None:
     """Multiplies each grad by ``inv_scale`` in place and flags any inf or nan.
 
     Equivalent to ``torch._amp_foreach_non_finite_check_and_unscale_`` (bit for bit)
@@ -143,7 +152,7 @@ def unscale_check(grads, found_inf, inv_scale, *, check_only=False):
           lambda g: _run("unscale_check", g, found_inf, inv_scale))
 
 
-def check_norm(grads, found_inf, inv_scale):
+def check_norm(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Tensor) -> Tensor:
     """The read-only twin of :func:`unscale_check`: flags any inf or nan in ``found_inf``
     (never cleared) and returns the global L2 norm of the unscaled grads,
     ``|inv_scale| * ||grads||``, as a 0-dim float32 tensor on the grads' device, in one
@@ -170,9 +179,10 @@ def check_norm(grads, found_inf, inv_scale):
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
-def update_scale(scale, growth_tracker, found_inf, growth_factor, backoff_factor,
-                 growth_interval, *, hysteresis=1, hysteresis_tracker=None, min_scale=0.0,
-                 max_scale=math.inf):
+def update_scale(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor,
+                 growth_factor: float, backoff_factor: float, growth_interval: int, *,
+                 hysteresis: int = 1, hysteresis_tracker: Tensor | None = None,
+                 min_scale: float = 0.0, max_scale: float = math.inf) -> None:
     """One step of dynamic loss scaling, in place, on the scale's device (no host sync).
 
     With the default keyword arguments this is exactly ``torch._amp_update_scale_``:
@@ -214,10 +224,14 @@ def _optional(op, name, t):
     return [t]
 
 
-def adam_master(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, masters=None,
-                max_exp_avg_sqs=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                decoupled=True, maximize=False, inv_scale=None, clip_coef=None,
-                found_inf=None, stochastic=False, seed=0):
+def adam_master(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+                exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor], *, lr: float | Tensor,
+                masters: Sequence[Tensor] | None = None,
+                max_exp_avg_sqs: Sequence[Tensor] | None = None, beta1: float = 0.9,
+                beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+                decoupled: bool = True, maximize: bool = False, inv_scale: Tensor | None = None,
+                clip_coef: Tensor | None = None, found_inf: Tensor | None = None,
+                stochastic: bool = False, seed: int = 0) -> None:
     """One Adam (``decoupled=False``) or AdamW step over many parameters, in one pass.
 
     Computes torch.optim.AdamW's update in fp32, in the order of torch's fused kernel:
@@ -272,10 +286,13 @@ def adam_master(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, masters=None
         bool(decoupled), bool(maximize), bool(stochastic), _int64(seed))
 
 
-def adam_packed(params, grads, state, steps, layout, *, lr, amsgrad=False, master=False,
-                beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True,
-                maximize=False, inv_scale=None, clip_coef=None, found_inf=None,
-                stochastic=False, seed=0):
+def adam_packed(params: Sequence[Tensor], grads: Sequence[Tensor], state: Tensor,
+                steps: Tensor, layout: Tensor, *, lr: float | Tensor, amsgrad: bool = False,
+                master: bool = False, beta1: float = 0.9, beta2: float = 0.999,
+                eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = True,
+                maximize: bool = False, inv_scale: Tensor | None = None,
+                clip_coef: Tensor | None = None, found_inf: Tensor | None = None,
+                stochastic: bool = False, seed: int = 0) -> bool:
     """:func:`adam_master` with the state of all params in one buffer: two tensor lists
     cross into C instead of seven, and no per-param step tensor.
 
@@ -307,7 +324,7 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
-def cast_fp8(dst, src, scale, amax):
+def cast_fp8(dst: Sequence[Tensor], src: Sequence[Tensor], scale: Tensor, amax: Tensor) -> None:
     """Scaled casts to fp8 with the amax of each input, in one pass over memory.
 
     ``dst[i] = (src[i].float() * scale[i]).clamp(-fmax, fmax).to(dst[i].dtype)`` and
@@ -336,7 +353,7 @@ def cast_fp8(dst, src, scale, amax):
           lambda d, s: _run("cast_fp8", d, s, scale, amax))
 
 
-def fp8_amax(src, amax):
+def fp8_amax(src: Sequence[Tensor], amax: Tensor) -> None:
     """``amax[i] = src[i].abs().amax()`` (0 for an empty tensor, NaN when it holds a NaN),
     read-only and exact: the amax of current scaling, whose scale must be known before the
     cast.
@@ -349,7 +366,7 @@ def fp8_amax(src, amax):
     _call("fp8_amax", {"src": src}, lambda s: _run("fp8_amax", s, amax))
 
 
-def cast_from_fp8(dst, src, scale_inv):
+def cast_from_fp8(dst: Sequence[Tensor], src: Sequence[Tensor], scale_inv: Tensor) -> None:
     """``dst[i] = (src[i].float() * scale_inv[i]).to(dst[i].dtype)``, bit-identical to torch.
 
     Args:
@@ -366,10 +383,11 @@ def cast_from_fp8(dst, src, scale_inv):
 _AMAX_ALGOS = ("max", "most_recent")
 
 
-def fp8_update_scales(amax_history, amax, scale, scale_inv, *, fmax, margin=0, algo="max"):
+def fp8_update_scales(amax_history: Tensor, amax: Tensor, scale: Tensor, scale_inv: Tensor, *,
+                      fmax: float, margin: float = 0, algo: str = "max") -> None:
     """One step of delayed scaling for n fp8 tensors, in place on the device (no host sync).
 
-    TransformerEngine's rules (the exact sequence is in csrc/fp8_scaling.h): when
+    TransformerEngine's rules (the exact sequence is in csrc/math/fp8_scaling.h): when
     ``amax[j]`` is 0 the history and the scale of tensor j are left alone; otherwise column
     j of ``amax_history`` rolls down one row and row 0 receives ``amax[j]``. The amax used
     is the largest value of the column, NaN rows skipped (``algo="max"``), or ``amax[j]``
@@ -397,15 +415,15 @@ def fp8_update_scales(amax_history, amax, scale, scale_inv, *, fmax, margin=0, a
          algo == "most_recent")
 
 
-_SEED_STRIDE = 0x9E3779B97F4A7C15       # AMPC_SEED_STRIDE in csrc/dtype.h
+_SEED_STRIDE = 0x9E3779B97F4A7C15       # AMPC_SEED_STRIDE in csrc/math/dtype.h
 
 
-def step_seed(seed, step):
+def step_seed(seed: int, step: int) -> int:
     """The seed of the stochastic rounding of :func:`adam_master`'s step ``step`` (the
     param's step count after the step, 1 on the first): a param's 16-bit values are
     rounded exactly as ``cast(..., stochastic=True, seed=step_seed(seed, step))`` rounds
     the new weights. The step count lives on the device, so replays of a captured CUDA
-    graph draw new bits (Note [random bits that advance on the device] in csrc/dtype.h)."""
+    graph draw new bits (Note [random bits that advance on the device] in csrc/math/dtype.h)."""
     bits = int(torch.tensor([float(step)], dtype=torch.float32).view(torch.int32).item())
     return _int64(int(seed) + (bits & 0xFFFFFFFF) * _SEED_STRIDE)
 
@@ -419,13 +437,13 @@ _clib.ampc_cpu_isa_name.restype = ctypes.c_char_p
 _clib.ampc_cache_bytes.restype = ctypes.c_int64
 
 
-def cpu_isa():
+def cpu_isa() -> str:
     """The SIMD path the CPU kernels run: "avx512", "avx2" or "scalar" (the best the CPU
     has, capped by the environment variable AMPC_CPU_ISA=avx2 or =scalar)."""
     return _clib.ampc_cpu_isa_name().decode()
 
 
-def stream_bytes():
+def stream_bytes() -> int:
     """Calls that move more bytes than this (the last-level cache, or the environment
     variable AMPC_STREAM_BYTES) write their outputs with streaming stores on the CPU."""
     return int(_clib.ampc_cache_bytes())
@@ -491,8 +509,14 @@ def _guard_autograd(name):
     _GUARDS[name] = (overload, prepare)
 
 
-for _name in ("cast", "unscale_check", "check_norm", "update_scale", "adam_master",
-              "adam_packed", "cast_fp8", "fp8_amax", "cast_from_fp8", "fp8_update_scales"):
+# Every op the C library registered (its list is csrc/api/ampc_ops.h) gets the guard and
+# a fake kernel from here, but fp8_gemm: it belongs to ampc.fp8.gemm, its one caller, which
+# registers its fake kernel and calls it without the guard.
+_OWN_MODULE = {"fp8_gemm"}
+_OPS = sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names()
+              if n.startswith("ampc::") and n.split("::", 1)[1] not in _OWN_MODULE)
+
+for _name in _OPS:
     _guard_autograd(_name)
 
 
@@ -528,66 +552,39 @@ def _same_device(op, **args):
                                    f"{first[0]}, got {t.device}")
 
 
-@torch.library.register_fake("ampc::cast")
-def _cast_fake(dst, src, seed_tensor, stochastic=False, seed=0):
-    _same_device("cast", dst=dst, src=src, seed_tensor=seed_tensor)
+# Arguments the kernels read on the host whatever the call's device (adam_packed's layout).
+_HOST_ARGS = {"adam_packed": ("layout",)}
 
 
-@torch.library.register_fake("ampc::unscale_check")
-def _unscale_check_fake(grads, found_inf, inv_scale):
-    _same_device("unscale_check", grads=grads, found_inf=found_inf, inv_scale=inv_scale)
+def _is_tensors(t):
+    """A Tensor or a Tensor[] in a schema."""
+    return isinstance(t, torch.TensorType) or (isinstance(t, torch.ListType)
+                                               and isinstance(t.getElementType(), torch.TensorType))
 
 
-@torch.library.register_fake("ampc::check_norm")
-def _check_norm_fake(grads, found_inf, inv_scale):
-    _same_device("check_norm", grads=grads, found_inf=found_inf, inv_scale=inv_scale)
-    return found_inf.new_empty(())
+def _register_fake(name):
+    """A fake kernel for torch.ops.ampc.<name> from its schema: the devices of its tensor
+    arguments checked, and what it returns: a 0-dim float32 tensor on their device, 0 for
+    an int, nothing for ()."""
+    schema = getattr(torch.ops.ampc, name).default._schema
+    names = [a.name for a in schema.arguments]
+    tensors = [a.name for a in schema.arguments if _is_tensors(a.type)
+               and a.name not in _HOST_ARGS.get(name, ())]
+    returns = [r.type for r in schema.returns]
+
+    def fake(*args, **kwargs):
+        given = dict(zip(names, args), **kwargs)
+        _same_device(name, **{t: given[t] for t in tensors})
+        if returns == [torch.TensorType.get()]:
+            first = next(t for t in (given[a] for a in tensors)
+                         for t in (t if isinstance(t, (list, tuple)) else [t]))
+            return first.new_empty((), dtype=torch.float32)
+        if returns == [torch.IntType.get()]:
+            return 0
+        return None
+
+    torch.library.register_fake(f"ampc::{name}", fake)
 
 
-@torch.library.register_fake("ampc::update_scale")
-def _update_scale_fake(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
-                       backoff_factor, growth_interval, hysteresis, min_scale, max_scale):
-    _same_device("update_scale", scale=scale, growth_tracker=growth_tracker,
-                 hysteresis_tracker=hysteresis_tracker, found_inf=found_inf)
-
-
-@torch.library.register_fake("ampc::adam_master")
-def _adam_master_fake(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                      lr_tensor, inv_scale, clip_coef, found_inf, lr, beta1, beta2, eps,
-                      weight_decay, decoupled, maximize, stochastic=False, seed=0):
-    _same_device("adam_master", params=params, grads=grads, masters=masters,
-                 exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, max_exp_avg_sqs=max_exp_avg_sqs,
-                 steps=steps, lr_tensor=lr_tensor, inv_scale=inv_scale, clip_coef=clip_coef,
-                 found_inf=found_inf)
-
-
-@torch.library.register_fake("ampc::adam_packed")
-def _adam_packed_fake(params, grads, state, steps, layout, lr_tensor, inv_scale, clip_coef,
-                      found_inf, lr, beta1, beta2, eps, weight_decay, decoupled, maximize,
-                      amsgrad, master, stochastic=False, seed=0):
-    _same_device("adam_packed", params=params, grads=grads, state=state, steps=steps,
-                 lr_tensor=lr_tensor, inv_scale=inv_scale, clip_coef=clip_coef,
-                 found_inf=found_inf)
-    return 0
-
-
-@torch.library.register_fake("ampc::cast_fp8")
-def _cast_fp8_fake(dst, src, scale, amax):
-    _same_device("cast_fp8", dst=dst, src=src, scale=scale, amax=amax)
-
-
-@torch.library.register_fake("ampc::fp8_amax")
-def _fp8_amax_fake(src, amax):
-    _same_device("fp8_amax", src=src, amax=amax)
-
-
-@torch.library.register_fake("ampc::cast_from_fp8")
-def _cast_from_fp8_fake(dst, src, scale_inv):
-    _same_device("cast_from_fp8", dst=dst, src=src, scale_inv=scale_inv)
-
-
-@torch.library.register_fake("ampc::fp8_update_scales")
-def _fp8_update_scales_fake(amax_history, scale, scale_inv, amax, fmax, margin=0.0,
-                            most_recent=False):
-    _same_device("fp8_update_scales", amax_history=amax_history, scale=scale,
-                 scale_inv=scale_inv, amax=amax)
+for _name in _OPS:
+    _register_fake(_name)

@@ -1,6 +1,6 @@
 /*
  * api.cu: the one exported symbol of the CUDA library, ampc_cuda_get_api(), which hands
- * the binding a table of the launchers (struct ampc_cuda_api in ampc.h), plus the version
+ * the torch glue a table of the launchers (struct ampc_cuda_api in ampc.h), plus the version
  * probe, device selection and the per-thread text of the last error.
  *
  * The library is loaded at run time and only when torch has CUDA, so the CPU build never
@@ -86,22 +86,22 @@ static void end(void *guard)
 
 // ---- the table ----
 
-static const struct ampc_cuda_api api = {
-    probe,
-    begin,
-    end,
-    ampc_cast_cuda_impl,
-    ampc_unscale_check_cuda_impl,
-    ampc_check_norm_cuda_impl,
-    ampc_update_scale_cuda_impl,
-    ampc_adam_cuda_impl,
-    ampc_cuda_last_error,
-    ampc_cast_fp8_cuda_impl,
-    ampc_cast_from_fp8_cuda_impl,
-    ampc_fp8_amax_cuda_impl,
-    ampc_fp8_update_scales_cuda_impl,
-    ampc_fp8_gemm_cuda_impl,
-};
+/* Filled slot by slot by name from the list of kernels, so the order of the struct's
+ * members can never put a launcher in another's slot. */
+static struct ampc_cuda_api make_api(void)
+{
+    struct ampc_cuda_api a = {};
+    a.probe = probe;
+    a.begin = begin;
+    a.end = end;
+    a.last_error = ampc_cuda_last_error;
+#define AMPC_KERNEL(name, ...) a.name = ampc_##name##_cuda_impl;
+#define AMPC_CUDA_KERNEL(name, ...) AMPC_KERNEL(name, __VA_ARGS__)
+#include "ampc_ops.h"
+    return a;
+}
+
+static const struct ampc_cuda_api api = make_api();
 
 extern "C" __attribute__((visibility("default"))) const struct ampc_cuda_api *
 ampc_cuda_get_api(void)

@@ -35,33 +35,13 @@ ampc_status ampc_cuda_status(cudaError_t err);
 ampc_status ampc_cuda_fail(ampc_status st, const char *msg);
 const char *ampc_cuda_last_error(void);
 
-// ---- launchers (same contracts as the _cpu functions of ampc.h, plus the stream) ----
+// ---- launchers (same contracts as the _cpu functions of ampc.h, plus the stream; one per
+//      kernel of ampc_ops.h) ----
 
 extern "C" {
-ampc_status ampc_cast_cuda_impl(const struct ampc_list *dst, const struct ampc_list *src,
-                                const struct ampc_cast_args *args, void *stream);
-ampc_status ampc_unscale_check_cuda_impl(const struct ampc_list *grads, float *found_inf,
-                                         const float *inv_scale, void *stream);
-ampc_status ampc_check_norm_cuda_impl(const struct ampc_list *grads, float *found_inf,
-                                      float *norm, const float *inv_scale, void *stream);
-ampc_status ampc_update_scale_cuda_impl(float *scale, int32_t *growth_tracker,
-                                        int32_t *hysteresis_tracker, const float *found_inf,
-                                        const struct ampc_scale_args *args, void *stream);
-ampc_status ampc_adam_cuda_impl(const struct ampc_adam_lists *lists,
-                                const struct ampc_adam_control *control,
-                                const struct ampc_adam_args *args, void *stream);
-ampc_status ampc_cast_fp8_cuda_impl(const struct ampc_list *dst, const struct ampc_list *amax,
-                                    const struct ampc_list *src, const struct ampc_list *scale,
-                                    void *stream);
-ampc_status ampc_cast_from_fp8_cuda_impl(const struct ampc_list *dst, const struct ampc_list *src,
-                                         const struct ampc_list *scale_inv, void *stream);
-ampc_status ampc_fp8_amax_cuda_impl(const struct ampc_list *amax, const struct ampc_list *src,
-                                    void *stream);
-ampc_status ampc_fp8_update_scales_cuda_impl(float *amax_history, float *scale,
-                                             float *scale_inv, const float *amax,
-                                             const struct ampc_fp8_scaling_args *args,
-                                             void *stream);
-ampc_status ampc_fp8_gemm_cuda_impl(struct ampc_fp8_gemm_args *args, void *stream);
+#define AMPC_KERNEL(name, ...) ampc_status ampc_##name##_cuda_impl(__VA_ARGS__, void *stream);
+#define AMPC_CUDA_KERNEL(name, ...) AMPC_KERNEL(name, __VA_ARGS__)
+#include "ampc_ops.h"
 }
 
 /* The 3 x 3 table of a kernel template on two dtypes and the kernel parameter space P

@@ -188,7 +188,7 @@ def test_special_values(pair):
     # NaN and -NaN of the source dtype (a negative NaN keeps its sign through the multiply)
     assert torch.isnan(x[:2]).all()
     # a NaN scale: torch's vector loops (tensors of 16 elements and more) return the
-    # scale's NaN when x is NaN too (Note [NaN times a NaN scale] in csrc/fp8.h)
+    # scale's NaN when x is NaN too (Note [NaN times a NaN scale] in csrc/math/fp8.h)
     for scale in (1.0, 2.0 ** 20, 0.0, float("inf"), float("nan"), -float("nan")):
         check_cast_fp8([x], [fmt], [scale], "specials")
 

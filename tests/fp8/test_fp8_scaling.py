@@ -25,7 +25,7 @@ def f32_bits(x):
 
 
 def ref_step(history, amax, scale, fmax, margin, algo):
-    """One step of one tensor, the rules of csrc/fp8_scaling.h as TransformerEngine states
+    """One step of one tensor, the rules of csrc/math/fp8_scaling.h as TransformerEngine states
     them; history[0] is the newest. Returns (history, scale, scale_inv)."""
     if amax != 0:
         history = [amax] + history[:-1]

@@ -1,5 +1,6 @@
 """What the build produced: plain C libraries on torch's stable C ABI only, the CUDA
 library whenever nvcc is there, and both loaded into the running torch."""
+import ctypes
 import glob
 import os
 import re
@@ -14,6 +15,8 @@ import ampc
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIB = os.path.join(ROOT, "ampc", "libampc.so")
 CUDA_LIB = os.path.join(ROOT, "ampc", "libampc_cuda.so")
+# the one list of kernels and ops that registration and the CUDA table are generated from
+OPS_LIST = os.path.join(ROOT, "csrc", "api", "ampc_ops.h")
 # the stable C ABI, libc/libm and the gcc runtime; nothing from ATen or c10
 ALLOWED_UNDEFINED = re.compile(r"^(aoti_torch_\w+|torch_\w+|_ITM_\w+|__gmon_start__|__cxa_finalize"
                                r"|__cpu_\w+|[a-z_0-9]+@GLIBC\S*|[a-z_0-9]+@GCC\S*)$")
@@ -26,6 +29,12 @@ def symbols(path, kind):
 
 
 needs_nm = pytest.mark.needs("nm")
+
+
+def listed(kind):
+    """The names of the AMPC_OP, AMPC_KERNEL or AMPC_CUDA_KERNEL entries of the list."""
+    with open(OPS_LIST) as f:
+        return re.findall(rf"^{kind}\((\w+),", f.read(), flags=re.M)
 
 
 @pytest.mark.smoke
@@ -77,9 +86,24 @@ def test_cuda_kernels_loaded_exactly_when_torch_has_cuda():
 
 @pytest.mark.smoke
 def test_ops_registered_for_cpu_and_cuda():
-    for op in ("cast", "unscale_check", "check_norm", "update_scale", "adam_master",
-               "adam_packed", "cast_fp8", "fp8_amax", "cast_from_fp8", "fp8_update_scales",
-               "fp8_gemm"):
+    ops = listed("AMPC_OP")
+    assert "cast" in ops and len(set(ops)) == len(ops), ops
+    registered = [n.split("::")[1] for n in torch._C._dispatch_get_all_op_names()
+                  if n.startswith("ampc::")]
+    assert sorted(registered) == sorted(ops)
+    for op in ops:
         packet = getattr(torch.ops.ampc, op)
         for key in ("CPU", "CUDA"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(packet.default.name(), key), (op, key)
+
+
+@pytest.mark.skipif(not ampc._lib.HAS_CUDA_KERNELS, reason="no CUDA library loaded")
+def test_cuda_table_fills_every_slot_of_the_list():
+    # probe, begin, end and last_error, then one launcher per kernel of the list
+    kernels = listed("AMPC_KERNEL") + listed("AMPC_CUDA_KERNEL")
+    assert "cast" in kernels and "fp8_gemm" in kernels, kernels
+    get_api = ctypes.CDLL(CUDA_LIB).ampc_cuda_get_api   # its own handle: restype is ours
+    get_api.restype = ctypes.POINTER(ctypes.c_void_p * (4 + len(kernels)))
+    slots = list(get_api().contents)
+    assert all(slots), slots
+    assert len(set(slots)) == len(slots)

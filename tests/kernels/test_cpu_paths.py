@@ -14,7 +14,7 @@ import pytest
 
 
 def best_isa():
-    """The best path this CPU has, from its flags (as csrc/simd.c chooses)."""
+    """The best path this CPU has, from its flags (as csrc/cpu/cpu.c chooses)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = set(next(line for line in f if line.startswith("flags")).split())

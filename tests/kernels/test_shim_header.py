@@ -1,4 +1,4 @@
-"""csrc/torch_shim.h redeclares, in C, the stable-ABI functions ampc calls. This test
+"""csrc/torch/torch_shim.h redeclares, in C, the stable-ABI functions ampc calls. This test
 compiles it together with torch's real (C++) shim headers: a prototype that drifted
 from torch's is a "conflicting declaration" error. A deliberately wrong prototype
 checks that the test can fail."""
@@ -25,7 +25,7 @@ def compile_against_torch(tmp_path, extra=""):
         '#include "torch_shim.h"\n' + extra)
     return subprocess.run(
         ["g++", "-std=c++17", "-fsyntax-only", "-DUSE_CUDA", "-I", TORCH_INCLUDE,
-         "-I", os.path.join(ROOT, "csrc"), str(src)],
+         "-I", os.path.join(ROOT, "csrc", "torch"), str(src)],
         capture_output=True, text=True)
 
 

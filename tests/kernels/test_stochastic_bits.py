@@ -1,5 +1,5 @@
 """Stochastic rounding, bit for bit: the CPU kernels (vectorized, branch-free) against
-an independent transcription of the rule in csrc/dtype.h (which the CUDA kernels run
+an independent transcription of the rule in csrc/math/dtype.h (which the CUDA kernels run
 as written), on values that cover every fp16/bf16 regime. Equal bits here are what
 make a seeded cast give the same result on CPU and CUDA."""
 import struct

@@ -1,17 +1,25 @@
 /*
  * cpu.c: what every CPU kernel shares: the chunked, threaded walk over a list of
- * tensors (see cpu.h), the SIMD path chosen once at run time (simd.h) and the size of
- * the last-level cache (Note [streaming stores]).
+ * tensors (see cpu.h; the threads are the pool the torch glue hands over), the SIMD
+ * path chosen once at run time (simd.h) and the size of the last-level cache (Note
+ * [streaming stores]).
  */
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "simd.h"
-#include "torch_shim.h"
 
 /* Below this many elements a parallel region costs more than it saves. */
 #define SERIAL_ELEMS (1 << 17)
+
+/* Set once, when the ops are registered (before any of them can run). */
+static ampc_parallel_for_fn g_parallel_for;
+
+void ampc_set_parallel_for(ampc_parallel_for_fn parallel_for)
+{
+    g_parallel_for = parallel_for;
+}
 
 struct walk {
     const struct ampc_list *list;
@@ -96,9 +104,9 @@ ampc_status ampc_for_each_chunk(const struct ampc_list *list, ampc_span_fn fn, v
     struct walk w = { list, first, index, fn, ctx };
     int64_t chunks = first[count];
     ampc_status st = AMPC_OK;
-    if (chunks > 0 && total < SERIAL_ELEMS)
+    if (chunks > 0 && (total < SERIAL_ELEMS || !g_parallel_for))
         walk_range(0, chunks, &w);
-    else if (chunks > 0 && torch_parallel_for(0, chunks, 1, walk_range, &w) != 0)
+    else if (chunks > 0 && g_parallel_for(0, chunks, 1, walk_range, &w) != 0)
         st = AMPC_ERR_THREADS;
     free(first);
     return st;

@@ -6,8 +6,11 @@
  * a CUDA twin with otherwise identical arguments, reached through struct ampc_cuda_api
  * (the CUDA library is loaded at run time, only when torch has CUDA).
  *
+ * The entry points and the table's slots are generated from the list of kernels
+ * (ampc_ops.h), where each kernel's contract is written next to its arguments.
+ *
  * Argument order: written-to first, then read-only inputs, then the args struct.
- * All inputs are validated by the binding (binding.c) before any of these is called:
+ * All inputs are validated by the torch glue (csrc/torch/) before any of these is called:
  * tensors are contiguous, dtypes are the ones named, lists have equal lengths and
  * matching element counts, and outputs overlap no input.
  */
@@ -69,33 +72,6 @@ struct ampc_scale_args {
     double max_scale;       /* +inf = no upper bound */
 };
 
-/* dst[i] = src[i] converted to dst->dtype. dst and src have equal counts and numels. */
-ampc_status ampc_cast_cpu(const struct ampc_list *dst, const struct ampc_list *src,
-                          const struct ampc_cast_args *args);
-
-/*
- * grads[i] *= *inv_scale in place, and *found_inf = 1.0f when any element of the
- * input was inf or nan (checked before the multiply, as torch does).
- * Note [found_inf is sticky]: found_inf is only ever set, never cleared.
- */
-ampc_status ampc_unscale_check_cpu(const struct ampc_list *grads, float *found_inf,
-                                   const float *inv_scale);
-
-/*
- * Read-only twin of unscale_check: sets *found_inf like it (sticky), leaves grads
- * untouched and writes *norm = |inv_scale| * sqrt(sum of grads^2), the global L2 norm
- * of the unscaled grads. Squares never overflow or underflow unnoticed (runs of them
- * are summed in fp32 only where that is safe, in double otherwise: Note [fp32 squares
- * when safe] in check_norm.h), in a fixed order, so the result does not depend on the thread
- * count.
- */
-ampc_status ampc_check_norm_cpu(const struct ampc_list *grads, float *found_inf,
-                                float *norm, const float *inv_scale);
-
-/* One dynamic loss-scale step on 1-element state, see update_scale.h. */
-ampc_status ampc_update_scale_cpu(float *scale, int32_t *growth_tracker,
-                                  int32_t *hysteresis_tracker, const float *found_inf,
-                                  const struct ampc_scale_args *args);
 
 /*
  * Adam and AdamW (torch.optim's rule, computed in fp32 in the order of torch's fused
@@ -143,15 +119,11 @@ struct ampc_adam_lists {
     struct ampc_list steps;
 };
 
-ampc_status ampc_adam_cpu(const struct ampc_adam_lists *lists,
-                          const struct ampc_adam_control *control,
-                          const struct ampc_adam_args *args);
-
 /*
  * One FP8 GEMM, row-major: out[m, n] = (a[m, k] @ b_t[n, k]^T) * (*scale_inv_a) *
  * (*scale_inv_b) + bias[n], accumulated in fp32, rounded once to out's dtype. a and b_t
  * are e4m3fn or e5m2 (not both e5m2), k and n multiples of 16, every pointer 16-byte
- * aligned (checked by the binding). CUDA only (cuBLASLt); the CPU reference is torch's.
+ * aligned (checked by the torch glue). CUDA only (cuBLASLt); the CPU reference is torch's.
  */
 struct ampc_fp8_gemm_args {
     void *out;              /* fp32 or bf16 [m, n] */
@@ -178,11 +150,6 @@ struct ampc_fp8_gemm_args {
  * cast_from_fp8: dst[i] (fp32/fp16/bf16) = src[i] (fp8) * scale_inv[i], rounded.
  * fp8_amax: *amax[i] = max |src[i]| only.
  */
-ampc_status ampc_cast_fp8_cpu(const struct ampc_list *dst, const struct ampc_list *amax,
-                              const struct ampc_list *src, const struct ampc_list *scale);
-ampc_status ampc_cast_from_fp8_cpu(const struct ampc_list *dst, const struct ampc_list *src,
-                                   const struct ampc_list *scale_inv);
-ampc_status ampc_fp8_amax_cpu(const struct ampc_list *amax, const struct ampc_list *src);
 
 /* Delayed scaling of n fp8 tensors, see fp8_scaling.h for the exact rule. */
 struct ampc_fp8_scaling_args {
@@ -192,14 +159,24 @@ struct ampc_fp8_scaling_args {
     int most_recent;        /* 1: the newest amax, 0: the max over the history */
 };
 
-/* amax_history: [H, n] fp32, row 0 newest; scale, scale_inv, amax: [n] fp32. */
-ampc_status ampc_fp8_update_scales_cpu(float *amax_history, float *scale, float *scale_inv,
-                                       const float *amax,
-                                       const struct ampc_fp8_scaling_args *args);
+/*
+ * The thread pool the CPU kernels spread their chunks over: a parallel_for that calls
+ * body(lo, hi, ctx) on disjoint ranges covering [begin, end) and returns 0 on success.
+ * The torch glue hands it torch's intra-op pool when it registers the ops; without one,
+ * the chunks run on the calling thread.
+ */
+typedef int32_t (*ampc_parallel_for_fn)(int64_t begin, int64_t end, int64_t grain_size,
+                                        void (*body)(int64_t lo, int64_t hi, void *ctx),
+                                        void *ctx);
+void ampc_set_parallel_for(ampc_parallel_for_fn parallel_for);
+
+/* The CPU entry points, ampc_<name>_cpu, one per kernel of the list. */
+#define AMPC_KERNEL(name, ...) ampc_status ampc_##name##_cpu(__VA_ARGS__);
+#include "ampc_ops.h"
 
 /*
- * The CUDA library fills this table (ampc_cuda_get_api in csrc/cuda/api.cu). Every
- * launcher runs on `stream`, on the device made current by begin(), reads control
+ * The CUDA library fills this table (ampc_cuda_get_api in cuda/api.cu, each slot by its
+ * name). Every launcher runs on `stream`, on the device made current by begin(), reads control
  * values (inv_scale, found_inf, scale) on the device and never synchronizes.
  */
 struct ampc_cuda_api {
@@ -213,31 +190,12 @@ struct ampc_cuda_api {
      * reported before any kernel of the op is queued. */
     ampc_status (*begin)(int device, void **guard, void **stream);
     void (*end)(void *guard);
-    ampc_status (*cast)(const struct ampc_list *dst, const struct ampc_list *src,
-                        const struct ampc_cast_args *args, void *stream);
-    ampc_status (*unscale_check)(const struct ampc_list *grads, float *found_inf,
-                                 const float *inv_scale, void *stream);
-    ampc_status (*check_norm)(const struct ampc_list *grads, float *found_inf, float *norm,
-                              const float *inv_scale, void *stream);
-    ampc_status (*update_scale)(float *scale, int32_t *growth_tracker,
-                                int32_t *hysteresis_tracker, const float *found_inf,
-                                const struct ampc_scale_args *args, void *stream);
-    ampc_status (*adam)(const struct ampc_adam_lists *lists,
-                        const struct ampc_adam_control *control,
-                        const struct ampc_adam_args *args, void *stream);
     /* Text of the last CUDA error seen by a launcher of this thread. */
     const char *(*last_error)(void);
-    ampc_status (*cast_fp8)(const struct ampc_list *dst, const struct ampc_list *amax,
-                            const struct ampc_list *src, const struct ampc_list *scale,
-                            void *stream);
-    ampc_status (*cast_from_fp8)(const struct ampc_list *dst, const struct ampc_list *src,
-                                 const struct ampc_list *scale_inv, void *stream);
-    ampc_status (*fp8_amax)(const struct ampc_list *amax, const struct ampc_list *src,
-                            void *stream);
-    ampc_status (*fp8_update_scales)(float *amax_history, float *scale, float *scale_inv,
-                                     const float *amax,
-                                     const struct ampc_fp8_scaling_args *args, void *stream);
-    ampc_status (*fp8_gemm)(struct ampc_fp8_gemm_args *args, void *stream);
+    /* One launcher per kernel of the list, in the slot named after it. */
+#define AMPC_KERNEL(name, ...) ampc_status (*name)(__VA_ARGS__, void *stream);
+#define AMPC_CUDA_KERNEL(name, ...) AMPC_KERNEL(name, __VA_ARGS__)
+#include "ampc_ops.h"
 };
 
 #ifdef __cplusplus

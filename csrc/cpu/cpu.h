@@ -3,10 +3,10 @@
  *
  * A list of tensors is cut into chunks of at most AMPC_CHUNK elements (a chunk never
  * spans two tensors; empty tensors have none). Chunks are numbered in list order and
- * handed out to torch's intra-op thread pool (torch_parallel_for, sized by
- * torch.get_num_threads()), so 1,000 small tensors cost one parallel region, not
- * 1,000 calls. Chunk numbers are fixed by the list alone, so per-chunk partial
- * results (a norm) combine in the same order whatever the thread count.
+ * handed out to torch's intra-op thread pool (sized by torch.get_num_threads(); the
+ * torch glue hands it over through ampc_set_parallel_for), so 1,000 small tensors cost
+ * one parallel region, not 1,000 calls. Chunk numbers are fixed by the list alone, so
+ * per-chunk partial results (a norm) combine in the same order whatever the thread count.
  *
  * Within a chunk, each op's SIMD loops (<op>.c, built from simd.h) do the work: each
  * loads, widens, computes, narrows and stores in registers, with AVX-512, AVX2+F16C or

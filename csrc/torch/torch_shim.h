@@ -3,7 +3,7 @@
  * ("shim", torch >= 2.10) that ampc calls.
  *
  * torch's own shim headers are C++, so they cannot be included from C. These
- * prototypes must stay identical to torch's: tests/test_shim_header.py compiles this
+ * prototypes must stay identical to torch's: tests/kernels/test_shim_header.py compiles this
  * file together with torch's real headers, so any drift is a compile error there.
  *
  * The libraries are linked without torch; the symbols resolve at load time against

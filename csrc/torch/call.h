@@ -1,0 +1,166 @@
+/*
+ * call.h: what the torch glue's op bodies (ops_<area>.c) share: one call of an op, with
+ * the tensor handles it owns taken off torch's boxed stack, the argument checks, the
+ * errors, and the run of the kernel on the CPU or through the CUDA library (call.c).
+ *
+ * A boxed kernel owns every tensor handle on its stack and must free them. Errors
+ * reach Python as RuntimeError by throwing through aoti_torch_check, which unwinds
+ * through these C frames (built with -fexceptions); so every check runs, and every
+ * handle is freed, before anything is modified. Messages name the op and the
+ * argument: "ampc.cast: dst[3] must be torch.float16 like dst[0], got torch.float32".
+ */
+#ifndef AMPC_TORCH_CALL_H
+#define AMPC_TORCH_CALL_H
+
+#include <string.h>
+
+#include "ampc.h"
+#include "torch_shim.h"
+
+#define MAX_LISTS 11
+#define MAX_SINGLES 6
+
+/* The CUDA library's launchers, or NULL while CUDA calls are refused for the reason in
+ * g_cuda_refusal (cuda_lib.c). */
+extern const struct ampc_cuda_api *g_cuda;
+extern char g_cuda_refusal[512];
+
+struct tensor {
+    AtenTensorHandle h;
+    const char *name;       /* argument name */
+    int64_t index;          /* position in its list, -1 for a single tensor */
+    int32_t dtype;
+    int32_t device_type;
+    int32_t device_index;
+    int64_t numel;
+    void *data;
+    int64_t dim;            /* -1 until shape() reads it with sizes */
+    int64_t *sizes;
+    int written;            /* the op writes it */
+    int host;               /* read by the glue on the host (a CPU tensor on any call) */
+};
+
+struct list {
+    struct tensor *t;
+    int64_t count;
+    void **ptr;             /* for struct ampc_list */
+    int64_t *numel;
+};
+
+/* One call of an op: the handles it owns and the arguments checked so far. */
+struct call {
+    const char *op;
+    int on_cuda;
+    struct list lists[MAX_LISTS];
+    int n_lists;
+    struct tensor singles[MAX_SINGLES];
+    int n_singles;
+    const struct tensor *first;     /* the tensor that fixes the device */
+    int soft;                       /* a tensor on another device or not contiguous sets */
+    int unfit;                      /* unfit instead of failing the call (adam_packed) */
+    void *scratch;                  /* freed with the call (the lists of dtype groups) */
+    char msg[512];
+};
+
+/* A kernel's work on one device: the CPU entry point, or the CUDA launcher on a stream. */
+typedef ampc_status (*cpu_fn)(void *job);
+typedef ampc_status (*cuda_fn)(void *job, void *stream);
+
+/*
+ * name_on_cpu(job) and name_on_cuda(job, stream): kernel `name` of ampc_ops.h called with
+ * the arguments that follow, written in terms of `job` (a struct job_type *).
+ */
+#define ON_DEVICES(name, job_type, ...)                                                   \
+    static ampc_status name##_on_cpu(void *j)                                             \
+    {                                                                                     \
+        struct job_type *job = j;                                                         \
+        return ampc_##name##_cpu(__VA_ARGS__);                                            \
+    }                                                                                     \
+    static ampc_status name##_on_cuda(void *j, void *stream)                              \
+    {                                                                                     \
+        struct job_type *job = j;                                                         \
+        return g_cuda->name(__VA_ARGS__, stream);                                         \
+    }
+
+// ---- the ops' entry points, one per op of ampc_ops.h (ops_<area>.c) ----
+
+#define AMPC_OP(name, signature) void ampc_op_##name(StableIValue *stack, int on_cuda);
+#include "ampc_ops.h"
+
+// ---- starting, failing and ending a call ----
+
+void start(struct call *c, const char *op, int on_cuda);
+/* Frees everything the call owns (the caller ends a call that succeeded with it). */
+void call_free(struct call *c);
+/* Frees everything the call owns and raises RuntimeError("<op>: <message>"). */
+void fail(struct call *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Fails the call when a torch C API function returned an error. */
+void shim(struct call *c, AOTITorchError err, const char *what);
+
+// ---- names for messages ----
+
+const char *dtype_name(int32_t dtype);
+/* "name" or "name[index]" into buf. */
+const char *tensor_name(const struct tensor *t, char *buf, size_t size);
+
+// ---- taking arguments off the stack ----
+
+/* The call's next list, empty; it is freed with the call. */
+struct list *next_list(struct call *c);
+/* Room for n tensors in ls (count stays 0); 0 when out of memory. */
+int alloc_list(struct list *ls, int64_t n);
+/* Takes ownership of a Tensor[] argument and of each of its tensors. */
+struct list *take_list(struct call *c, StableIValue v, const char *name, int written);
+/* A list of zero or one value that lives on the device (see option()): named without an
+ * index in messages. */
+struct list *take_option(struct call *c, StableIValue v, const char *name);
+struct tensor *take_tensor(struct call *c, StableIValue v, const char *name, int written);
+/* Once every handle is owned (so a failure frees them all): read and check them. */
+void describe_all(struct call *c);
+
+static inline double take_double(StableIValue v)
+{
+    double d;
+    memcpy(&d, &v, sizeof(d));
+    return d;
+}
+
+static inline int take_bool(StableIValue v)
+{
+    return (v & 0xff) != 0;
+}
+
+// ---- checks ----
+
+/* The ampc dtype of a torch fp32/fp16/bf16 (or fp8) dtype code; 0 when it is none. */
+int to_ampc_dtype(int32_t dtype, ampc_dtype *out);
+int to_fp8_dtype(int32_t dtype, ampc_dtype *out);
+/* Every tensor of the list is fp32, fp16 or bf16: the list, with the dtype of its first
+ * tensor; *mixed is set when the others do not all share it. */
+struct ampc_list float_list_mixed(struct call *c, const struct list *ls, int *mixed);
+/* The same for torch.float8_e4m3fn and torch.float8_e5m2. */
+struct ampc_list fp8_list(struct call *c, const struct list *ls, int *mixed);
+/* Every tensor of the list is fp32, fp16 or bf16, all the same one. */
+struct ampc_list float_list(struct call *c, const struct list *ls);
+/* A 1-element tensor of the given dtype (found_inf, inv_scale, scale, trackers). */
+void check_scalar(struct call *c, const struct tensor *t, int32_t dtype, int allow_empty);
+/* Reads a tensor's shape once into t->dim and t->sizes. */
+void shape(struct call *c, struct tensor *t);
+/* a[i] has the shape of b[i] for every i. */
+void check_same_shapes(struct call *c, struct list *a, const char *a_name, struct list *b,
+                       const char *b_name);
+/* No tensor the op writes shares memory with any other tensor argument. */
+void check_overlap(struct call *c);
+/* A list of zero or one 1-element tensor of `dtype`: its data, or NULL. */
+void *option(struct call *c, struct list *ls, const char *name, int32_t dtype);
+
+// ---- running ----
+
+/* Runs the kernel on the CPU or, through the CUDA library, on the call's device.
+ * On failure it raises (freeing the call); on success the caller frees the call. */
+void run(struct call *c, cpu_fn cpu, cuda_fn cuda, void *job);
+/* run() once per group of positions whose first two lists share their dtypes (call.c). */
+void run_groups(struct call *c, int mixed, struct list *const ls[],
+                struct ampc_list *const out[], int n, cpu_fn cpu, cuda_fn cuda, void *job);
+
+#endif /* AMPC_TORCH_CALL_H */
