@@ -3,7 +3,7 @@ model converter, and ampc's master-weight AdamW as the optimizer.
 
     from ampc.integrations.torchtitan import AmpcFloat8Converter, AmpcOptimizersContainer
     spec = model_registry("8B", converters=[AmpcFloat8Converter.Config(recipe="delayed")])
-    optimizer = AmpcOptimizersContainer.Config(param_groups=[...])    # "AdamW" is ampc's now
+    config.optimizer = ampc_optimizers(config.optimizer)     # "AdamW" is ampc's now
 
 torchtitan's ``training.dtype="bfloat16"`` trains pure bf16: weights, gradients and
 Adam's moments in bf16, no fp32 copy. With ``AmpcOptimizersContainer`` the optimizers named
@@ -11,7 +11,7 @@ Adam's moments in bf16, no fp32 copy. With ``AmpcOptimizersContainer`` the optim
 parameters and write the bf16 weights from the masters in the same fused step: the model
 stays bf16, the updates no longer round away.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torchtitan.components.optimizer import OptimizersContainer
@@ -20,7 +20,7 @@ from torchtitan.models.common.linear import Linear
 
 import ampc
 
-__all__ = ["AmpcFloat8Converter", "AmpcOptimizersContainer", "Float8Linear"]
+__all__ = ["AmpcFloat8Converter", "AmpcOptimizersContainer", "Float8Linear", "ampc_optimizers"]
 
 _MULTIPLE = 16      # ampc.fp8's GEMMs take dimensions that are multiples of 16
 
@@ -128,3 +128,13 @@ class AmpcOptimizersContainer(OptimizersContainer):
             return ours[name]
         return OptimizersContainer._resolve_optimizer_factory(name)
 
+
+
+def ampc_optimizers(config):
+    """``config`` (an ``OptimizersContainer.Config``, e.g. ``default_adamw(...)``) as an
+    :class:`AmpcOptimizersContainer` config with the same param groups and settings."""
+    if not isinstance(config, OptimizersContainer.Config):
+        raise TypeError(f"ampc_optimizers: config must be an OptimizersContainer.Config, "
+                        f"got {type(config).__name__}")
+    return AmpcOptimizersContainer.Config(**{f.name: getattr(config, f.name)
+                                             for f in fields(config) if f.init})
