@@ -25,6 +25,7 @@ class becomes a subclass of its own class that
   ``prepare()`` and the model that holds its parameters: low-precision weights, fp32
   masters in the optimizer.
 """
+import contextlib
 import functools
 from types import MethodType
 
@@ -39,7 +40,7 @@ import ampc
 __all__ = ["use_ampc"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_CLIPPED_HERE = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+_SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
 class _Settings:
@@ -50,7 +51,6 @@ class _Settings:
 
     def region(self):
         """ampc's autocast, with the policy scope and the FP8 region if any."""
-        import contextlib
         stack = contextlib.ExitStack()
         stack.enter_context(ampc.autocast(self.device, dtype=self.dtype,
                                           cache_enabled=self.cache_enabled))
@@ -88,7 +88,7 @@ def use_ampc(accelerator, *, dtype=None, scaler=None, master_weights=False, poli
                            "has prepared models or optimizers already")
     if isinstance(accelerator, _AmpcAccelerator):
         raise RuntimeError(f"{name}: this accelerator uses ampc already")
-    if accelerator.distributed_type not in _CLIPPED_HERE:
+    if accelerator.distributed_type not in _SUPPORTED:
         raise NotImplementedError(f"{name}: supports single-process, DDP (multi-CPU/GPU) "
                                   f"accelerators; got {accelerator.distributed_type}")
     if dtype is None:

@@ -132,6 +132,28 @@ def test_master_weights_state_and_losses():
     torch.testing.assert_close(ours, theirs, rtol=5e-2, atol=5e-2)
 
 
+def test_policy_and_fp8():
+    seen = []
+    acc = use_ampc(_fresh_accelerator("bf16"), policy={"linear": "fp32"})
+    net = acc.prepare(_net())
+    net[3].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    net(torch.randn(4, 16))
+    assert seen == [torch.float32]
+    # FP8: the Linear layers become ampc.fp8.Linear at prepare(), and run in FP8 there
+    acc = use_ampc(_fresh_accelerator("bf16"), fp8=ampc.fp8.Float8CurrentScaling())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    ref = ampc.fp8.convert(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)))
+    ref.load_state_dict(model.state_dict())
+    model = acc.prepare(model)
+    assert isinstance(model[0], ampc.fp8.Linear)
+    x = torch.randn(8, 16)
+    with ampc.autocast("cpu", dtype=torch.bfloat16), \
+            ampc.fp8.autocast(recipe=ampc.fp8.Float8CurrentScaling()):
+        expected = ref(x).float()
+    assert torch.equal(model(x), expected)
+
+
 def test_bad_calls():
     with pytest.raises(ValueError, match="mixed_precision is 'no'"):
         use_ampc(_fresh_accelerator("no"))
