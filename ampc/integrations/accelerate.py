@@ -25,7 +25,6 @@ class becomes a subclass of its own class that
   ``prepare()`` and the model that holds its parameters: low-precision weights, fp32
   masters in the optimizer.
 """
-import contextlib
 import functools
 from types import MethodType
 
@@ -36,6 +35,8 @@ from accelerate.utils import DistributedType, convert_outputs_to_fp32
 from torch import nn
 
 import ampc
+
+from ._region import fp8_recipe, region
 
 __all__ = ["use_ampc"]
 
@@ -50,15 +51,8 @@ class _Settings:
         self.master_weights, self.cache_enabled = master_weights, cache_enabled
 
     def region(self):
-        """ampc's autocast, with the policy scope and the FP8 region if any."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(ampc.autocast(self.device, dtype=self.dtype,
-                                          cache_enabled=self.cache_enabled))
-        if self.policy:
-            stack.enter_context(ampc.policy.scope(ops=self.policy))
-        if self.fp8 is not None:
-            stack.enter_context(ampc.fp8.autocast(recipe=self.fp8, modules=self.fp8_modules))
-        return stack
+        return region(self.device, self.dtype, self.cache_enabled, self.policy, self.fp8,
+                      self.fp8_modules)
 
 
 def use_ampc(accelerator, *, dtype=None, scaler=None, master_weights=False, policy=None,
@@ -106,9 +100,7 @@ def use_ampc(accelerator, *, dtype=None, scaler=None, master_weights=False, poli
         scaler = ampc.GradScaler(device)
     if scaler is not None and not isinstance(scaler, ampc.GradScaler):
         raise TypeError(f"{name}: scaler must be an ampc.GradScaler, got {type(scaler).__name__}")
-    if fp8 is True:
-        fp8 = ampc.fp8.DelayedScaling()
-    accelerator._ampc = _Settings(device, dtype, dict(policy or {}), fp8 or None,
+    accelerator._ampc = _Settings(device, dtype, dict(policy or {}), fp8_recipe(name, fp8),
                                   tuple(fp8_modules), bool(master_weights), cache_enabled)
     accelerator.scaler = scaler
     accelerator.native_amp = False      # Accelerate's torch.autocast stays out

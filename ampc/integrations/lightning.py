@@ -17,8 +17,6 @@ Lightning's FSDP strategy accepts only its own ``FSDPPrecision``; shard with FSD
 ``ModelParallelStrategy`` (``fully_shard`` in ``configure_model``) instead, which takes this
 plugin.
 """
-import contextlib
-
 import torch
 from lightning.fabric.plugins.precision import Precision as _FabricPrecision
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -27,6 +25,8 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 import ampc
+
+from ._region import fp8_recipe, region
 
 __all__ = ["AmpcPrecision", "AmpcFabricPrecision"]
 
@@ -55,13 +55,7 @@ class _Config:
             scaler = ampc.GradScaler(self.device, init_scale=init_scale, dynamic=dynamic)
         self.scaler = scaler
         self.policy = dict(policy or {})
-        if fp8 is True:
-            fp8 = ampc.fp8.DelayedScaling()
-        if fp8 is not None and fp8 is not False and not isinstance(
-                fp8, (ampc.fp8.DelayedScaling, ampc.fp8.Float8CurrentScaling)):
-            raise TypeError(f"{name}: fp8 must be a bool or an ampc.fp8 recipe, "
-                            f"got {type(fp8).__name__}")
-        self.fp8 = fp8 or None
+        self.fp8 = fp8_recipe(name, fp8)
         self.fp8_modules = tuple(fp8_modules)
         self.cache_enabled = cache_enabled
 
@@ -72,16 +66,9 @@ class _Config:
             ampc.fp8.convert(module, self.fp8_modules)
         return module
 
-    @contextlib.contextmanager
     def forward_context(self):
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(ampc.autocast(self.device, dtype=self.dtype,
-                                              cache_enabled=self.cache_enabled))
-            if self.policy:
-                stack.enter_context(ampc.policy.scope(ops=self.policy))
-            if self.fp8 is not None:
-                stack.enter_context(ampc.fp8.autocast(recipe=self.fp8, modules=self.fp8_modules))
-            yield
+        return region(self.device, self.dtype, self.cache_enabled, self.policy, self.fp8,
+                      self.fp8_modules)
 
     def state_dict(self):
         return self.scaler.state_dict() if self.scaler is not None else {}
