@@ -54,7 +54,8 @@ class Float8Linear(ampc.fp8.Linear, Linear):
         with torch.random.fork_rng(devices=[]):
             fresh = ampc.fp8.Linear(_MULTIPLE, _MULTIPLE, bias=False, device=device)
         for name, buf in fresh.named_buffers():
-            self.register_buffer(name, buf, persistent=name not in fresh._non_persistent_buffers_set)
+            persistent = name in fresh.state_dict()
+            self.register_buffer(name, buf, persistent=persistent)
 
     def _init_self_buffers(self, buffer_device=None):
         # torchtitan builds on the meta device, then re-creates the buffers here

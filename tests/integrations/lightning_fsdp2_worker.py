@@ -58,8 +58,8 @@ def main(out_dir):
     # this rank's share, dealt as a DistributedSampler without shuffling deals it
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(x[rank::2], y[rank::2]), batch_size=BATCH)
-    trainer = L.Trainer(accelerator="cpu", devices=2, max_epochs=1,
-                        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_epochs=1, strategy=strategy,
                         plugins=[AmpcPrecision("16-mixed", "cpu", init_scale=SCALE)],
                         gradient_clip_val=CLIP,
                         use_distributed_sampler=False, logger=False, enable_checkpointing=False,

@@ -73,7 +73,8 @@ def test_bf16_same_losses_as_accelerate_bf16():
     assert type(acc).__name__ == "AmpcAccelerator" and acc.scaler is None
     ours, _, net, _ = _train(acc)
     with acc.autocast():
-        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
     theirs, _, _, _ = _train(_fresh_accelerator("bf16"), optimizer="fused")
     assert torch.equal(ours, theirs), (ours, theirs)
     assert net(torch.randn(2, 16)).dtype == torch.float32      # outputs converted, as Accelerate's

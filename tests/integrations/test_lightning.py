@@ -136,7 +136,8 @@ def test_fp16_clipping_folded_where_lightning_refuses():
         assert torch.equal(a, b)
     # and Lightning's own unscale-then-clip path with torch's AdamW: the same training up to
     # the two AdamW implementations' rounding (fused vs. for-loop, a few fp32 ulps per step)
-    theirs, _ = _fit(Model("plain", plant_inf=True), plugins=[_torch_fp16()], gradient_clip_val=0.05)
+    theirs, _ = _fit(Model("plain", plant_inf=True), plugins=[_torch_fp16()],
+                     gradient_clip_val=0.05)
     finite = torch.isfinite(ours)
     torch.testing.assert_close(ours[finite], theirs[finite], rtol=1e-3, atol=1e-4)
     unclipped, _ = _fit(Model("ampc", plant_inf=True), plugins=[AmpcPrecision("16-mixed", "cpu")])
@@ -205,7 +206,8 @@ def test_master_weights_memory_against_lightning_bf16_mixed():
 
 
 def test_master_weights_need_ampc_optimizer():
-    with pytest.raises(TypeError, match="AmpcPrecision\\(master_weights=True\\): optimizer 0 is AdamW"):
+    with pytest.raises(TypeError,
+                       match="AmpcPrecision\\(master_weights=True\\): optimizer 0 is AdamW"):
         _fit(Model("plain"), plugins=[AmpcPrecision("bf16-mixed", "cpu", master_weights=True)])
 
 

@@ -17,8 +17,8 @@ from torchtitan.models.common.linear import Linear  # noqa: E402
 from torchtitan.protocols.module import Module  # noqa: E402
 
 import ampc  # noqa: E402
-from ampc.integrations.torchtitan import (AmpcFloat8Converter, AmpcOptimizersContainer,  # noqa: E402
-                                          Float8Linear)
+from ampc.integrations.torchtitan import (  # noqa: E402
+    AmpcFloat8Converter, AmpcOptimizersContainer, Float8Linear)
 
 
 class MLP(Module):
@@ -68,7 +68,8 @@ def test_converter_trains_as_ampc_fp8_by_hand(recipe):
     assert isinstance(model.fc1, Float8Linear) and isinstance(model.fc2, Float8Linear)
     ref = _build(_config())
     ampc.fp8.convert(ref, modules=(Linear,))
-    ref_recipe = ampc.fp8.DelayedScaling() if recipe == "delayed" else ampc.fp8.Float8CurrentScaling()
+    ref_recipe = (ampc.fp8.DelayedScaling() if recipe == "delayed"
+                  else ampc.fp8.Float8CurrentScaling())
     x, y = regression_data(n=32, features=16, outputs=16)
     opt = ampc.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = ampc.optim.AdamW(ref.parameters(), lr=1e-2)
