@@ -29,10 +29,15 @@ import functools
 from types import MethodType
 
 import torch
-from accelerate import Accelerator
-from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DistributedType, convert_outputs_to_fp32
 from torch import nn
+
+try:
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.utils import DistributedType, convert_outputs_to_fp32
+except ImportError as e:
+    raise ImportError("ampc.integrations.accelerate needs Accelerate (pip install accelerate)") \
+        from e
 
 import ampc
 

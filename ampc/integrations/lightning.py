@@ -18,11 +18,15 @@ Lightning's FSDP strategy accepts only its own ``FSDPPrecision``; shard with FSD
 plugin.
 """
 import torch
-from lightning.fabric.plugins.precision import Precision as _FabricPrecision
-from lightning_utilities.core.apply_func import apply_to_collection
-from lightning.pytorch.plugins.precision import Precision as _Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
+
+try:
+    from lightning.fabric.plugins.precision import Precision as _FabricPrecision
+    from lightning.pytorch.plugins.precision import Precision as _Precision
+    from lightning.pytorch.utilities import GradClipAlgorithmType
+    from lightning_utilities.core.apply_func import apply_to_collection
+except ImportError as e:
+    raise ImportError("ampc.integrations.lightning needs Lightning (pip install lightning)") from e
 
 import ampc
 

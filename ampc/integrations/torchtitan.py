@@ -14,9 +14,14 @@ stays bf16, the updates no longer round away.
 from dataclasses import dataclass, field, fields
 
 import torch
-from torchtitan.components.optimizer import OptimizersContainer
-from torchtitan.components.quantization import QuantizationConverter
-from torchtitan.models.common.linear import Linear
+
+try:
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.components.quantization import QuantizationConverter
+    from torchtitan.models.common.linear import Linear
+except ImportError as e:
+    raise ImportError("ampc.integrations.torchtitan needs torchtitan 0.3 "
+                      "(pip install torchtitan==0.3.0)") from e
 
 import ampc
 
