@@ -37,6 +37,15 @@ __all__ = ["AmpcPrecision", "AmpcFabricPrecision"]
 _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
+_FP8_STATE = "AmpcPrecision.fp8_state"     # checkpoint key of the FP8 layers' scaling state
+
+
+def _fp8_buffer_names():
+    """The names of the scaling state an ampc.fp8.Linear saves besides weight and bias."""
+    fresh = ampc.fp8.Linear(16, 16, bias=False, device="meta")
+    return [k for k in fresh.state_dict() if k != "weight"]
+
+
 def _to_floating(t, dtype):
     return t.to(dtype) if torch.is_floating_point(t) else t
 
@@ -120,9 +129,27 @@ class AmpcPrecision(_Config, _Precision):
                         fp8, fp8_modules, cache_enabled)
         self.master_weights = bool(master_weights)
         self._unscaled = set()      # optimizers unscaled before clipping in this step
+        self._module = None
 
     def convert_module(self, module):
+        self._module = module
         return self._convert_fp8(module)
+
+    # The FP8 scaling state travels in the checkpoint under a key of its own, out of the
+    # model's state_dict: Lightning loads the model's weights before convert_module on a
+    # fresh run, and a plain model (load_from_checkpoint too) takes no FP8 buffers.
+    def on_save_checkpoint(self, checkpoint):
+        if self.fp8 is None or "state_dict" not in checkpoint:
+            return
+        weights = checkpoint["state_dict"]
+        keys = [f"{name}.{b}" if name else b for name, m in self._module.named_modules()
+                if isinstance(m, ampc.fp8.Linear) for b in _fp8_buffer_names()]
+        checkpoint[_FP8_STATE] = {k: weights.pop(k) for k in keys if k in weights}
+
+    def on_load_checkpoint(self, checkpoint):
+        state = checkpoint.get(_FP8_STATE)
+        if self.fp8 is not None and state:
+            self._module.load_state_dict(state, strict=False)
 
     def connect(self, model, optimizers, lr_schedulers):
         if self.master_weights:

@@ -1,5 +1,7 @@
 """ampc's Lightning plugin in Lightning's own training loop, against Lightning's built-in torch
 mixed precision and against the same steps written out by hand with ampc (CPU, small MLP)."""
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -152,28 +154,43 @@ def test_clip_by_value_unscales_first():
     torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("precision,master", [("16-mixed", False), ("bf16-mixed", True)])
-def test_resume_from_checkpoint_equals_uninterrupted(tmp_path, precision, master):
+@pytest.mark.parametrize("precision,master,fp8", [("16-mixed", False, False),
+                                                  ("bf16-mixed", True, False),
+                                                  ("bf16-mixed", False, True)])
+def test_resume_from_checkpoint_equals_uninterrupted(tmp_path, precision, master, fp8):
     def plugin():
         scaler = None
         if precision == "16-mixed":     # a short growth interval: the scale moves every few steps
             scaler = ampc.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2)
-        return AmpcPrecision(precision, "cpu", scaler=scaler, master_weights=master)
+        recipe = ampc.fp8.DelayedScaling(amax_history_len=4) if fp8 else None
+        return AmpcPrecision(precision, "cpu", scaler=scaler, master_weights=master, fp8=recipe)
 
     plant = precision == "16-mixed"     # bf16 has no scaler to skip an overflow
-    whole, t_whole = _fit(Model("ampc", plant_inf=plant), max_epochs=2, plugins=[plugin()])
-    first, t_first = _fit(Model("ampc", plant_inf=plant), max_epochs=1, plugins=[plugin()])
+    outputs = 16 if fp8 else 4          # FP8 GEMMs: multiples of 16
+    fit = functools.partial(_fit, outputs=outputs)
+    whole, t_whole = fit(Model("ampc", plant_inf=plant, outputs=outputs), max_epochs=2,
+                         plugins=[plugin()])
+    first, t_first = fit(Model("ampc", plant_inf=plant, outputs=outputs), max_epochs=1,
+                         plugins=[plugin()])
     path = tmp_path / "epoch1.ckpt"
     t_first.save_checkpoint(path)
     checkpoint = torch.load(path, weights_only=False)
     if precision == "16-mixed":
         assert checkpoint["AmpcPrecision"]["_skipped_steps"] == 1
+    if fp8:     # the FP8 scaling state beside the model's weights, which stay plain
+        assert "net.0.fp8_fwd_scale" in checkpoint["AmpcPrecision.fp8_state"]
+        assert not any("fp8" in k for k in checkpoint["state_dict"])
+        assert not torch.equal(checkpoint["AmpcPrecision.fp8_state"]["net.0.fp8_fwd_scale"],
+                               torch.ones(2))
     # a differently initialized model: everything must come from the checkpoint
-    rest, t_rest = _fit(Model("ampc", plant_inf=plant, seed=1), max_epochs=2, ckpt_path=str(path),
-                        plugins=[plugin()])
+    rest, t_rest = fit(Model("ampc", plant_inf=plant, seed=1, outputs=outputs), max_epochs=2,
+                       ckpt_path=str(path), plugins=[plugin()])
     assert torch.equal(torch.cat([first, rest]), whole)
     for a, b in zip(t_rest.lightning_module.parameters(), t_whole.lightning_module.parameters()):
         assert a.dtype == b.dtype and torch.equal(a, b)
+    if fp8:     # the FP8 scaling state came back too
+        assert torch.equal(t_rest.lightning_module.net[0].fp8_fwd_scale,
+                           t_whole.lightning_module.net[0].fp8_fwd_scale)
     s_rest, s_whole = t_rest.precision_plugin.scaler, t_whole.precision_plugin.scaler
     if s_whole is not None:
         assert s_rest.state_dict() == s_whole.state_dict()
