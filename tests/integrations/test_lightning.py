@@ -222,6 +222,32 @@ def test_master_weights_memory_against_lightning_bf16_mixed():
     torch.testing.assert_close(ours, theirs, rtol=5e-2, atol=5e-2)
 
 
+def test_fp16_master_weights_with_clipping_as_by_hand():
+    # fp16 weights and gradients: unscale_ refuses fp16 gradients, the folded clip takes them
+    plugin = AmpcPrecision("16-mixed", "cpu", master_weights=True)
+    ours, trainer = _fit(Model("ampc", plant_inf=True), plugins=[plugin], gradient_clip_val=0.05)
+    assert trainer.lightning_module.net[0].weight.dtype == torch.float16
+    torch.manual_seed(0)
+    net, opt = ampc.prepare(_net(), ampc.optim.AdamW, torch.float16, lr=1e-2)
+    scaler = ampc.GradScaler("cpu")
+    ref = []
+    for i, (x, y) in enumerate(_loader()):
+        opt.zero_grad()
+        with ampc.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            loss = nn.functional.mse_loss(net(x).float(), y)
+        if i == INF_BATCH:
+            loss = loss * float("inf")
+        ref.append(loss.detach())
+        scaler.scale(loss).backward()
+        scaler.clip_grad_norm_(opt, 0.05)
+        scaler.step(opt)
+        scaler.update()
+    assert torch.equal(ours, torch.stack(ref)), (ours, ref)
+    assert int(plugin.scaler.skipped_steps()) == 1
+    for a, b in zip(trainer.lightning_module.net.parameters(), net.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_master_weights_need_ampc_optimizer():
     with pytest.raises(TypeError,
                        match="AmpcPrecision\\(master_weights=True\\): optimizer 0 is AdamW"):
