@@ -199,7 +199,9 @@ class _Losses(transformers.TrainerCallback):
         self.lrs.append(kw["lr_scheduler"].get_last_lr()[0])
 
 
-def _trainer(tmp_path, precision, use, plant_inf=False, max_steps=8, seed=0, optim=None, **args):
+def _trainer(tmp_path, precision, use, plant_inf=False, max_steps=8, seed=0, optim=None,
+             ampc_kw=None, **args):
+    ampc_kw = ampc_kw or {}
     losses = []
 
     class T(transformers.Trainer):
@@ -227,7 +229,7 @@ def _trainer(tmp_path, precision, use, plant_inf=False, max_steps=8, seed=0, opt
     trainer = T(model=_tiny_gpt2(seed), args=targs, train_dataset=_Data(), callbacks=[callback],
                 **kw)
     if use:
-        use_ampc(trainer.accelerator, **({"scaler": use} if use is not True else {}))
+        use_ampc(trainer.accelerator, **({"scaler": use} if use is not True else {}), **ampc_kw)
     return trainer, losses, callback
 
 
@@ -263,3 +265,16 @@ def test_trainer_fp16_skips_and_resumes(tmp_path):
     for p, q in zip(rest.model.parameters(), whole.model.parameters()):
         assert torch.equal(p, q)
     assert rest.accelerator.scaler.state_dict() == whole.accelerator.scaler.state_dict()
+
+
+def test_trainer_master_weights(tmp_path):
+    trainer, ours, _ = _trainer(tmp_path / "a", "bf16", True, ampc_kw={"master_weights": True})
+    trainer.train()
+    model, opt = trainer.model, trainer.optimizer.optimizer
+    assert model.transformer.h[0].attn.c_attn.weight.dtype == torch.bfloat16
+    assert model.transformer.h[0].ln_1.weight.dtype == torch.float32       # norms stay fp32
+    assert opt.state[model.transformer.h[0].attn.c_attn.weight]["master"].dtype == torch.float32
+    t_trainer, theirs, _ = _trainer(tmp_path / "b", "bf16", False)
+    t_trainer.train()
+    # bf16 embeddings here (autocast keeps them fp32): close from the first step on, not equal
+    torch.testing.assert_close(torch.stack(ours), torch.stack(theirs), rtol=2e-2, atol=2e-2)
