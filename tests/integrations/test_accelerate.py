@@ -278,3 +278,30 @@ def test_trainer_master_weights(tmp_path):
     t_trainer.train()
     # bf16 embeddings here (autocast keeps them fp32): close from the first step on, not equal
     torch.testing.assert_close(torch.stack(ours), torch.stack(theirs), rtol=2e-2, atol=2e-2)
+
+
+def test_gradient_accumulation_as_accelerate():
+    def run(acc, optimizer):
+        torch.manual_seed(0)
+        net = _net()
+        opt = (ampc.optim.AdamW(net.parameters(), lr=1e-2) if optimizer == "ampc"
+               else torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True))
+        net, opt, loader = acc.prepare(net, opt, _loader())
+        losses = []
+        for x, y in loader:
+            with acc.accumulate(net):
+                loss = nn.functional.mse_loss(net(x), y)
+                losses.append(loss.detach().clone())
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(net.parameters(), CLIP)
+                opt.step()
+                opt.zero_grad()
+        return torch.stack(losses), [p.detach().clone() for p in net.parameters()]
+
+    ours, w_ours = run(use_ampc(_fresh_accelerator("fp16", gradient_accumulation_steps=2)), "ampc")
+    theirs, w_theirs = run(_fresh_accelerator("fp16", torch_fp16=True,
+                                              gradient_accumulation_steps=2), "fused")
+    assert torch.equal(ours, theirs), (ours, theirs)
+    for a, b in zip(w_ours, w_theirs):
+        assert torch.equal(a, b)
