@@ -20,5 +20,14 @@ fi
 if ! .venv/bin/python -c "import torchvision, transformers" 2>/dev/null; then
     .venv/bin/pip install -q torchvision==0.29.1 transformers==5.24.0
 fi
+# The frameworks that ampc.integrations plugs into, for tests/integrations: releases that keep
+# torch 2.14.1. torchtitan's own dependencies (datasets, wandb, ...) would move huggingface_hub
+# below what transformers 5.24 needs, so it goes in without them, with the few its converter
+# and optimizer modules import (tyro, spmd_types, einops).
+if ! .venv/bin/python -c "import lightning, accelerate, torchtitan" 2>/dev/null; then
+    .venv/bin/pip install -q lightning==2.6.6 accelerate==1.15.0 tyro==1.0.17 spmd_types==0.2.3 \
+        einops==0.8.2
+    .venv/bin/pip install -q --no-deps torchtitan==0.3.0
+fi
 # No build isolation: the build needs only setuptools, and isolation could pull a torch.
 .venv/bin/pip install -q --no-build-isolation --no-deps -e .
