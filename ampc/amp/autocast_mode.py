@@ -1,4 +1,5 @@
-"""ampc.autocast: torch's autocast, with ampc's policy registry and weight cache on top.
+"""ampc.autocast (defined here, in ampc.amp.autocast_mode): torch's autocast, with ampc's policy
+registry and weight cache on top.
 
 A region switches torch's own autocast state on (enabled, dtype, cache, nesting), exactly as
 torch.autocast does, so torch's getters report it, torch's C++ autocast casts activations
@@ -29,14 +30,14 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import policy as _policy
-from ._checkpoint import carry_into_checkpoint
+from .. import policy as _policy
+from .._checkpoint import carry_into_checkpoint
 from ._composites import call_lifted
 from ._overflow import checked, install_hooks, remove_hooks
 from ._policy_casts import ON_DEVICE as _ON_DEVICE, apply_policy, cast_args
-from ._walk import map_tensors
+from .._walk import map_tensors
 from ._weight_cache import FUSED as _FUSED, cast_weights, is_weight, order_of
-from .policy import CastPolicy as P
+from ..policy import CastPolicy as P
 
 _Tensor = torch.Tensor
 _FP32, _FP16, _BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -430,6 +431,13 @@ class autocast:
             with self:      # the saved state lives on a per-thread stack, so this re-enters
                 return func(*args, **kwargs)
         return decorate_autocast
+
+
+def is_autocast_available(device_type: str) -> bool:
+    """Whether ampc.autocast runs regions on ``device_type`` (torch.amp's function): torch's
+    autocast has the device and ampc supports it ('cpu', 'cuda'). A string that is no device
+    raises as torch's does."""
+    return torch.amp.is_autocast_available(device_type) and device_type in _ON_DEVICE
 
 
 def is_autocast_enabled(device_type="cuda"):
