@@ -34,6 +34,8 @@ from ampc import validate
 from ampc.validate._compare import DEFAULT_DTYPE, train_one
 from ampc.validate._report import NO_MATPLOTLIB, fmt, format_table, write_outputs
 
+__all__ = ["main"]
+
 # ---- the text ----
 
 VOCAB = [c for c in string.printable if c not in "\x0b\x0c"]   # 98 characters
@@ -280,7 +282,7 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None, started=None):
+def main(argv: list[str] | None = None, started: float | None = None) -> int:
     """Runs the demo; ``started`` is the ``time.perf_counter()`` the time budget counts
     from (default: now; from the command line, the start of the process)."""
     t_start = time.perf_counter() if started is None else started

@@ -12,7 +12,7 @@ Activation checkpointing recomputes with the forward's scales (bit for bit the t
 without it); under torch.compile the FP8 calls run eagerly between compiled graphs.
 """
 from .autocast_mode import autocast
-from .gemm import gemm
+from ._gemm import gemm
 from .linear import Linear, convert
 from .recipe import DelayedScaling, Float8CurrentScaling, Format
 
