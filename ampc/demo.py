@@ -16,6 +16,8 @@ runs train in lockstep and all stop at the same step when the time budget (--bud
 Output: a table, the validation summary, OUT/demo.{txt,json,png}, OUT/layers.*, and a
 sample of text written by the ampc model.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import argparse
 import glob
 import os

@@ -16,6 +16,8 @@ What differs from torch (https://pytorch.org/docs/stable/amp.html#gradient-scali
 - static scaling, skipped steps counted on the device, a per-step record, optional
   hysteresis, min and max scale, all of it in state_dict.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import inspect
 import math
 import struct

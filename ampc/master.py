@@ -6,6 +6,8 @@ layers stay fp32, and the optimizer keeps fp32 master weights that start from th
 original fp32 values, not from their rounded copies. ``fp32_state_dict`` writes those
 master weights back out as a plain fp32 ``state_dict`` for the original model.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 from collections import OrderedDict, defaultdict
 from typing import Any, Callable
 

@@ -17,6 +17,8 @@ the optimizer before ``step()``, the grads are unscaled inside the update and a 
 with inf/nan grads is skipped on the device, with no host sync. ``grad_clip_coef`` (a
 1-element tensor set the same way) folds gradient clipping into the update too.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 from itertools import chain, repeat
 from operator import attrgetter, is_, is_not
 from typing import Any, Callable, Iterable

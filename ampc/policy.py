@@ -25,6 +25,8 @@ per device (:func:`set_policy`), add their own functions and custom ops (:func:`
 scope a policy to a region or a module and its children (:func:`scope`,
 :func:`module_scope`), and print the whole table (:func:`table`).
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import enum
 import functools
 import threading

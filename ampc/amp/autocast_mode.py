@@ -22,6 +22,8 @@ makes torch conformance hold by construction (benchmarks/bench_autocast.py measu
 
 State is thread-local, as torch's is. Reference: torch/amp/autocast_mode.py.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import functools
 import threading
 import types

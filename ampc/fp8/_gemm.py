@@ -6,6 +6,8 @@ On CUDA it runs through cuBLASLt (torch.ops.ampc.fp8_gemm, GPUs of compute capab
 (exact: every fp8 value is an fp32 value), an fp32 matmul, the dequantizing scales and the
 bias applied to the fp32 result as cuBLASLt applies them, one rounding to ``out_dtype``.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import torch
 
 from .. import ops

@@ -7,6 +7,8 @@ its first call and runs FP8 from its second. Call ampc.fp8.convert(model) first 
 both, and before loading an FP8 checkpoint into a fresh model. Under torch.distributed a
 region reduces delayed scaling's amaxes across its process group (_amax_reduction.py).
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import threading
 from typing import Any
 

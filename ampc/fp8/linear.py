@@ -8,6 +8,8 @@ nn.Linear. The scaling state is in its state_dict (see scaling.py). A checkpoint
 recomputation casts as the forward did (_recompute.py); under torch.compile an FP8 call runs
 eagerly (see _eager_forward below).
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import torch
 import torch.nn.functional as F
 from torch import nn

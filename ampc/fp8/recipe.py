@@ -3,6 +3,8 @@
 Named as TransformerEngine names them (``recipe.Format``, ``recipe.DelayedScaling``,
 ``recipe.Float8CurrentScaling``), so code written for it reads the same here.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import enum
 from dataclasses import dataclass
 from typing import Union

@@ -10,6 +10,8 @@ amax_history_len (1 for current scaling). Every update runs on the device. Where
 scaling's amaxes are reduced across ranks, a cast hands its amax to `pending` and the
 update waits for the reduction (_amax_reduction.py).
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import torch
 
 from .. import ops

@@ -15,6 +15,8 @@ so all runs of one seed start from the same weights, and every run sees the same
 fp32 is also trained from a second seed: the gap between its two runs is the
 run-to-run noise a mixed-precision run is judged against.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import contextlib
 import ctypes
 import gc

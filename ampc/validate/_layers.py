@@ -9,6 +9,8 @@ scale, round to zero in float16 (underflow) or past its largest value 65504 (ove
 Modules whose added error or weight-gradient error stands out from the others get a line
 to paste that keeps them in fp32.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import contextlib
 import copy
 import math

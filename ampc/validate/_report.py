@@ -2,6 +2,8 @@
 
 matplotlib is optional: without it ``save`` says so and writes the table and JSON only.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import json
 import math
 import os
