@@ -34,8 +34,8 @@ def test_classes_do_not_hide_their_modules():
     assert callable(ampc.fp8.gemm) and not isinstance(ampc.fp8.gemm, types.ModuleType)
 
 
+# ids other than "cuda": the conftest skips a test with that keyword on a machine without a GPU
 @pytest.mark.parametrize("device", ["cpu", "cuda", "xpu", "mps", "meta"], ids=lambda d: f"on_{d}")
-# (ids not "cuda": the conftest skips tests with that keyword on machines without a GPU)
 def test_is_autocast_available(device):
     # ampc's regions run where torch's autocast does and ampc has kernels: cpu and cuda
     assert ampc.is_autocast_available(device) == (torch.amp.is_autocast_available(device)
