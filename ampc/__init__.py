@@ -1,19 +1,39 @@
 """ampc: mixed-precision training for PyTorch with a C core.
 
 The kernels are registered as torch.ops.ampc.*; ampc.ops wraps them.
+
+``import ampc`` costs little beyond ``import torch``: ampc.fp8 (which needs torch._dynamo)
+and ampc.validate are imported on first use, and torch.distributed.tensor only by whoever
+makes a DTensor (tests/test_import_cost.py holds this).
 """
+import importlib
+
 from . import _lib  # noqa: F401  (registers torch.ops.ampc.*)
 from . import ops
 from . import optim
 from .master import fp32_state_dict, prepare
 from .grad_scaler import GradScaler
 from . import policy
-from .autocast import (autocast, clear_autocast_cache, custom_bwd, custom_fwd, get_autocast_dtype,
-                       is_autocast_cache_enabled, is_autocast_enabled, set_autocast_dtype)
-from . import validate
-from . import fp8
+from .amp import (autocast, clear_autocast_cache, custom_bwd, custom_fwd, get_autocast_dtype,
+                  is_autocast_available, is_autocast_cache_enabled, is_autocast_enabled,
+                  set_autocast_dtype)
 
 __all__ = ["GradScaler", "fp32_state_dict", "ops", "optim", "prepare",
-           "policy", "autocast", "custom_fwd", "custom_bwd", "is_autocast_enabled", "get_autocast_dtype",
-           "set_autocast_dtype", "is_autocast_cache_enabled", "clear_autocast_cache", "fp8"]
+           "policy", "autocast", "custom_fwd", "custom_bwd", "is_autocast_available",
+           "is_autocast_enabled", "get_autocast_dtype", "set_autocast_dtype",
+           "is_autocast_cache_enabled", "clear_autocast_cache", "fp8", "validate"]
 __version__ = "0.1.0"
+
+# imported on first use: fp8 needs torch._dynamo (longer to import than all the rest of ampc);
+# validate is a tool that a training script does not need
+_LAZY = ("fp8", "validate")
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return importlib.import_module(f".{name}", __name__)   # also binds ampc.<name>
+    raise AttributeError(f"module 'ampc' has no attribute '{name}'")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

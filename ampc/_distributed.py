@@ -11,21 +11,25 @@ collectives on device tensors, so nothing waits for the device.
 A Partial placement (a pending sum) is refused: its local values are not the gradient.
 DDP needs nothing here: it all-reduces the grads, so every rank sees the same values.
 """
+import sys
 import weakref
 from itertools import repeat
 
 import torch.distributed as dist
 
-try:
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-except ImportError:                     # torch built without distributed
-    DTensor = Partial = Replicate = None
-
 __all__ = ["is_dtensor", "check_group", "local_lists", "split_grads", "agree_found_inf",
            "global_norm", "refuse_sharded_model", "watch_params"]
 
 
+def _dtensor_class():
+    """DTensor, or None while torch.distributed.tensor is not imported: no DTensor can exist
+    before its module is, and importing it takes over half a second that a script without
+    DTensors should not pay (nor a torch built without distributed)."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
 def is_dtensor(t):
+    DTensor = _dtensor_class()
     return DTensor is not None and isinstance(t, DTensor)
 
 
@@ -39,6 +43,7 @@ def _laid_out_like(t, p):
 
 
 def _refuse_partial(who, what, t):
+    from torch.distributed.tensor import Partial     # t is a DTensor: the module is loaded
     if any(isinstance(pl, Partial) for pl in t.placements):
         raise ValueError(f"{who}: {what} has a Partial placement {tuple(t.placements)} (a sum "
                          "not yet reduced across ranks, so its local values are not its "
@@ -107,6 +112,7 @@ def local_lists(who, indices, params, grads, states):
 
 def _reduce_groups(who, g):
     """The process groups of the mesh dims along which the DTensor g is not replicated."""
+    from torch.distributed.tensor import Replicate   # g is a DTensor: the module is loaded
     _refuse_partial(who, "a gradient", g)
     dims = [d for d, pl in enumerate(g.placements) if not isinstance(pl, Replicate)]
     if dims:
@@ -119,6 +125,7 @@ def split_grads(who, grads):
     be summed over (in the order of first appearance, the same on every rank); plain
     tensors and replicated DTensors have none. One entry, with no groups, for plain
     grads."""
+    DTensor = _dtensor_class()
     if DTensor is None or not any(map(isinstance, grads, repeat(DTensor))):    # in C
         return [((), list(grads))] if grads else []
     classes = {}

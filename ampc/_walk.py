@@ -1,7 +1,8 @@
 """One walk over nested arguments: tensors inside lists, tuples, namedtuples and dicts.
 
-Autocast's casts, ``prepare``'s weight casts and ``GradScaler.scale`` all need the same thing:
-apply a function to every tensor of a nested value and get the same structure back. Strings,
+Autocast's casts and overflow checks (ampc/amp/) and ``prepare``'s casts of a model's inputs
+and outputs (master.py) need the same thing: apply a function to every tensor of a nested
+value and get the same structure back. Strings,
 numbers and other objects pass through untouched; a namedtuple is rebuilt with its fields by
 position (its constructor takes no iterable); a dict keeps its keys. Structures are rebuilt
 only when a tensor inside them changed, so the common case (nothing to do) allocates nothing.

@@ -16,6 +16,8 @@ runs train in lockstep and all stop at the same step when the time budget (--bud
 Output: a table, the validation summary, OUT/demo.{txt,json,png}, OUT/layers.*, and a
 sample of text written by the ampc model.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import argparse
 import glob
 import os
@@ -33,6 +35,8 @@ import ampc
 from ampc import validate
 from ampc.validate._compare import DEFAULT_DTYPE, train_one
 from ampc.validate._report import NO_MATPLOTLIB, fmt, format_table, write_outputs
+
+__all__ = ["main"]
 
 # ---- the text ----
 
@@ -280,7 +284,7 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None, started=None):
+def main(argv: list[str] | None = None, started: float | None = None) -> int:
     """Runs the demo; ``started`` is the ``time.perf_counter()`` the time budget counts
     from (default: now; from the command line, the start of the process)."""
     t_start = time.perf_counter() if started is None else started

@@ -16,6 +16,8 @@ What differs from torch (https://pytorch.org/docs/stable/amp.html#gradient-scali
 - static scaling, skipped steps counted on the device, a per-step record, optional
   hysteresis, min and max scale, all of it in state_dict.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import inspect
 import math
 import struct
@@ -23,13 +25,15 @@ import warnings
 import weakref
 from collections import abc, defaultdict, deque
 from enum import Enum
-from typing import NamedTuple, Tuple, Union
+from typing import Any, Iterable, NamedTuple, Tuple, TypeVar, Union
 
 import torch
 
 from . import _distributed, ops
 
 __all__ = ["GradScaler", "OptState", "StepRecord", "read_step_records"]
+
+_Scaled = TypeVar("_Scaled")    # scale() gives back what it was given, scaled
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Created on the first scale(), dropped when pickling (their values travel as _init_*):
@@ -71,7 +75,7 @@ class StepRecord(NamedTuple):
     grad_norm: Union[None, torch.Tensor, Tuple[torch.Tensor, ...]]
 
 
-def read_step_records(records):
+def read_step_records(records: Iterable[StepRecord]) -> list[dict[str, Any]]:
     """Reads StepRecords to the host in one transfer (one wait for the device in all).
 
     Returns a list of dicts {"scale": float, "skipped": bool, "grad_norm": float, None
@@ -232,10 +236,11 @@ class GradScaler:
         >>> scaler.update()
     """
 
-    def __init__(self, device="cuda", init_scale=2.0 ** 16, growth_factor=2.0,
-                 backoff_factor=0.5, growth_interval=2000, enabled=True, *, dtype=None,
-                 dynamic=True, hysteresis=1, min_scale=None, max_scale=None,
-                 min_scale_patience=10, step_records=0):
+    def __init__(self, device: str = "cuda", init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
+                 dtype: torch.dtype | None = None, dynamic: bool = True, hysteresis: int = 1,
+                 min_scale: float | None = None, max_scale: float | None = None,
+                 min_scale_patience: int = 10, step_records: int = 0) -> None:
         if isinstance(device, (int, float)) and not isinstance(device, bool):
             if init_scale != 2.0 ** 16:
                 raise TypeError("ampc.GradScaler: in the legacy form without a device, pass "
@@ -345,7 +350,7 @@ class GradScaler:
             self._host_skips = torch.zeros((), dtype=torch.int32, pin_memory=dev.type == "cuda")
             self._host_view = self._host_skips.numpy()     # read as plain host memory
 
-    def scale(self, outputs):
+    def scale(self, outputs: _Scaled) -> _Scaled:
         """Multiplies a tensor, or each tensor of nested lists/tuples/iterables, by the scale.
 
         The scale is created on the device of the first tensor it sees.
@@ -409,7 +414,7 @@ class GradScaler:
         # the reciprocal in double, rounded once: exactly torch's inv_scale
         return self._scale.double().reciprocal().float()
 
-    def unscale_(self, optimizer):
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divides the optimizer's gradients by the scale in place and records any inf/nan.
 
         Optional: call it between backward and step to work on true gradients (clip them
@@ -456,7 +461,8 @@ class GradScaler:
 
     # ---- clipping ----
 
-    def clip_grad_norm_(self, optimizer, max_norm, norm_type=2.0):
+    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
         """Clips the optimizer's gradients like ``torch.nn.utils.clip_grad_norm_`` after
         ``unscale_``, and returns the total norm of the unscaled gradients.
 
@@ -512,7 +518,7 @@ class GradScaler:
 
     # ---- step and update ----
 
-    def step(self, optimizer, *args, **kwargs):
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Runs ``optimizer.step(*args, **kwargs)`` unless the gradients hold an inf or a nan.
 
         Unscales first if ``unscale_`` was not called. Returns what ``optimizer.step``
@@ -576,7 +582,7 @@ class GradScaler:
             return getattr(optimizer, "grad_scale", None)
         return self._scale * getattr(optimizer, "grad_scale", 1)
 
-    def update(self, new_scale=None):
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Updates the scale once per iteration, after every optimizer's step.
 
         Without ``new_scale``: backs off if any optimizer's step found an inf or a nan,
@@ -606,7 +612,7 @@ class GradScaler:
         self._per_optimizer_states = defaultdict(_fresh_state)
         self._raise_if_stuck_at_min()
 
-    def is_dynamic(self):
+    def is_dynamic(self) -> bool:
         """False for static loss scaling: growth and backoff factors of 1, as in the
         checkpoint (``dynamic=False``, or a loaded checkpoint that says so)."""
         return not self._growth_factor == self._backoff_factor == 1.0
@@ -676,7 +682,7 @@ class GradScaler:
 
     # ---- skipped steps ----
 
-    def skipped_steps(self):
+    def skipped_steps(self) -> torch.Tensor:
         """The number of iterations (update() calls) in which a step found an inf or a nan
         and was skipped, as a 0-dim int64 tensor on the scale's device. Reading its value
         (``int(...)``) waits for the device; keeping the tensor does not."""
@@ -686,7 +692,7 @@ class GradScaler:
             return torch.tensor(self._init_skipped, dtype=torch.int64)
         return self._skipped.clone()
 
-    def last_step_skipped(self):
+    def last_step_skipped(self) -> torch.Tensor:
         """Whether a step of the last update()'s iteration was skipped, as a 0-dim bool
         tensor on the scale's device (``bool(...)`` waits for the device)."""
         if not self._enabled:
@@ -696,12 +702,12 @@ class GradScaler:
             return torch.tensor(bool(self._init_last_skipped))
         return self._last_found_inf
 
-    def step_records(self):
+    def step_records(self) -> list[StepRecord]:
         """The kept :class:`StepRecord` s, oldest first, as device tensors (no wait); [] unless
         built with ``step_records=N``. One is added by each update() after a step."""
         return [] if self._records is None else list(self._records)
 
-    def read_step_records(self, clear=True):
+    def read_step_records(self, clear: bool = True) -> list[dict[str, Any]]:
         """The kept records read to the host in one transfer (see
         :func:`read_step_records`), oldest first; ``clear`` drops them once read, so that
         the next call returns only the iterations since this one."""
@@ -715,28 +721,28 @@ class GradScaler:
     def _get_scale_async(self):
         return self._scale
 
-    def get_scale(self):
+    def get_scale(self) -> float:
         """The current scale as a float (waits for the device); 1.0 when disabled."""
         if not self._enabled:
             return 1.0
         return self._init_scale if self._scale is None else self._scale.item()
 
-    def get_growth_factor(self):
+    def get_growth_factor(self) -> float:
         return self._growth_factor
 
-    def set_growth_factor(self, new_factor):
+    def set_growth_factor(self, new_factor: float) -> None:
         self._growth_factor = new_factor
 
-    def get_backoff_factor(self):
+    def get_backoff_factor(self) -> float:
         return self._backoff_factor
 
-    def set_backoff_factor(self, new_factor):
+    def set_backoff_factor(self, new_factor: float) -> None:
         self._backoff_factor = new_factor
 
-    def get_growth_interval(self):
+    def get_growth_interval(self) -> int:
         return self._growth_interval
 
-    def set_growth_interval(self, new_interval):
+    def set_growth_interval(self, new_interval: int) -> None:
         self._growth_interval = new_interval
 
     def _get_growth_tracker(self):
@@ -751,7 +757,7 @@ class GradScaler:
             return self._init_hysteresis_tracker
         return self._hysteresis_tracker.item()
 
-    def is_enabled(self):
+    def is_enabled(self) -> bool:
         return self._enabled
 
     def _extras_state(self):
@@ -770,7 +776,7 @@ class GradScaler:
                 "min_scale_patience": self._patience, "_skipped_steps": skipped,
                 "_last_step_skipped": last, "_skips_at_min": at_min}
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """torch's keys (scale, growth_factor, backoff_factor, growth_interval,
         _growth_tracker), then the rest of the state under keys of its own: hysteresis,
         min_scale, max_scale, min_scale_patience and the counters _hysteresis_tracker,
@@ -784,7 +790,7 @@ class GradScaler:
         sd.update(self._extras_state())
         return sd
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict of this class or of torch.amp.GradScaler. Checks it whole
         before changing anything. A torch checkpoint keeps this scaler's own settings of
         hysteresis and the bounds, and starts its counters again."""
@@ -826,7 +832,7 @@ class GradScaler:
             raise ValueError(f"ampc.GradScaler.load_state_dict: _last_step_skipped must be "
                              f"None or a bool, got {extras['_last_step_skipped']!r}")
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         if self._enabled:
             if len(self._per_optimizer_states) != 0:
@@ -842,7 +848,7 @@ class GradScaler:
                 state["_records"] = deque(maxlen=self._records.maxlen)
         return state
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
         # a scaler pickled by an earlier ampc has no skip counters nor records: they start
         self.__dict__.update(_init_skipped=0, _init_last_skipped=None, _init_skips_at_min=0,
                              _records=None)

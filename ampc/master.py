@@ -6,7 +6,10 @@ layers stay fp32, and the optimizer keeps fp32 master weights that start from th
 original fp32 values, not from their rounded copies. ``fp32_state_dict`` writes those
 master weights back out as a plain fp32 ``state_dict`` for the original model.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 from collections import OrderedDict, defaultdict
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -42,8 +45,9 @@ def _cast_outputs(dtype):
     return hook
 
 
-def prepare(model, optimizer, dtype=torch.bfloat16, *, keep_fp32=NORM_LAYERS,
-            cast_inputs=True, **optimizer_kwargs):
+def prepare(model: nn.Module, optimizer: Adam | Callable[..., Adam], dtype: torch.dtype = torch.bfloat16,
+            *, keep_fp32: tuple[type[nn.Module], ...] = NORM_LAYERS, cast_inputs: bool = True,
+            **optimizer_kwargs: Any) -> tuple[nn.Module, Adam]:
     """Turns an fp32 ``model`` into a ``dtype`` model trained with fp32 master weights.
 
     Every floating parameter and buffer of the model is cast to ``dtype`` in one fused
@@ -133,7 +137,8 @@ def _own_tensors(module):
         b for b in module.buffers(recurse=False) if b is not None]
 
 
-def fp32_state_dict(model, optimizer, *, full_state_dict=False):
+def fp32_state_dict(model: nn.Module, optimizer: Adam, *,
+                    full_state_dict: bool = False) -> dict[str, torch.Tensor]:
     """The model's ``state_dict`` in fp32, with the master weights as its parameters.
 
     Every parameter that has a master weight in ``optimizer`` is replaced by a copy of

@@ -17,8 +17,11 @@ the optimizer before ``step()``, the grads are unscaled inside the update and a 
 with inf/nan grads is skipped on the device, with no host sync. ``grad_clip_coef`` (a
 1-element tensor set the same way) folds gradient clipping into the update too.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 from itertools import chain, repeat
 from operator import attrgetter, is_, is_not
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -132,10 +135,13 @@ class Adam(torch.optim.Optimizer):
     _decoupled = False
     _default_weight_decay = 0.0
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None,
-                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None, master_weights=None,
-                 stochastic_rounding=False, seed=0):
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+                 lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float | None = None, amsgrad: bool = False, *,
+                 maximize: bool = False, foreach: bool | None = None, capturable: bool = False,
+                 differentiable: bool = False, fused: bool | None = None,
+                 master_weights: bool | None = None, stochastic_rounding: bool = False,
+                 seed: int = 0) -> None:
         if weight_decay is None:
             weight_decay = self._default_weight_decay
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
@@ -160,14 +166,14 @@ class Adam(torch.optim.Optimizer):
                         stochastic_rounding=stochastic_rounding, seed=seed)
         super().__init__(params, defaults)
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("master_weights", None)
             group.setdefault("stochastic_rounding", False)
             group.setdefault("seed", 0)
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         try:
             _distributed.check_group(f"ampc.optim.{type(self).__name__}",
@@ -233,7 +239,7 @@ class Adam(torch.optim.Optimizer):
         return cache[device]
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Performs one optimization step; returns the closure's loss, if any."""
         loss = None
         if closure is not None:
@@ -384,7 +390,7 @@ class Adam(torch.optim.Optimizer):
 
     # ---- checkpoints ----
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch's, but master weights, moments and steps stay fp32 on the param's
         device instead of being cast to the param's dtype, and a checkpoint that does not
         fit this optimizer's params raises before anything is loaded."""

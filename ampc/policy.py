@@ -25,12 +25,20 @@ per device (:func:`set_policy`), add their own functions and custom ops (:func:`
 scope a policy to a region or a module and its children (:func:`scope`,
 :func:`module_scope`), and print the whole table (:func:`table`).
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import enum
 import functools
 import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Union
 
 import torch
 from torch.overrides import handle_torch_function, has_torch_function
+
+__all__ = ["CastPolicy", "DEVICES", "DEFAULTS", "Scope", "ScopeHandle", "scope", "op_name", "get_policy",
+           "set_policy", "reset", "register", "current_scope", "module_scope", "module_scope_of",
+           "table", "print_table"]
 
 DEVICES = ("cpu", "cuda")
 
@@ -45,11 +53,13 @@ class CastPolicy(str, enum.Enum):
     FP32_KEEP_DTYPE = "fp32_keep_dtype"
     PASSTHROUGH = "passthrough"
 
-    def __str__(self):
+    def __str__(self) -> str:
         return self.value
 
 
 P = CastPolicy
+# what names an op: its registry name, a torch callable, a custom op, a registered function
+Op = Union[str, Callable[..., Any]]
 
 # ---- defaults: PyTorch's lists, one name per Python-level op ----
 
@@ -185,7 +195,7 @@ def _check_policy(fn, policy):
                          f"{[p.value for p in CastPolicy]}, got {policy!r}") from None
 
 
-def op_name(op):
+def op_name(op: Op) -> str:
     """The registry's name for ``op``: a name string (``"layer_norm"``, ``"aten::pow.Scalar"``),
     a torch callable (``torch.mm``, ``F.layer_norm``, ``torch.Tensor.softmax``), a custom op
     (``torch.ops.mylib.foo``) or a function given to :func:`register`."""
@@ -210,14 +220,14 @@ def op_name(op):
     return name
 
 
-def get_policy(op, device_type="cuda"):
+def get_policy(op: Op, device_type: str = "cuda") -> CastPolicy:
     """The effective policy of ``op`` on ``device_type`` (outside any scope), or
     ``CastPolicy.PASSTHROUGH`` when autocast leaves it alone."""
     _check_device("get_policy", device_type)
     return EFFECTIVE[device_type].get(op_name(op), P.PASSTHROUGH)
 
 
-def set_policy(op, policy, device_type=None):
+def set_policy(op: Op, policy: CastPolicy | str | None, device_type: str | None = None) -> None:
     """Sets the policy of ``op`` for every device (``device_type=None``) or for one.
     ``policy=None`` removes the change and restores the default. Takes effect from the
     next call on, in every thread; a region opened while the registry had no changes at all
@@ -237,7 +247,7 @@ def _set(name, policy, device_type):
         _rebuild()
 
 
-def reset():
+def reset() -> None:
     """Removes every change made with :func:`set_policy` (registered functions keep their
     names but lose their policies)."""
     with _lock:
@@ -246,7 +256,8 @@ def reset():
         _rebuild()
 
 
-def register(fn=None, *, policy, device_type=None, name=None):
+def register(fn: Callable[..., Any] | None = None, *, policy: CastPolicy | str,
+             device_type: str | None = None, name: str | None = None) -> Callable[..., Any]:
     """Puts a function or a custom op under autocast with ``policy``.
 
     A ``torch.library`` custom op (``torch.ops.mylib.foo``) is registered as is and
@@ -296,7 +307,8 @@ class Scope:
 
     __slots__ = ("dtype", "ops", "enabled", "base", "outer", "from_module")
 
-    def __init__(self, dtype=None, ops=None, enabled=None):
+    def __init__(self, dtype: torch.dtype | None = None, ops: Mapping[Op, CastPolicy | str] | None = None,
+                 enabled: bool | None = None) -> None:
         if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError("ampc.policy.scope: dtype must be torch.float32, torch.float16, "
                              f"torch.bfloat16 or None, got {dtype}")
@@ -305,7 +317,7 @@ class Scope:
         self.from_module = False
         self.ops = {op_name(k): _check_policy("scope", v) for k, v in (ops or {}).items()}
 
-    def merged(self, parent):
+    def merged(self, parent: "Scope | None") -> "Scope":
         """This scope seen from inside ``parent``: unset fields come from the parent."""
         out = Scope.__new__(Scope)
         out.base = None       # torch's autocast state outside the outermost scope (set by autocast)
@@ -333,7 +345,7 @@ class _ScopeState(threading.local):
 _tls = _ScopeState()
 
 
-def current_scope():
+def current_scope() -> Scope | None:
     return _tls.scope
 
 
@@ -373,19 +385,22 @@ class scope:
             enclosing scope that turned it off. Default: None (as the enclosing scope).
     """
 
-    def __init__(self, dtype=None, ops=None, enabled=None):
+    def __init__(self, dtype: torch.dtype | None = None, ops: Mapping[Op, CastPolicy | str] | None = None,
+                 enabled: bool | None = None) -> None:
         self._scope = Scope(dtype, ops, enabled)
 
-    def __enter__(self):
+    def __enter__(self) -> "scope":
         _tls.saved.append(_push(self._scope))
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> bool:
         _pop(_tls.saved.pop())
         return False
 
 
-def module_scope(module, *, dtype=None, ops=None, enabled=None, cast_inputs=True):
+def module_scope(module: torch.nn.Module, *, dtype: torch.dtype | None = None,
+                 ops: Mapping[Op, CastPolicy | str] | None = None, enabled: bool | None = None,
+                 cast_inputs: bool = True) -> "ScopeHandle":
     """Makes a scope a property of ``module``: it applies to every call of the module and
     of its children. With ``dtype`` set and ``cast_inputs=True`` the module's floating
     tensor arguments are also cast to ``dtype`` on entry (inside autocast regions only),
@@ -410,18 +425,23 @@ def module_scope(module, *, dtype=None, ops=None, enabled=None, cast_inputs=True
     handles = [module.register_forward_pre_hook(pre, with_kwargs=True),
                module.register_forward_hook(post, always_call=True)]
     module._ampc_scope = s
-
-    class Handle:
-        def remove(self):
-            for h in handles:
-                h.remove()
-            if getattr(module, "_ampc_scope", None) is s:
-                del module._ampc_scope
-
-    return Handle()
+    return ScopeHandle(module, s, handles)
 
 
-def module_scope_of(module):
+class ScopeHandle:
+    """What :func:`module_scope` returns: ``remove()`` takes the scope off its module."""
+
+    def __init__(self, module: torch.nn.Module, scope: Scope, hooks: list) -> None:
+        self._module, self._scope, self._hooks = module, scope, hooks
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        if getattr(self._module, "_ampc_scope", None) is self._scope:
+            del self._module._ampc_scope
+
+
+def module_scope_of(module: torch.nn.Module) -> Scope | None:
     """The :class:`Scope` attached to ``module`` by :func:`module_scope`, or None."""
     return getattr(module, "_ampc_scope", None)
 
@@ -431,7 +451,7 @@ _cast_inputs_hook = None   # set by ampc.autocast: casts a module's inputs insid
 
 # ---- the table ----
 
-def table(device_type=None):
+def table(device_type: str | None = None) -> str:
     """The effective policy table as text: one line per op that autocast changes, with its
     policy on each device and a mark on entries changed from the defaults."""
     _check_device("table", device_type)
@@ -450,7 +470,7 @@ def table(device_type=None):
     return "\n".join(lines)
 
 
-def print_table(device_type=None):
+def print_table(device_type: str | None = None) -> None:
     print(table(device_type))
 
 

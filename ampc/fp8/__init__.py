@@ -11,8 +11,8 @@ amaxes are reduced across the ranks (DelayedScaling's reduce_amax, autocast's fp
 Activation checkpointing recomputes with the forward's scales (bit for bit the training
 without it); under torch.compile the FP8 calls run eagerly between compiled graphs.
 """
-from .autocast import autocast
-from .gemm import gemm
+from .autocast_mode import autocast
+from ._gemm import gemm
 from .linear import Linear, convert
 from .recipe import DelayedScaling, Float8CurrentScaling, Format
 

@@ -8,14 +8,19 @@ nn.Linear. The scaling state is in its state_dict (see scaling.py). A checkpoint
 recomputation casts as the forward did (_recompute.py); under torch.compile an FP8 call runs
 eagerly (see _eager_forward below).
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import _recompute, _region
 from ._amax_reduction import backward_pending
-from .gemm import gemm
+from ._gemm import gemm
+from .recipe import Recipe
 from .scaling import PERSISTENT, init_state, match_recipe, scaled_cast
+
+__all__ = ["Linear", "convert", "linear", "to_fp8"]
 
 MULTIPLE = 16   # cuBLASLt's FP8 kernels: the inner and output dimensions
 
@@ -86,7 +91,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None
 
 
-def linear(module, x, recipe, pending=None, replay=None):
+def linear(module: nn.Linear, x: torch.Tensor, recipe: Recipe, pending: object = None,
+           replay: object = None) -> torch.Tensor:
     """F.linear(x, module.weight, module.bias) with FP8 GEMMs and the module's state;
     `pending`: the region's amax reduction, if any; with ``replay`` (a checkpoint's
     recomputation) with its recipe and scales, the state untouched."""
@@ -125,11 +131,12 @@ class Linear(nn.Linear):
     side; outside a region the layer compiles as nn.Linear.
     """
 
-    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
         init_state(self, device=self.weight.device)
 
-    def forward(self, input):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             if not _region.stack():     # no FP8 region open: nn.Linear, traced
                 return F.linear(input, self.weight, self.bias)
@@ -166,7 +173,7 @@ class Linear(nn.Linear):
 _eager_forward = torch.compiler.disable(Linear.forward, recursive=True)
 
 
-def convert(model, modules=(nn.Linear,)):
+def convert(model: nn.Module, modules: tuple[type[nn.Module], ...] = (nn.Linear,)) -> nn.Module:
     """Turns every module of `model` (itself included) whose type is exactly one of `modules`
     into an ampc.fp8.Linear in place, its parameters kept, with a fresh FP8 state. Done by
     ampc.fp8.autocast as modules are reached; call it yourself before loading a checkpoint
@@ -177,7 +184,7 @@ def convert(model, modules=(nn.Linear,)):
     return model
 
 
-def to_fp8(module):
+def to_fp8(module: nn.Linear) -> "Linear":
     if not isinstance(module, Linear):
         module.__class__ = Linear
         init_state(module, device=module.weight.device)

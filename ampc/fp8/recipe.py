@@ -3,10 +3,16 @@
 Named as TransformerEngine names them (``recipe.Format``, ``recipe.DelayedScaling``,
 ``recipe.Float8CurrentScaling``), so code written for it reads the same here.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import enum
 from dataclasses import dataclass
+from typing import Union
 
 import torch
+
+__all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Recipe", "RECIPES", "FMAX",
+           "AMAX_COMPUTE_ALGOS"]
 
 FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
@@ -19,11 +25,11 @@ class Format(enum.Enum):
     HYBRID = "HYBRID"
 
     @property
-    def fwd_dtype(self):
+    def fwd_dtype(self) -> torch.dtype:
         return torch.float8_e4m3fn
 
     @property
-    def bwd_dtype(self):
+    def bwd_dtype(self) -> torch.dtype:
         return torch.float8_e4m3fn if self is Format.E4M3 else torch.float8_e5m2
 
 
@@ -55,7 +61,7 @@ class DelayedScaling:
     amax_compute_algo: str = "max"
     reduce_amax: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_format("DelayedScaling", self.fp8_format)
         if not isinstance(self.margin, int) or self.margin < 0:
             raise ValueError(f"ampc.fp8.DelayedScaling: margin must be an int >= 0, "
@@ -73,7 +79,7 @@ class DelayedScaling:
     current = False
 
     @property
-    def history_len(self):
+    def history_len(self) -> int:
         return self.amax_history_len
 
 
@@ -93,7 +99,7 @@ class Float8CurrentScaling:
     recomputed."""
     fp8_format: Format = Format.HYBRID
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_format("Float8CurrentScaling", self.fp8_format)
 
     current = True
@@ -104,3 +110,4 @@ class Float8CurrentScaling:
 
 
 RECIPES = (DelayedScaling, Float8CurrentScaling)
+Recipe = Union[DelayedScaling, Float8CurrentScaling]

@@ -10,10 +10,14 @@ amax_history_len (1 for current scaling). Every update runs on the device. Where
 scaling's amaxes are reduced across ranks, a cast hands its amax to `pending` and the
 update waits for the reduction (_amax_reduction.py).
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import torch
 
 from .. import ops
-from .recipe import FMAX
+from .recipe import FMAX, Recipe
+
+__all__ = ["PERSISTENT", "DEFAULT_HISTORY_LEN", "init_state", "match_recipe", "scaled_cast"]
 
 PERSISTENT = ("fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
               "fp8_bwd_amax_history", "fp8_bwd_scale", "fp8_bwd_scale_inv")
@@ -21,7 +25,8 @@ TENSORS = {"fwd": 2, "bwd": 1}      # input and weight; output gradient
 DEFAULT_HISTORY_LEN = 1024
 
 
-def init_state(module, history_len=DEFAULT_HISTORY_LEN, device=None):
+def init_state(module: torch.nn.Module, history_len: int = DEFAULT_HISTORY_LEN,
+               device: torch.device | str | None = None) -> None:
     """(Re)creates the state: zero histories, unit scales (TransformerEngine's start)."""
     for kind, n in TENSORS.items():
         f32 = dict(dtype=torch.float32, device=device)
@@ -31,13 +36,15 @@ def init_state(module, history_len=DEFAULT_HISTORY_LEN, device=None):
         module.register_buffer(f"fp8_{kind}_amax", torch.zeros(n, **f32), persistent=False)
 
 
-def match_recipe(module, recipe):
+def match_recipe(module: torch.nn.Module, recipe: Recipe) -> None:
     """A recipe with another history length starts the state afresh."""
     if module.fp8_fwd_amax_history.shape[0] != recipe.history_len:
         init_state(module, recipe.history_len, module.fp8_fwd_amax_history.device)
 
 
-def scaled_cast(module, kind, tensors, dtype, recipe, pending=None, keep=None):
+def scaled_cast(module: torch.nn.Module, kind: str, tensors: list[torch.Tensor], dtype: torch.dtype,
+                recipe: Recipe, pending: object = None,
+                keep: list | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Casts `tensors` (contiguous fp32/bf16/fp16) to `dtype` with the module's `kind` scales.
     Returns the fp8 tensors and a copy of the inverse scales they were cast with (the GEMMs
     that use them may run after the scales moved on: the backward pass does). With

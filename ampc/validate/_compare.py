@@ -15,16 +15,23 @@ so all runs of one seed start from the same weights, and every run sees the same
 fp32 is also trained from a second seed: the gap between its two runs is the
 run-to-run noise a mixed-precision run is judged against.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import contextlib
 import ctypes
 import gc
 import math
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from ._report import Comparison
 
 SETUPS = ("torch.amp", "ampc", "ampc.master")
 FP8_SETUP = "ampc.fp8"
@@ -34,7 +41,7 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
 
 
-def default_loss(output, target):
+def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over the last dimension of ``output`` (computed in fp32)."""
     return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), target.reshape(-1))
 
@@ -73,11 +80,11 @@ class Run:
     model: object = field(default=None, repr=False)      # the trained model and its
     optimizer: object = field(default=None, repr=False)  # optimizer (not serialized)
 
-    def median_ms(self):
+    def median_ms(self) -> float:
         warm = self.step_ms[len(self.step_ms) // 5:] or self.step_ms
         return statistics.median(warm)
 
-    def as_dict(self):
+    def as_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k not in ("model", "optimizer")}
         d["median_step_ms"] = self.median_ms()
         return d
@@ -356,7 +363,8 @@ def train_lockstep(specs, make_model, batches, *, time_limit, val_batches=(), pr
     return [t.finish(val_batches) for t in trainers]
 
 
-def evaluate(model, batches, loss_fn=None, region=contextlib.nullcontext):
+def evaluate(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable | None = None,
+             region: Callable[[], Any] = contextlib.nullcontext) -> float:
     """Mean loss of ``model`` over ``batches`` without gradients, inside ``region()``."""
     loss_fn = loss_fn or default_loss
     was_training = model.training
@@ -392,9 +400,11 @@ def _finite(x):
     return x is not None and math.isfinite(x)
 
 
-def compare(make_model, make_batch, loss_fn=None, steps=100, setups=SETUPS, *, dtype=None,
-            device=None, lr=1e-3, seeds=(0, 1), val_batches=None, progress=True,
-            time_limit=None):
+def compare(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int], tuple],
+            loss_fn: Callable | None = None, steps: int = 100, setups: Sequence[str] = SETUPS, *,
+            dtype: torch.dtype | None = None, device: str | None = None, lr: float = 1e-3,
+            seeds: Sequence[int] = (0, 1), val_batches: Sequence[tuple] | None = None,
+            progress: bool = True, time_limit: float | None = None) -> "Comparison":
     """Trains fp32 and each mixed-precision setup on the same batches from the same weights.
 
     Args:

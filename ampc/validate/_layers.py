@@ -9,14 +9,23 @@ scale, round to zero in float16 (underflow) or past its largest value 65504 (ove
 Modules whose added error or weight-gradient error stands out from the others get a line
 to paste that keeps them in fp32.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import contextlib
 import copy
 import math
 import statistics
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 
 from ._compare import DEFAULT_DTYPE, DTYPE_NAMES, _call, _to, default_loss
+
+if TYPE_CHECKING:
+    from ..grad_scaler import GradScaler
+    from ._report import LayerReport
 
 UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 
@@ -102,8 +111,9 @@ def expression(path):
     return "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in path.split("."))
 
 
-def layers(model, batch, loss_fn=None, *, dtype=None, loss_scale=None, scaler=None,
-           threshold=4.0):
+def layers(model: torch.nn.Module, batch: tuple, loss_fn: Callable | None = None, *,
+           dtype: torch.dtype | None = None, loss_scale: float | None = None,
+           scaler: "GradScaler | None" = None, threshold: float = 4.0) -> "LayerReport":
     """Per-module numerics of one mixed-precision training step against fp32.
 
     The model is not changed: two copies of it run one forward and backward on ``batch``,

@@ -2,15 +2,19 @@
 
 matplotlib is optional: without it ``save`` says so and writes the table and JSON only.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import json
 import math
 import os
 import statistics
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-from ._compare import _finite, rel_gap, smooth
+from ._compare import Run, _finite, rel_gap, smooth
 
 
-def format_table(header, rows):
+def format_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """Right-aligned columns under a header, separated by ' | '."""
     cells = [list(map(str, header))] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
@@ -74,7 +78,7 @@ class Comparison:
     a setup is ``within`` fp32's spread when its final gap is no larger.
     """
 
-    def __init__(self, base, runs, spread_runs, config):
+    def __init__(self, base: Run, runs: list[Run], spread_runs: list[Run], config: dict[str, Any]) -> None:
         self.base, self.runs, self.spread_runs, self.config = base, runs, spread_runs, config
         self.window = max(1, len(base.losses) // 10)
         self.spread = None
@@ -109,12 +113,12 @@ class Comparison:
             "final_scale": run.scales[-1] if run.scales and run.scales[-1] != 1.0 else None,
         }
 
-    def ok(self):
+    def ok(self) -> bool:
         """True when every setup ends inside fp32's spread (or, with one seed, within 2%)."""
         limit = self.spread if self.spread is not None else 0.02
         return all(_finite(r["final_gap"]) and r["final_gap"] <= limit for r in self.rows)
 
-    def table(self):
+    def table(self) -> str:
         """The comparison as plain text: one row per setup against fp32."""
         rows = []
         for r in self.rows:
@@ -137,18 +141,19 @@ class Comparison:
                               "loss scale"], rows)
         return head + "\n" + table
 
-    def as_dict(self):
+    def as_dict(self) -> dict[str, Any]:
         return {"config": self.config, "smoothing_window": self.window,
                 "fp32_spread": self.spread, "summary": self.rows,
                 "runs": [r.as_dict() for r in [self.base] + self.spread_runs + self.runs]}
 
-    def save(self, out_dir, stem="compare", throughput=None):
+    def save(self, out_dir: str, stem: str = "compare",
+             throughput: dict[str, float] | None = None) -> dict[str, str | None]:
         """Writes STEM.txt, STEM.json and STEM.png (loss curves, gap to fp32, grad-norm
         ratio, loss scale, and given ``throughput`` {setup: tokens/s}, a bar chart of it)."""
         return write_outputs(out_dir, stem, self.table(), self.as_dict(),
                              lambda plt, path: self.plot(plt, path, throughput))
 
-    def plot(self, plt, path, throughput=None):
+    def plot(self, plt: Any, path: str, throughput: dict[str, float] | None = None) -> None:
         if throughput:
             fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
             (loss_ax, gap_ax, speed_ax), (ratio_ax, scale_ax, spare) = axes
@@ -203,10 +208,10 @@ class LayerReport:
     """Per-module numerics of one mixed-precision step against fp32 (see
     :func:`ampc.validate.layers`)."""
 
-    def __init__(self, rows, suggestions, config):
+    def __init__(self, rows: list[dict[str, Any]], suggestions: Any, config: dict[str, Any]) -> None:
         self.rows, self.suggestions, self.config = rows, suggestions, config
 
-    def table(self, top=15):
+    def table(self, top: int = 15) -> str:
         fp16 = self.config["dtype"] == "fp16"
         header = ["module", "type", "output err", "added err", "weight-grad err"]
         if fp16:
@@ -231,13 +236,13 @@ class LayerReport:
             lines.append("no module's error stands out from the others")
         return "\n".join(lines)
 
-    def as_dict(self):
+    def as_dict(self) -> dict[str, Any]:
         return {"config": self.config, "modules": self.rows, "suggestions": self.suggestions}
 
-    def save(self, out_dir, stem="layers"):
+    def save(self, out_dir: str, stem: str = "layers") -> dict[str, str | None]:
         return write_outputs(out_dir, stem, self.table(), self.as_dict(), self.plot)
 
-    def plot(self, plt, path, top=25):
+    def plot(self, plt: Any, path: str, top: int = 25) -> None:
         rows = self.rows[:top]
         fig, ax = plt.subplots(figsize=(8, 0.28 * len(rows) + 1.5))
         y = range(len(rows))

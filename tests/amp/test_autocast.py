@@ -1,7 +1,6 @@
 """ampc.autocast's semantics against torch.autocast's: regions, nesting, threads, what is not
 autocast, errors, the decorator, custom_fwd/custom_bwd, the weight cache, gradients of small
 models, and torch.compile."""
-import sys
 import threading
 import warnings
 
@@ -12,8 +11,8 @@ import torch.nn.functional as F
 
 import ampc
 
-AC = sys.modules["ampc.autocast"]     # the module; ampc.autocast is the class
-CASTS, WC = sys.modules["ampc._casts"], sys.modules["ampc._weight_cache"]
+from ampc.amp import _casts as CASTS, _weight_cache as WC, autocast_mode as AC
+
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 

@@ -156,7 +156,7 @@ def test_cuda_table_on_cpu_tensors_gives_torchs_expected_results(monkeypatch, ca
     case of torch's CUDA lists that runs on the CPU, the result torch's own test expects:
     the op run with its floating arguments cast to the list's type, autocast off. Every op
     takes ampc's own path here (the one policy edits take), torch's autocast off for it."""
-    AC = sys.modules["ampc.autocast"]
+    from ampc.amp import autocast_mode as AC
     monkeypatch.setitem(AC._EFFECTIVE, "cpu", AC._EFFECTIVE["cuda"])
     monkeypatch.setitem(AC._TORCH, "cpu", {})    # every listed op differs: ampc does all the casts
     monkeypatch.setattr(ampc.policy, "CHANGED", True)     # so regions put ampc's mode on

@@ -6,12 +6,12 @@ agree closely (ampc's AdamW matches torch's fused step to within an ulp on the l
 ``numel % 16`` elements of each tensor, and a bf16 forward can round such a change either way).
 """
 import copy
-import sys
 
 import pytest
 import torch
 
 import ampc
+from ampc.amp import _weight_cache
 
 transformers = pytest.importorskip("transformers")
 torchvision = pytest.importorskip("torchvision")
@@ -24,7 +24,7 @@ def _train(model, batches, loss_fn, side, fused_cast, monkeypatch):
         region, scaler = (lambda: torch.autocast("cpu")), torch.amp.GradScaler("cpu")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     else:
-        monkeypatch.setitem(sys.modules["ampc._weight_cache"].FUSED, "cpu", fused_cast)
+        monkeypatch.setitem(_weight_cache.FUSED, "cpu", fused_cast)
         region, scaler = (lambda: ampc.autocast("cpu")), ampc.GradScaler("cpu")
         opt = ampc.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []

@@ -2,7 +2,6 @@
 torch regions take effect both ways, policy edits still win, backward runs outside the mode,
 custom_fwd/custom_bwd work, and torch's C++ autocast closes the CPU gaps of a Python-level mode
 (ops inside C++ composites)."""
-import sys
 import warnings
 
 import pytest
@@ -11,8 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ampc
+from ampc.amp import _weight_cache, autocast_mode as AC
 
-AC = sys.modules["ampc.autocast"]
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
@@ -279,7 +278,7 @@ def test_ampc_custom_bwd_runs_backward_under_the_forwards_state():
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_freed_weight_storage_never_reaches_the_cast_kernel(fused, monkeypatch):
-    monkeypatch.setitem(sys.modules["ampc._weight_cache"].FUSED, "cpu", fused)
+    monkeypatch.setitem(_weight_cache.FUSED, "cpu", fused)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     x = torch.randn(2, 8)

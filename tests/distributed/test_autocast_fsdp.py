@@ -5,7 +5,6 @@ before the next use: ampc's weight cache must never cast such a parameter (a ker
 read address 0), and the recomputation of checkpoint_wrapper must see the dtypes the forward
 saw. Three steps give torch.autocast's losses and gradients bit for bit, with the fused weight
 cast on and off."""
-import sys
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import ampc
+from ampc.amp import _weight_cache
 
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
@@ -52,7 +52,7 @@ def _steps(region):
 @pytest.mark.usefixtures("one_rank")
 @pytest.mark.parametrize("fused", [False, True])
 def test_fsdp2_with_checkpoint_wrapper_matches_torch(fused, monkeypatch):
-    monkeypatch.setitem(sys.modules["ampc._weight_cache"].FUSED, "cpu", fused)
+    monkeypatch.setitem(_weight_cache.FUSED, "cpu", fused)
     want_losses, want_grads = _steps(torch.autocast)
     got_losses, got_grads = _steps(ampc.autocast)
     assert all(torch.equal(a, b) for a, b in zip(got_losses, want_losses))

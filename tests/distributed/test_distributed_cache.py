@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ampc
+from ampc.amp import _weight_cache
 from test_distributed import assert_same_bits, batch, fsdp, full, make_model, run_ranks
 
 pytestmark = [
@@ -16,7 +17,7 @@ pytestmark = [
 
 
 def _regions(rank, reshard):
-    ampc._weight_cache.FUSED["cpu"] = True    # the CUDA default; on here so the cache runs
+    _weight_cache.FUSED["cpu"] = True    # the CUDA default; on here so the cache runs
     out = {}
     for cache in (False, True):
         model = fsdp(make_model(), reshard_after_forward=reshard)

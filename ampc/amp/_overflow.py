@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from ._walk import tensors
+from .._walk import tensors
 
 
 def _float_tensors(x):

@@ -13,7 +13,7 @@ error instead of reading address 0.
 """
 import torch
 
-from . import _lib
+from .. import _lib
 
 _Tensor = torch.Tensor
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

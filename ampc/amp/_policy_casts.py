@@ -10,11 +10,11 @@ import functools
 
 import torch
 
-from . import policy as _policy
+from .. import policy as _policy
 from ._casts import cast_tensors
-from ._walk import map_tensors, tensors
+from .._walk import map_tensors, tensors
 from ._weight_cache import cast_weights, is_weight
-from .policy import CastPolicy as P
+from ..policy import CastPolicy as P
 
 _FP32 = torch.float32
 _LOW = (torch.float16, torch.bfloat16)

@@ -7,15 +7,21 @@ its first call and runs FP8 from its second. Call ampc.fp8.convert(model) first 
 both, and before loading an FP8 checkpoint into a fresh model. Under torch.distributed a
 region reduces delayed scaling's amaxes across its process group (_amax_reduction.py).
 """
-import threading
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
 
+import threading
+from typing import Any
+
+import torch.distributed as dist
 from torch import nn
 from torch.nn.modules import module as _module
 
 from . import _region
 from ._amax_reduction import Pending, check_group, resolve_group
 from .linear import Linear, to_fp8
-from .recipe import RECIPES, DelayedScaling
+from .recipe import RECIPES, DelayedScaling, Recipe
+
+__all__ = ["autocast"]
 
 _hook_lock = threading.Lock()
 _hook = None
@@ -82,7 +88,9 @@ class autocast:
         >>> loss.backward()     # the backward of an FP8 forward runs FP8 wherever it runs
     """
 
-    def __init__(self, enabled=True, recipe=None, modules=(nn.Linear,), fp8_group=None):
+    def __init__(self, enabled: bool = True, recipe: Recipe | None = None,
+                 modules: tuple[type[nn.Module], ...] = (nn.Linear,),
+                 fp8_group: "dist.ProcessGroup | None" = None) -> None:
         recipe = DelayedScaling() if recipe is None else recipe
         if not isinstance(recipe, RECIPES):
             raise TypeError(f"ampc.fp8.autocast: recipe must be an ampc.fp8.DelayedScaling or "
@@ -93,7 +101,7 @@ class autocast:
         check_group(fp8_group)
         self.fp8_group = fp8_group
 
-    def __enter__(self):
+    def __enter__(self) -> "autocast":
         global _hook, _hook_users
         pending = None
         if self.enabled and self.recipe.reduce_amax:
@@ -106,7 +114,7 @@ class autocast:
         _region.stack().append((self.recipe, self.modules, pending) if self.enabled else None)
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         global _hook, _hook_users
         region = _region.stack().pop()
         pending = None if region is None else region[2]

@@ -1,4 +1,5 @@
-"""ampc.autocast: torch's autocast, with ampc's policy registry and weight cache on top.
+"""ampc.autocast (defined here, in ampc.amp.autocast_mode): torch's autocast, with ampc's policy
+registry and weight cache on top.
 
 A region switches torch's own autocast state on (enabled, dtype, cache, nesting), exactly as
 torch.autocast does, so torch's getters report it, torch's C++ autocast casts activations
@@ -21,22 +22,32 @@ makes torch conformance hold by construction (benchmarks/bench_autocast.py measu
 
 State is thread-local, as torch's is. Reference: torch/amp/autocast_mode.py.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import functools
 import threading
 import types
 import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import policy as _policy
-from ._checkpoint import carry_into_checkpoint
+from .. import policy as _policy
+from .._checkpoint import carry_into_checkpoint
 from ._composites import call_lifted
 from ._overflow import checked, install_hooks, remove_hooks
 from ._policy_casts import ON_DEVICE as _ON_DEVICE, apply_policy, cast_args
-from ._walk import map_tensors
+from .._walk import map_tensors
 from ._weight_cache import FUSED as _FUSED, cast_weights, is_weight, order_of
-from .policy import CastPolicy as P
+from ..policy import CastPolicy as P
+
+__all__ = ["autocast", "is_autocast_available", "is_autocast_enabled", "get_autocast_dtype",
+           "set_autocast_dtype", "is_autocast_cache_enabled", "clear_autocast_cache", "custom_fwd",
+           "custom_bwd"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 _Tensor = torch.Tensor
 _FP32, _FP16, _BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -352,8 +363,9 @@ class autocast:
             module path. Slow; off by default (None: as the enclosing region).
     """
 
-    def __init__(self, device_type=None, dtype=None, enabled=_UNSET, cache_enabled=None, *,
-                 check_finite=None):
+    def __init__(self, device_type: str | bool | None = None, dtype: torch.dtype | None = None,
+                 enabled: bool = _UNSET, cache_enabled: bool | None = None, *,
+                 check_finite: bool | None = None) -> None:
         if device_type is None or isinstance(device_type, bool):
             # torch.cuda.amp.autocast(enabled=True, dtype=torch.float16, cache_enabled=True)
             if isinstance(device_type, bool):
@@ -389,7 +401,7 @@ class autocast:
                                        "Please switch dtype to float16.")
         self._enabled = enabled
 
-    def __enter__(self):
+    def __enter__(self) -> "autocast":
         st, dev = _st, self.device
         st.saved.append((_enabled(dev), _get_dtype(dev), _cache_on(), st.check_finite))
         torch.set_autocast_enabled(dev, self._enabled)
@@ -406,7 +418,7 @@ class autocast:
             install_hooks(st)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> bool:
         st, dev = _st, self.device
         if st.hooked == st.depth:
             st.hooked = 0
@@ -424,7 +436,7 @@ class autocast:
         _refresh(st)
         return False
 
-    def __call__(self, func):
+    def __call__(self, func: _F) -> _F:
         @functools.wraps(func)
         def decorate_autocast(*args, **kwargs):
             with self:      # the saved state lives on a per-thread stack, so this re-enters
@@ -432,19 +444,26 @@ class autocast:
         return decorate_autocast
 
 
-def is_autocast_enabled(device_type="cuda"):
+def is_autocast_available(device_type: str) -> bool:
+    """Whether ampc.autocast runs regions on ``device_type`` (torch.amp's function): torch's
+    autocast has the device and ampc supports it ('cpu', 'cuda'). A string that is no device
+    raises as torch's does."""
+    return torch.amp.is_autocast_available(device_type) and device_type in _ON_DEVICE
+
+
+def is_autocast_enabled(device_type: str = "cuda") -> bool:
     """Whether autocast (an ampc or a torch region) is on for ``device_type`` in this thread."""
     _check_device_type("is_autocast_enabled", device_type)
     return _enabled(device_type)
 
 
-def get_autocast_dtype(device_type):
+def get_autocast_dtype(device_type: str) -> torch.dtype:
     """The lower-precision dtype of ``device_type``'s autocast in this thread."""
     _check_device_type("get_autocast_dtype", device_type)
     return _get_dtype(device_type)
 
 
-def set_autocast_dtype(device_type, dtype):
+def set_autocast_dtype(device_type: str, dtype: torch.dtype) -> None:
     """Sets the dtype that later ``ampc.autocast(device_type)`` regions default to."""
     _check_device_type("set_autocast_dtype", device_type)
     if dtype not in _SUPPORTED[device_type]:
@@ -453,17 +472,18 @@ def set_autocast_dtype(device_type, dtype):
     torch.set_autocast_dtype(device_type, dtype)
 
 
-def is_autocast_cache_enabled():
+def is_autocast_cache_enabled() -> bool:
     return _cache_on()
 
 
-def clear_autocast_cache():
+def clear_autocast_cache() -> None:
     """Drops this thread's cached weight casts (ampc's and torch's)."""
     _st.cache.clear()
     torch.clear_autocast_cache()
 
 
-def custom_fwd(fwd=None, *, device_type, cast_inputs=None):
+def custom_fwd(fwd: Callable | None = None, *, device_type: str,
+               cast_inputs: torch.dtype | None = None) -> Callable:
     """torch.amp.custom_fwd (ampc regions are torch regions): decorate an autograd.Function's
     forward. With ``cast_inputs`` set, inside an enabled region the forward runs with
     autocast off and its floating inputs cast to ``cast_inputs``."""
@@ -471,7 +491,7 @@ def custom_fwd(fwd=None, *, device_type, cast_inputs=None):
     return torch.amp.custom_fwd(fwd, device_type=device_type, cast_inputs=cast_inputs)
 
 
-def custom_bwd(bwd=None, *, device_type):
+def custom_bwd(bwd: Callable | None = None, *, device_type: str) -> Callable:
     """torch.amp.custom_bwd: backward runs with the autocast state its forward saw."""
     _check_str("custom_bwd", device_type)
     return torch.amp.custom_bwd(bwd, device_type=device_type)

@@ -1,13 +1,18 @@
-"""ampc.fp8.gemm: one FP8 matrix product, with torch._scaled_mm's contract.
+"""ampc.fp8.gemm (defined here; the function is the public name): one FP8 matrix product, with
+torch._scaled_mm's contract.
 
 On CUDA it runs through cuBLASLt (torch.ops.ampc.fp8_gemm, GPUs of compute capability
 8.9 and newer); on the CPU through a reference path: the fp8 values widened to fp32
 (exact: every fp8 value is an fp32 value), an fp32 matmul, the dequantizing scales and the
 bias applied to the fp32 result as cuBLASLt applies them, one rounding to ``out_dtype``.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import torch
 
 from .. import ops
+
+__all__ = ["gemm", "FP8_DTYPES", "OUT_DTYPES"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -81,7 +86,9 @@ def _check(a, b, scale_inv_a, scale_inv_b, bias, out_dtype, amax_out):
         _check_scalar("amax_out", amax_out, a.device)
 
 
-def gemm(a, b, scale_inv_a, scale_inv_b, *, bias=None, out_dtype=torch.bfloat16, amax_out=None):
+def gemm(a: torch.Tensor, b: torch.Tensor, scale_inv_a: torch.Tensor, scale_inv_b: torch.Tensor, *,
+         bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+         amax_out: torch.Tensor | None = None) -> torch.Tensor:
     """Returns ``(a * scale_inv_a) @ (b * scale_inv_b) + bias`` in ``out_dtype``.
 
     Shapes and layouts as torch._scaled_mm takes them: ``a`` [m, k] row-major, ``b`` [k, n]
