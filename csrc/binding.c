@@ -466,6 +466,21 @@ static void check_overlap(struct call *c)
     }
 }
 
+// ---- CUDA emulation (tests only; docs/cuda-emulation.md) ----
+/* With the emulated CUDA library loaded as the CUDA library (AMPC_CUDA_EMU), set to 1:
+ * calls on CPU tensors run the CUDA launchers, which the emulation runs on the CPU. */
+static int g_cuda_emulation;
+
+/* 0 when set; -1 when on is asked and no CUDA library is loaded. */
+EXPORT int ampc_set_cuda_emulation(int on)
+{
+    if (on && !g_cuda)
+        return -1;
+    g_cuda_emulation = on != 0;
+    return 0;
+}
+// ---- end of CUDA emulation ----
+
 // ---- running ----
 
 /* Runs the kernel on the CPU or, through the CUDA library, on the call's device.
@@ -475,7 +490,7 @@ static void run(struct call *c, ampc_status (*cpu)(void *job),
 {
     ampc_status st;
     const char *why = "out of memory";
-    if (!c->on_cuda) {
+    if (!c->on_cuda && !g_cuda_emulation) {
         st = cpu(job);
     } else {
         void *guard = NULL;
