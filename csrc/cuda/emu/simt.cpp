@@ -229,8 +229,25 @@ void to_scheduler(fiber *f, bool dying)
 #endif
 }
 
+void start_fiber(fiber *f);
+char *new_stack();
+
+/* Stacks of fibers that returned, for the next ones: a block that never waits runs all
+ * its threads on one stack, which stays in the cache (a thread's frame holds its copy of
+ * the kernel arguments, up to 32 KB). */
+std::vector<char *> g_free_stacks;
+
 void to_fiber(fiber *f)
 {
+    if (!f->stack) {            /* its first run */
+        if (g_free_stacks.empty()) {
+            f->stack = new_stack();
+        } else {
+            f->stack = g_free_stacks.back();
+            g_free_stacks.pop_back();
+        }
+        start_fiber(f);
+    }
     g_self = f;
     simt::self_idx = &f->idx;
 #if SIMT_ASAN
@@ -240,6 +257,10 @@ void to_fiber(fiber *f)
 #if SIMT_ASAN
     __sanitizer_finish_switch_fiber(g_sched_fake, &g_sched_bottom, &g_sched_size);
 #endif
+    if (f->st == DONE) {
+        g_free_stacks.push_back(f->stack);
+        f->stack = nullptr;
+    }
 }
 
 void thread_exits(fiber *f);
@@ -298,7 +319,6 @@ void start_fiber(fiber *f)
     __asan_unpoison_memory_region(f->stack + STACK_BYTES - 8192, 8192);
 #endif
     f->sp = sp;
-    f->st = READY;
 }
 
 void run_block(void (*body)(void *), void *ctx)
@@ -315,7 +335,7 @@ void run_block(void (*body)(void *), void *ctx)
         ws->arrived = 0;
     }
     for (int t = 0; t < n; t++)
-        start_fiber(&g_block.fibers[t]);
+        g_block.fibers[t].st = READY;      /* each starts on a stack at its first run */
     std::vector<int> ready;
     ready.reserve(n);
     while (g_block.live > 0) {
@@ -433,8 +453,6 @@ cudaError_t launch(const char *site, dim3 grid, dim3 block, size_t shared_bytes,
 
     for (uint64_t t = 0; t < threads; t++) {
         fiber *f = &g_fibers[t];
-        if (!f->stack)
-            f->stack = new_stack();
         f->idx = {(unsigned)(t % block.x), (unsigned)(t / block.x % block.y),
                   (unsigned)(t / ((uint64_t)block.x * block.y))};
         f->warp = (int)(t / WARP);
