@@ -7,7 +7,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
-command -v "${CXX:-g++}" >/dev/null || { echo "cuda_emu: g++ is needed to build the emulation"; exit 1; }
+if ! command -v "${CXX:-g++}" >/dev/null; then
+    echo "cuda_emu: g++ is needed to build the emulation: skipped"
+    [ -z "${CI:-}" ] || { echo "cuda_emu: CI is set, and CI must run it"; exit 1; }
+    exit 0
+fi
 bash scripts/build_cuda_emu.sh
 # Python is not built with ASan: its runtime goes first, and libstdc++ with it, so that
 # ASan finds the C++ runtime torch throws through
