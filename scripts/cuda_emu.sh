@@ -23,5 +23,5 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 for run in forward:h200 reverse:h200 shuffle:h200 shuffle:sm80; do
     echo "== CUDA emulation: ${run%%:*} thread order, ${run##*:}"
     AMPC_EMU_ORDER=${run%%:*} AMPC_EMU_DEVICE=${run##*:} AMPC_EMU_SEED=$RANDOM \
-        "$py" -m pytest -q -p no:cacheprovider tests/kernels/test_cuda_emu.py "$@"
+        "$py" -m pytest -q -p no:cacheprovider --capture=sys tests/kernels/test_cuda_emu.py "$@"
 done
