@@ -99,9 +99,11 @@ def values(n, dtype, seed):
         return torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, generator=g).view(dtype)
     b = torch.randint(-(2**31), 2**31, (n,), dtype=torch.int32, generator=g)
     kind = torch.randint(0, 4, (n,), generator=g)
-    b = torch.where(kind == 1, (b & ~0xFFFF) | 0x8000, torch.where(kind == 2, (b & ~0x1FFF) | 0x1000, b))
+    b = torch.where(kind == 1, (b & ~0xFFFF) | 0x8000,
+                    torch.where(kind == 2, (b & ~0x1FFF) | 0x1000, b))
     x = b.view(f32).clone()
-    normal = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 20, (n,), generator=g).float())
+    exponent = torch.randint(-20, 20, (n,), generator=g).float()
+    normal = torch.randn(n, generator=g) * torch.exp2(exponent)
     return torch.where(kind == 3, normal, x)
 
 
@@ -309,7 +311,8 @@ def adam_inputs(sizes, pdtype, gdtype, master, amsgrad, seed=0, offsets=(0,) * 7
              for i, n in enumerate(sizes)]
     masters = [copy_at(p.float(), offsets[2]) for p in params] if master else []
     m = [copy_at(finite(n, f32, seed + 100 + i, 0.01), offsets[3]) for i, n in enumerate(sizes)]
-    v = [copy_at(finite(n, f32, seed + 200 + i, 0.01).abs(), offsets[4]) for i, n in enumerate(sizes)]
+    v = [copy_at(finite(n, f32, seed + 200 + i, 0.01).abs(), offsets[4])
+         for i, n in enumerate(sizes)]
     vmax = [copy_at(x * 1.5, offsets[5]) for x in v] if amsgrad else []
     steps = [torch.full((1,), float(3 + i % 5)) for i in range(len(sizes))]
     return [params, grads, masters, m, v, vmax, steps]
@@ -441,7 +444,8 @@ def test_fp8_update_scales(rows, most_recent):
     amax[3] = math.nan
     amax[5] = math.inf
     scale, scale_inv = torch.rand(n, generator=g) + 0.5, torch.empty(n)
-    both_ways(lambda h, s, si, a: torch.ops.ampc.fp8_update_scales(h, s, si, a, 448.0, 1.0, most_recent),
+    both_ways(lambda h, s, si, a: torch.ops.ampc.fp8_update_scales(h, s, si, a, 448.0, 1.0,
+                                                                   most_recent),
               [hist, scale, scale_inv, amax], f"fp8_update_scales rows {rows}")
 
 
@@ -530,7 +534,8 @@ def test_fp8_launches_and_inf_in_the_last_launch(count):
                     f"cast_fp8 of {count}")
     assert math.isinf(float(out[3][-1]))
     got = [l[0] for l in launches()]
-    assert got == ["zero_values"] * math.ceil(count / 480) + ["fp8_launch_fn"] * math.ceil(count / CAP_FP8)
+    assert got == (["zero_values"] * math.ceil(count / 480) +
+                   ["fp8_launch_fn"] * math.ceil(count / CAP_FP8))
 
 
 def test_launch_figures_are_the_readmes():
@@ -538,7 +543,8 @@ def test_launch_figures_are_the_readmes():
     for count, per, site in ((2000, CAP2, "cast_launch"), (1000, CAP_ADAM, "adam_launch")):
         if site == "cast_launch":
             src = [at(1, f32) for _ in range(count)]
-            call = lambda: torch.ops.ampc.cast([at(1, f16) for _ in range(count)], src, [], False, 0)
+            dst = [at(1, f16) for _ in range(count)]
+            call = lambda: torch.ops.ampc.cast(dst, src, [], False, 0)
         else:
             lists = adam_inputs([1] * count, f32, f32, False, False)
             call = lambda: adam_op()(*lists)
@@ -581,8 +587,8 @@ def test_chunk_follows_the_whole_list():
     _emu.ampc_emu_set_execute(0)
     try:
         with emulated():
-            torch.ops.ampc.unscale_check([torch.empty(n, dtype=bf16) for n in sizes], torch.zeros(1),
-                                         torch.ones(1))
+            torch.ops.ampc.unscale_check([torch.empty(n, dtype=bf16) for n in sizes],
+                                         torch.zeros(1), torch.ones(1))
     finally:
         _emu.ampc_emu_set_execute(1)
     assert [l[1] for l in launches()] == [sum(math.ceil(n / chunk) for n in sizes)]

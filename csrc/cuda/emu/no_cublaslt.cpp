@@ -6,6 +6,6 @@
 
 extern "C" ampc_status ampc_fp8_gemm_cuda_impl(struct ampc_fp8_gemm_args *args, void *stream)
 {
-    return ampc_cuda_fail(AMPC_ERR_CUDA, "the FP8 GEMM is cuBLASLt's: it runs on a GPU only, not in "
-                                         "the CUDA emulation");
+    return ampc_cuda_fail(AMPC_ERR_CUDA, "the FP8 GEMM is cuBLASLt's: it runs on a GPU only, "
+                                         "not in the CUDA emulation");
 }

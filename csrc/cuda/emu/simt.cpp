@@ -6,8 +6,9 @@
  * One launch at a time in the process (a mutex): the blocks of a grid run one after
  * another on the launching thread, the threads of a block as fibers on stacks of their
  * own, switched by a few instructions (simt_switch below: glibc's swapcontext makes a
- * system call each time, and ASan's hook on it clears the shadow of a whole stack). The scheduler runs, round after round, every fiber that can run, in the
- * order of the setting, each until it waits (a barrier, a collective) or returns; a
+ * system call each time, and ASan's hook on it clears the shadow of a whole stack).
+ * The scheduler runs, round after round, every fiber that can run, in the order of the
+ * setting, each until it waits (a barrier, a collective) or returns; a
  * barrier or a collective lets its fibers go on only in the next round, so the order
  * between two barriers is the setting's, never the arrival's. Under AddressSanitizer
  * every switch is announced to it, so the fiber stacks are checked like any other.
