@@ -11,9 +11,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CXX=${CXX:-g++}
-out=build/emu/libampc_cuda_emu.so
 sanitize=${SANITIZE:-1}
+out=build/emu/libampc_cuda_emu.so
 [ "$sanitize" = 0 ] && out=build/emu/libampc_cuda_emu_nosan.so
+out=${EMU_LIB:-$out}        # another place, for a second build beside the first
 sources=$(ls csrc/cuda/*.cu | grep -v fp8_gemm.cu)
 deps="$sources csrc/cuda/*.cuh csrc/cuda/emu/* csrc/*.h scripts/build_cuda_emu.sh"
 if [ -f "$out" ] && [ -z "$(find $deps -newer "$out" 2>/dev/null)" ]; then
@@ -25,11 +26,12 @@ flags=(-std=c++17 -O1 -g -fPIC -fvisibility=hidden -ffp-contract=off -fno-math-e
        -Wall -Wno-unknown-pragmas -Wno-unused-function)
 [ "$sanitize" = 0 ] || flags+=(-fsanitize=address,undefined -fno-sanitize-recover=all
                                -fno-omit-frame-pointer)
-mkdir -p build/emu/obj
+objdir=build/emu/obj/$(basename "$out" .so)
+mkdir -p "$objdir" "$(dirname "$out")"
 objects=()
 pids=()
 for src in $sources csrc/cuda/emu/*.cpp; do
-    obj=build/emu/obj/$(basename "$src").$sanitize.o
+    obj=$objdir/$(basename "$src").o
     objects+=("$obj")
     "$CXX" "${flags[@]}" -x c++ -c "$src" -o "$obj" &
     pids+=($!)

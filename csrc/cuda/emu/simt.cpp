@@ -205,6 +205,7 @@ struct block_run {
     int nthreads;
     int live;
     int at_barrier;
+    const char *barrier;    /* the source place of the barrier they wait at */
     warp_state warps[MAX_THREADS / WARP];
     void (*body)(void *);
     void *ctx;
@@ -378,9 +379,14 @@ std::vector<launch_record> g_record;
 
 namespace simt {
 
-void syncthreads()
+void syncthreads(const char *site)
 {
     fiber *f = g_self;
+    if (g_block.at_barrier == 0)
+        g_block.barrier = site;
+    else if (strcmp(site, g_block.barrier) != 0)
+        die("threads of block %u wait at two different __syncthreads: %s and %s",
+            simt::block_idx.x, g_block.barrier, site);
     f->st = AT_BARRIER;
     if (++g_block.at_barrier == g_block.live)
         release_barrier();          /* the last one waits for the next round too */

@@ -102,7 +102,8 @@ extern uint3 block_idx;
 extern uint3 block_dim;
 extern uint3 grid_dim;
 
-void syncthreads();
+/* `site`: where the thread waits; all threads of a block must wait at the same one. */
+void syncthreads(const char *site);
 
 enum collective { SHFL_IDX, SHFL_DOWN, REDUCE_MAX };
 
@@ -185,10 +186,10 @@ T shuffle(unsigned mask, enum collective kind, T v, int arg)
 
 // ---- device functions ----
 
-inline void __syncthreads()
-{
-    simt::syncthreads();
-}
+/* a macro, so that each barrier is named by its place in the source */
+#define SIMT_STR2(x) #x
+#define SIMT_STR(x) SIMT_STR2(x)
+#define __syncthreads() ::simt::syncthreads(__FILE__ ":" SIMT_STR(__LINE__))
 
 template <typename T>
 T __shfl_sync(unsigned mask, T v, int src_lane)
