@@ -323,9 +323,15 @@ void start_fiber(fiber *f)
     f->sp = sp;
 }
 
+/* the __shared__ variables of every kernel (simt.h), between these two */
+extern "C" char __start_simt_shared[] __attribute__((weak, visibility("hidden")));
+extern "C" char __stop_simt_shared[] __attribute__((weak, visibility("hidden")));
+
 void run_block(void (*body)(void *), void *ctx)
 {
     int n = g_block.nthreads;
+    if (__start_simt_shared)
+        memset(__start_simt_shared, 0xff, (size_t)(__stop_simt_shared - __start_simt_shared));
     g_block.body = body;
     g_block.ctx = ctx;
     g_block.live = n;

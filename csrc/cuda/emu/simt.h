@@ -8,7 +8,9 @@
  *   collective, then waits there; once every fiber has arrived, all go on. Between two
  *   such points the fibers of a block run in forward, reversed or shuffled order
  *   (AMPC_EMU_ORDER), so a missing barrier shows as a result that depends on the order.
- * - __shared__ is `static`: one copy, and one block at a time uses it.
+ * - __shared__ is `static`: one copy, and one block at a time uses it; it starts each
+ *   block as 0xff bytes (outside templates), so a read before any write of the block
+ *   gives NaN or ~0.
  * - Warp collectives: the 32 lanes of a warp meet, exchange, go on; a lane that exited, a
  *   partial mask or lanes of one warp in different collectives stop the run with a message.
  * - The device is an H200 (132 SMs, compute capability 9.0, a driver for CUDA 13.0:
@@ -38,7 +40,11 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __grid_constant__
-#define __shared__ static
+/* one copy, in a section of its own so that each block starts with it filled with 0xff
+ * bytes (NaN as a float, the largest unsigned): a read before the block's own write
+ * shows, instead of the last block's value. g++ ignores the section of a static in a
+ * template (it goes to a COMDAT group): those keep the last block's values. */
+#define __shared__ static __attribute__((section("simt_shared")))
 
 // ---- vector types ----
 
