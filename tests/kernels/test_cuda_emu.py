@@ -227,6 +227,14 @@ def test_unscale_check_found_inf_is_sticky(dtype):
     assert float(found) == 1.0
 
 
+def test_unscale_check_mixed_dtypes_in_one_list():
+    grads = [copy_at(finite(100 + 37 * i, DTYPES[i % 3], i, 10.0), i % 4) for i in range(12)]
+    grads[-1][-1] = math.nan
+    found = both_ways(lambda g, f, s: torch.ops.ampc.unscale_check(g, f, s),
+                      [grads, torch.zeros(1), torch.tensor([0.125])], "mixed unscale_check")[1]
+    assert float(found) == 1.0
+
+
 def run_norm(grads, inv=-1 / 512):
     found, inv_scale = torch.zeros(1), torch.tensor([inv])
     norm = torch.ops.ampc.check_norm(grads, found, inv_scale)
