@@ -81,6 +81,23 @@ def cuda_refusal():
     return None if why is None else why.decode()
 
 
+# ---- CUDA emulation (tests only; docs/cuda-emulation.md) ----
+def _load_emulated_cuda(lib, path):
+    """The emulated CUDA library at `path` (AMPC_CUDA_EMU) in place of the real one: its
+    launchers run the CUDA kernels on the CPU, reached by CPU tensors once
+    lib.ampc_set_cuda_emulation(1) is called. Fails loudly: a test run asked for it."""
+    cuda = ctypes.CDLL(path)
+    cuda.ampc_cuda_get_api.restype = ctypes.c_void_p
+    if lib.ampc_set_cuda_api(ctypes.c_void_p(cuda.ampc_cuda_get_api())) != 0:
+        raise ImportError(f"ampc: the emulated CUDA library {path} was refused: {cuda_refusal()}")
+    lib.ampc_set_cuda_emulation.argtypes = [ctypes.c_int]
+    return cuda
+# ---- end of CUDA emulation ----
+
+
 lib = _load()
-cuda_lib = _load_cuda(lib)
+if os.environ.get("AMPC_CUDA_EMU"):
+    cuda_lib = _load_emulated_cuda(lib, os.environ["AMPC_CUDA_EMU"])
+else:
+    cuda_lib = _load_cuda(lib)
 HAS_CUDA_KERNELS = cuda_lib is not None

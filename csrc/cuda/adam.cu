@@ -239,7 +239,7 @@ template <int P>
 static ampc_status adam_launch(const adam_table<P> *tab, int nblocks, void *ctx)
 {
     const struct adam_ctx<P> *c = (const struct adam_ctx<P> *)ctx;
-    c->kernel<<<nblocks, ADAM_THREADS, 0, c->stream>>>(*tab, c->control, c->args);
+    AMPC_LAUNCH(c->kernel, nblocks, ADAM_THREADS, 0, c->stream)(*tab, c->control, c->args);
     return ampc_cuda_status(cudaGetLastError());
 }
 
@@ -259,7 +259,7 @@ static ampc_status advance_steps(const struct ampc_list *list, const float *foun
         for (int j = 0; j < steps.count; j++)
             steps.ptr[j] = (float *)list->ptr[i + j];
         int threads = CEIL_DIV(steps.count < 1024 ? steps.count : 1024, 32) * 32;
-        adam_steps_kernel<P><<<1, threads, 0, stream>>>(steps, found_inf);
+        AMPC_LAUNCH(adam_steps_kernel<P>, 1, threads, 0, stream)(steps, found_inf);
         ampc_status st = ampc_cuda_status(cudaGetLastError());
         if (st != AMPC_OK)
             return st;

@@ -59,8 +59,8 @@ template <int P>
 static ampc_status cast_launch(const mt_table<P> *tab, int nblocks, void *ctx)
 {
     const struct cast_ctx<P> *c = (const struct cast_ctx<P> *)ctx;
-    c->kernel<<<nblocks, MT_THREADS, 0, c->stream>>>(*tab, c->stochastic, c->seed,
-                                                     c->seed_tensor);
+    AMPC_LAUNCH(c->kernel, nblocks, MT_THREADS, 0, c->stream)(*tab, c->stochastic, c->seed,
+                                                            c->seed_tensor);
     return ampc_cuda_status(cudaGetLastError());
 }
 

@@ -93,7 +93,8 @@ static ampc_status check_norm_apply(const struct ampc_list *grads, float *found_
     c.a = (double *)scratch;            /* the kernel's partial sums, one per block */
     st = mt_apply<P>(grads, NULL, chunk, mt_launch2_fn<P, double *, float *>, &c);
     if (st == AMPC_OK) {
-        check_norm_finish_kernel<<<1, MT_THREADS, 0, stream>>>(norm, c.a, nchunks, inv_scale);
+        AMPC_LAUNCH(check_norm_finish_kernel, 1, MT_THREADS, 0, stream)(norm, c.a, nchunks,
+                                                                        inv_scale);
         st = ampc_cuda_status(cudaGetLastError());
     }
     aoti_torch_cuda_caching_allocator_raw_delete(scratch);

@@ -27,6 +27,16 @@
 
 #define CEIL_DIV(a, b) (((a) + (b) - 1) / (b))
 
+/* kernel<<<grid, block, shared, stream>>>(args): every launch site writes
+ * AMPC_LAUNCH(kernel, grid, block, shared, stream)(args), which the host build of the
+ * CUDA emulation (csrc/cuda/emu, AMPC_CUDA_EMULATION) turns into its own launch. */
+#ifdef AMPC_CUDA_EMULATION
+#define AMPC_LAUNCH(kernel, grid, block, shared, stream) \
+    SIMT_LAUNCH(kernel, grid, block, shared, stream)
+#else
+#define AMPC_LAUNCH(kernel, grid, block, shared, stream) kernel<<<grid, block, shared, stream>>>
+#endif
+
 // ---- errors (api.cu) ----
 
 /* AMPC_OK for cudaSuccess; otherwise keeps the error's text and returns AMPC_ERR_CUDA. */

@@ -114,7 +114,7 @@ static ampc_status zero_values(const struct ampc_list *values, cudaStream_t stre
         b.count = (int)(values->count - i < ZERO_BATCH ? values->count - i : ZERO_BATCH);
         for (int k = 0; k < b.count; k++)
             b.p[k] = (float *)values->ptr[i + k];
-        zero_values_kernel<<<1, ZERO_BATCH, 0, stream>>>(b);
+        AMPC_LAUNCH(zero_values_kernel, 1, ZERO_BATCH, 0, stream)(b);
         ampc_status st = ampc_cuda_status(cudaGetLastError());
         if (st != AMPC_OK)
             return st;
@@ -134,7 +134,7 @@ struct fp8_launch {
 static ampc_status fp8_launch_fn(const struct fp8_table *tab, int nblocks, void *ctx)
 {
     const struct fp8_launch *c = (const struct fp8_launch *)ctx;
-    c->kernel<<<nblocks, MT_THREADS, 0, c->stream>>>(*tab);
+    AMPC_LAUNCH(c->kernel, nblocks, MT_THREADS, 0, c->stream)(*tab);
     return ampc_cuda_status(cudaGetLastError());
 }
 

@@ -30,7 +30,7 @@ extern "C" ampc_status ampc_fp8_update_scales_cuda_impl(float *amax_history, flo
     if (args->count == 0)
         return AMPC_OK;
     int64_t blocks = CEIL_DIV(args->count, SCALING_THREADS);
-    fp8_update_scales_kernel<<<(unsigned)blocks, SCALING_THREADS, 0, (cudaStream_t)stream>>>(
-        amax_history, scale, scale_inv, amax, *args);
+    AMPC_LAUNCH(fp8_update_scales_kernel, (unsigned)blocks, SCALING_THREADS, 0,
+                (cudaStream_t)stream)(amax_history, scale, scale_inv, amax, *args);
     return ampc_cuda_status(cudaGetLastError());
 }

@@ -336,7 +336,7 @@ template <int P, typename A, typename B>
 static ampc_status mt_launch2_fn(const mt_table<P> *tab, int nblocks, void *ctx)
 {
     const struct mt_launch2<P, A, B> *c = (const struct mt_launch2<P, A, B> *)ctx;
-    c->kernel<<<nblocks, MT_THREADS, 0, c->stream>>>(*tab, c->a, c->b);
+    AMPC_LAUNCH(c->kernel, nblocks, MT_THREADS, 0, c->stream)(*tab, c->a, c->b);
     return ampc_cuda_status(cudaGetLastError());
 }
 

@@ -23,7 +23,8 @@ extern "C" ampc_status ampc_update_scale_cuda_impl(float *scale, int32_t *growth
                                                    const struct ampc_scale_args *args,
                                                    void *stream)
 {
-    update_scale_kernel<<<1, 1, 0, (cudaStream_t)stream>>>(scale, growth_tracker,
-                                                           hysteresis_tracker, found_inf, *args);
+    AMPC_LAUNCH(update_scale_kernel, 1, 1, 0, (cudaStream_t)stream)(scale, growth_tracker,
+                                                                  hysteresis_tracker, found_inf,
+                                                                  *args);
     return ampc_cuda_status(cudaGetLastError());
 }

@@ -439,7 +439,7 @@ void run(struct call *c, cpu_fn cpu, cuda_fn cuda, void *job)
     const char *why = "out of memory";
     if (!c->on_cuda && !cpu) {
         st = AMPC_ERR_CUDA;     /* a CUDA-only kernel: its op refuses CPU tensors first */
-    } else if (!c->on_cuda) {
+    } else if (!c->on_cuda && !g_cuda_emulation) {
         st = cpu(job);
     } else {
         void *guard = NULL;

@@ -24,6 +24,8 @@
  * g_cuda_refusal (cuda_lib.c). */
 extern const struct ampc_cuda_api *g_cuda;
 extern char g_cuda_refusal[512];
+/* 1 while CPU tensors go to the emulated CUDA launchers (tests only, cuda_lib.c). */
+extern int g_cuda_emulation;
 
 struct tensor {
     AtenTensorHandle h;

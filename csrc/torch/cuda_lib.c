@@ -51,3 +51,17 @@ EXPORT int ampc_set_cuda_api(const struct ampc_cuda_api *api)
     g_cuda = api;
     return 0;
 }
+
+// ---- CUDA emulation (tests only; docs/cuda-emulation.md) ----
+/* With the emulated CUDA library loaded as the CUDA library (AMPC_CUDA_EMU), set to 1:
+ * calls on CPU tensors run the CUDA launchers, which the emulation runs on the CPU. */
+int g_cuda_emulation;
+
+/* 0 when set; -1 when on is asked and no CUDA library is loaded. */
+EXPORT int ampc_set_cuda_emulation(int on)
+{
+    if (on && !g_cuda)
+        return -1;
+    g_cuda_emulation = on != 0;
+    return 0;
+}
