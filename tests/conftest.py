@@ -5,8 +5,12 @@ import sys
 import pytest
 import torch
 
-# the shared helpers (reference.py) sit here, above the per-area folders
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the shared helpers (reference.py) sit here, above the per-area folders; a few tests take
+# helpers from another area's test file (fp8's distributed tests from test_distributed.py),
+# so every area folder is importable whichever folders a run collects
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE] + sorted(os.path.join(_HERE, d) for d in os.listdir(_HERE)
+                                if os.path.isdir(os.path.join(_HERE, d)) and d[0] not in "_.")
 
 
 def pytest_configure(config):
