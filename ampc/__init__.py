@@ -12,8 +12,9 @@ from .autocast import (autocast, clear_autocast_cache, custom_bwd, custom_fwd, g
                        is_autocast_cache_enabled, is_autocast_enabled, set_autocast_dtype)
 from . import validate
 from . import fp8
+from . import autoprecision
 
 __all__ = ["GradScaler", "fp32_state_dict", "ops", "optim", "prepare",
            "policy", "autocast", "custom_fwd", "custom_bwd", "is_autocast_enabled", "get_autocast_dtype",
-           "set_autocast_dtype", "is_autocast_cache_enabled", "clear_autocast_cache", "fp8"]
+           "set_autocast_dtype", "is_autocast_cache_enabled", "clear_autocast_cache", "fp8", "autoprecision"]
 __version__ = "0.1.0"
