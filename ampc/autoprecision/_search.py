@@ -198,6 +198,7 @@ def search(model, batches, loss_fn=None, *, candidates=("fp32", "bf16", "fp16", 
     """
     t_start = time.perf_counter()
     batches, candidates, budget = _check_args(model, batches, candidates, budget, objective)
+    recipe = _measure_recipe(fp8_recipe)
     loss_fn = loss_fn or _default_loss
     params = list(model.parameters())
     device = device or (params[0].device.type if params else "cpu")
@@ -213,7 +214,6 @@ def search(model, batches, loss_fn=None, *, candidates=("fp32", "bf16", "fp16", 
         notes.append(f"{c} not tried: {why}")
     tried = [c for c in candidates if c not in skipped]
     options = {n: _units.candidates_for(m, tried) for n, m in found.items()}
-    recipe = _measure_recipe(fp8_recipe)
     with torch.random.fork_rng(devices=[]):
         measured, loss_scale = _measure.measure(model, batches, loss_fn, found, options, device,
                                                 recipe, repeats)
