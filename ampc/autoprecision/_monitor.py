@@ -117,8 +117,8 @@ class Monitor:
         units = dict(shadow.named_modules())
         batch = tuple(batch)
         with torch.random.fork_rng(devices=[]):
-            loss, records, _ = _measure.capture(shadow, batch, self.loss_fn, names)
-            scale = self.plan.data.get("loss_scale", 1.0)
+            loss, records, grads = _measure.capture(shadow, batch, self.loss_fn, names)
+            scale = _measure.loss_scale_for(records, grads)   # where GradScaler would be now
             out = {}
             for name in names:
                 rec = records.get(name)
