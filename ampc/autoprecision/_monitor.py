@@ -22,6 +22,17 @@ from ._plan import RAISE_TO
 from ._solve import _err
 
 
+def _agree(ratios):
+    """Under torch.distributed, each module's largest ratio over the ranks: every rank
+    then takes the same decisions (each measured its own batch)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ratios
+    t = torch.tensor([min(r, 1e30) for r in ratios.values()], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {n: (math.inf if v >= 1e30 else v) for n, v in zip(ratios, t.tolist())}
+
+
 class Monitor:
     def __init__(self, applied, loss_fn=None, *, every=100, sample=2, action="raise",
                  patience=1, release=0.5, device=None):
@@ -73,13 +84,17 @@ class Monitor:
         picked = [names[(self.cursor + i) % len(names)] for i in range(min(self.sample, len(names)))]
         self.cursor = (self.cursor + len(picked)) % len(names)
         errors = self.measure(batch, picked)
+        ratios = {}
+        for name in picked:
+            e, limits = errors[name], self.allowance(name)
+            ratios[name] = max((_err(e, k) / lim if lim > 0 else (math.inf if _err(e, k) > 0
+                                                                  else 0.0))
+                               for k, lim in limits.items())
+        ratios = _agree(ratios)
         taken = []
         for name in picked:
             choice = self.plan.choices[name]
-            e = errors[name]
-            limits = self.allowance(name)
-            ratio = max((_err(e, k) / lim if lim > 0 else (math.inf if _err(e, k) > 0 else 0.0))
-                        for k, lim in limits.items())
+            e, ratio = errors[name], ratios[name]
             self.history.append({"step": self.steps, "module": name, "choice": choice,
                                  "errors": e, "ratio": ratio})
             if choice == "fp32":

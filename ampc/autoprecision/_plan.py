@@ -67,6 +67,12 @@ class Plan:
         return "fp16" if "fp16" in chosen else "fp32"
 
     @property
+    def rest(self):
+        """The precision of the ops outside every unit: the region dtype, or fp32 (a
+        policy scope around the model) where that measured faster."""
+        return "fp32" if self.data.get("rest") == "fp32" or self.dtype == "fp32" else self.dtype
+
+    @property
     def budget(self):
         return Budget(**self.data["budget"])
 
@@ -102,7 +108,8 @@ class Plan:
         d = self.data
         b = d["budget"]
         lines = [f"ampc.autoprecision plan: {len(self.units)} modules on {d['device']} "
-                 f"({d.get('where', '')}), objective {d['objective']}, region {self.dtype}; "
+                 f"({d.get('where', '')}), objective {d['objective']}, region {self.dtype}, "
+                 f"ops outside these modules {self.rest}; "
                  f"budget per step: loss {b['loss']:g}, grad {b['grad']:g}, "
                  f"wgrad {b['wgrad']:g} (relative to fp32)",
                  _table(header, rows)]
@@ -179,6 +186,8 @@ class Plan:
                       "        ampc.fp8.convert(module)"]
         region = (f'ampc.autocast("{dev}", dtype={_torch_dtype(_units.DTYPES[region])})'
                   if region != "fp32" else "contextlib.nullcontext()")
+        if self.rest == "fp32" and self.dtype != "fp32":
+            region += ", ampc.policy.scope(dtype=torch.float32)"
         if fp8:
             region += ", ampc.fp8.autocast(recipe=ampc.fp8.DelayedScaling(), modules=())"
         lines += ["", f"# each step: with {region}: loss = loss_fn(model(x), y)"]
@@ -222,6 +231,8 @@ class Plan:
         stack = contextlib.ExitStack()
         if self.dtype != "fp32":
             stack.enter_context(ampc.autocast(self.device, dtype=_units.DTYPES[self.dtype]))
+            if self.rest == "fp32":     # the modules' own scopes set their precision inside
+                stack.enter_context(ampc.policy.scope(dtype=torch.float32))
         if "fp8" in self.choices.values():
             stack.enter_context(ampc.fp8.autocast(recipe=_recipe(self.data.get("fp8_recipe")),
                                                   modules=()))
