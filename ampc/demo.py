@@ -202,8 +202,10 @@ MIN_STEPS, FLOOR_STEPS = 150, 20      # a larger size must fit MIN_STEPS; never 
 MAX_STEPS = {"cpu": 400, "cuda": 1000}
 SAFETY = 1.1          # probes are short: plan for slightly slower steps
 AFTER_S = 15.0        # evaluation, the layer report, the picture and the sample
-SEARCH_BATCHES = 3
-SEARCH_STEPS = 30     # the search costs about this many fp32 steps (reserved when sizing)
+SEARCH_BATCHES = 2
+# the search costs about this many fp32 steps and seconds (its per-call overheads), reserved
+# when sizing
+SEARCH_STEPS, SEARCH_FIXED_S = 30, 3.0
 
 
 def process_seconds():
@@ -368,7 +370,7 @@ def main(argv=None, started=None):
             t[kind] = min(run.step_ms[1:]) / 1e3
         # ampc auto: about the drop-in's step (its modules at fp32 or 16 bits, each the faster)
         return (2 * t["fp32"] + t["torch.amp"] + 2 * t["ampc"] + t["ampc.master"],
-                SEARCH_STEPS * t["fp32"])
+                SEARCH_FIXED_S + SEARCH_STEPS * t["fp32"])
 
     log(f"sizing for {args.budget:.0f} s in all:")
     size, fit = choose(args, speeds, probe,

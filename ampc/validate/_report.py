@@ -123,6 +123,7 @@ class Comparison:
             "grad_norm_ratio_min": min(ratios) if ratios else None,
             "grad_norm_ratio_max": max(ratios) if ratios else None,
             "skipped_steps": len(run.skipped),
+            "step_ms": run.median_ms() if run.step_ms else None,
             "final_scale": run.scales[-1] if run.scales and run.scales[-1] != 1.0 else None,
         }
 
@@ -146,9 +147,11 @@ class Comparison:
             rows.append([r["setup"], fmt(r["final_loss"]), fmt(100 * r["final_gap"], ".2f"),
                          fmt(100 * r["max_gap"], ".2f"), within, fmt(r["val_loss"]),
                          fmt(None if r["val_gap"] is None else 100 * r["val_gap"], ".2f"),
-                         ratio, r["skipped_steps"], fmt(r["final_scale"], ".0f")])
+                         ratio, r["skipped_steps"], fmt(r["final_scale"], ".0f"),
+                         fmt(r.get("step_ms"), ".2f")])
         b = self.base
         head = (f"fp32 baseline: final loss {smooth(b.losses, self.window)[-1]:.4f}"
+                + (f", step {b.median_ms():.2f} ms" if b.step_ms else "")
                 + (f", val loss {b.val_loss:.4f}" if b.val_loss is not None else "")
                 + (f"; fp32 run-to-run spread (seeds {self.config['seeds']}): "
                    f"{100 * self.spread:.2f}%" if self.spread is not None else "")
@@ -156,7 +159,7 @@ class Comparison:
                    "longer)" if self.too_wide else ""))
         table = format_table(["setup", "loss", "final gap %", "max gap %", "within spread",
                               "val loss", "val gap %", "grad-norm ratio (range)", "skipped",
-                              "loss scale"], rows)
+                              "loss scale", "step ms"], rows)
         return head + "\n" + table
 
     def as_dict(self):
