@@ -308,23 +308,30 @@ class Applied:
         self.modules = dict(model.named_modules())
         self.handles = {}
         self.changes = []
+        self.by_region = []     # modules the region's dtype already gives their choice
 
     def set(self, name, choice):
         import ampc
         m = self.modules[name]
         for h in self.handles.pop(name, []):
             h.remove()
+        for u in self.plan.units:
+            if u["module"] == name:
+                u["choice"] = choice
         dtype, ops = _units.scope_args(m, choice)
-        handles = [ampc.policy.module_scope(m, dtype=dtype, ops=ops)]
+        # a GEMM at the dtype the region gives the ops outside the units needs no scope (a
+        # scope's hooks cost time on every call); norms always get theirs (their reduction)
+        by_region = (_units.kind(m) != "norm" and choice == self.plan.rest and choice != "fp8"
+                     and not _is_fp8(m))
+        handles = [] if by_region else [ampc.policy.module_scope(m, dtype=dtype, ops=ops)]
         if choice == "fp8":
             ampc.fp8.convert(m)
         elif _is_fp8(m):
             handles.append(_Fp8Off(m))
         self.handles[name] = handles
-        for u in self.plan.units:
-            if u["module"] == name:
-                u["choice"] = choice
         self.changes = [c for c in self.changes if c[0] != name] + [(name, type(m).__name__, choice)]
+        self.by_region = [n for n in self.by_region if n != name] + \
+            ([name] if by_region else [])
 
     def remove(self):
         for hs in self.handles.values():
@@ -333,8 +340,10 @@ class Applied:
         self.handles = {}
 
     def __str__(self):
+        region = set(self.by_region)
         return "\n".join([f"ampc.autoprecision: {len(self.changes)} modules set"]
-                         + [f"  {n} ({t}): {c}" for n, t, c in self.changes])
+                         + [f"  {n} ({t}): {c}" + (" (by the autocast region)" if n in region
+                                                    else "") for n, t, c in self.changes])
 
     def monitor(self, loss_fn=None, **kwargs):
         """A :class:`Monitor` re-checking these modules during training."""
