@@ -1,4 +1,5 @@
 """search(): measure, solve, check the whole plan, back off until it holds."""
+import contextlib
 import copy
 import math
 import time
@@ -121,7 +122,6 @@ def whole_step(model, batch, loss_fn, region, device):
 def check_plan(model, batches, loss_fn, plan, ref, device):
     """The whole plan against fp32 over the batches: loss error, error of all weight
     gradients together, the worst unit's weight-gradient error, and step times."""
-    import contextlib
     m = copy.deepcopy(model)
     plan.apply(m)
     scale = plan.data.get("loss_scale", 1.0) if plan.needs_scaler() else 1.0
@@ -321,7 +321,6 @@ def _fastest(model, batches, loss_fn, plan, ref, device, result, fp32_ms, budget
 
 
 def _null():
-    import contextlib
     return contextlib.nullcontext()
 
 

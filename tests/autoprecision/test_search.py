@@ -1,7 +1,6 @@
 """ampc.autoprecision.search on models with known answers; the Plan's table, JSON,
 Python and apply; bad input."""
 import json
-import warnings
 
 import pytest
 import torch
