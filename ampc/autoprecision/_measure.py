@@ -258,10 +258,12 @@ class Tally:
         return out
 
 
-def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2):
+def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, slow=None):
     """{name: {candidate: result}} for the units (name -> module) of ``model`` at their
     ``options`` (name -> candidates), and the loss scale used for fp16. Each run is timed
-    ``repeats`` times per batch and the fastest kept (a busy machine only adds time)."""
+    ``repeats`` times per batch and the fastest kept (a busy machine only adds time). With
+    ``slow``, a candidate whose first call takes ``slow`` times fp32's is not measured
+    further for that unit (fp16 GEMMs on most CPUs)."""
     copies = {}
     for name, module in units.items():
         copies[name] = {}
@@ -284,11 +286,18 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2):
                 continue               # not called on this batch
             first = k == 0
             if first:                  # a first call of each: warm-up (and fp8 history)
+                warm = {}
                 for c, m in copies[name].items():
                     try:
-                        run_unit(m, c, rec, device, recipe, scale if c == "fp16" else 1.0)
+                        warm[c] = run_unit(m, c, rec, device, recipe,
+                                           scale if c == "fp16" else 1.0)[3]
                     except RuntimeError as e:
                         tallies[name][c].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                # a second fp32 call: the first one pays for one-time set-up
+                base = run_unit(copies[name]["fp32"], "fp32", rec, device, recipe, 1.0)[3]
+                for c, t in warm.items():
+                    if slow and c != "fp32" and t > slow * max(base, 1e-4):
+                        tallies[name][c].error = f"too slow here: {t / base:.0f}x fp32's time"
             ref_y, ref_dx, ref_dw, t32 = run_unit(copies[name]["fp32"], "fp32", rec, device,
                                                   recipe, 1.0)
             for _ in range(repeats - 1):

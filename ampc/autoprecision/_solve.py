@@ -52,7 +52,7 @@ def _err(r, key):
 def fits_alone(r, budget):
     """Why a candidate cannot be used for its unit whatever the others do, or None."""
     if r.get("error"):
-        return "does not run here"
+        return r["error"] if r["error"].startswith("too slow") else "does not run here"
     for key, limit in (("loss_err", budget.loss), ("dgrad_err", budget.grad),
                        ("wgrad_err", budget.wgrad)):
         v = _err(r, key)
