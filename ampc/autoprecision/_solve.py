@@ -64,7 +64,8 @@ def fits_alone(r, budget):
 
 
 def cost_of(r, objective):
-    return r["bytes"] if objective == "memory" else r["ms"]
+    v = r["bytes"] if objective == "memory" else r["ms"]
+    return math.inf if v is None else v
 
 
 def order(options, objective, tie=0.05):
