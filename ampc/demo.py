@@ -267,11 +267,14 @@ def describe_plan(plan, search_s, dname, ratio, log):
            f"{m['fp32_ms']:.0f} ms" if m else ""))
     for note in plan.data.get("notes", []):
         log(f"  {note}")
-    kept = [u for u in plan.units if u["choice"] == "fp32" and u["rejected"]]
-    if kept:
-        u = kept[0]
-        why = "; ".join(f"{c}: {w}" for c, w in u["rejected"].items())
-        log(f"  kept in fp32 for accuracy: {len(kept)} modules, e.g. {u['module']} ({why})")
+    fp32 = [u for u in plan.units if u["choice"] == "fp32"]
+    for reason, match in (("for accuracy", lambda w: " err " in w or "not finite" in w),
+                          ("for speed", lambda w: w.startswith("too slow"))):
+        kept = [u for u in fp32 if any(match(w) for w in u["rejected"].values())]
+        if kept:
+            u = kept[0]
+            why = "; ".join(f"{c}: {w}" for c, w in u["rejected"].items() if match(w))
+            log(f"  kept in fp32 {reason}: {len(kept)} modules, e.g. {u['module']} ({why})")
     if set(plan.choices.values()) == {"fp32"}:
         log(f"  {dname} matmuls run {1 / ratio:.0f}x slower than fp32 here" if ratio < 1 else
             f"  no 16-bit choice measured faster here")
