@@ -104,7 +104,7 @@ class Plan:
                      for c in cands]
             why = "; ".join(f"{c}: {w}" for c, w in u.get("rejected", {}).items())
             if not why and u["choice"] == "fp32" and len(u["options"]) > 1:
-                why = f"fp32 the {'fastest' if self.data['objective'] == 'time' else 'smallest'} fit"
+                why = "fp32: the cheapest within the summed budget"
             rows.append([u["module"], u["type"], u["choice"], _fmt(r.get("loss_err")),
                          _fmt(r.get("dgrad_err")), _fmt(r.get("wgrad_err"))] + times + [why or "-"])
         d = self.data
