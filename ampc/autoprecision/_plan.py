@@ -174,9 +174,9 @@ class Plan:
                 fp8.append(u["module"])
             expr = _units.expression(u["module"])
             ops = ""
-            if u["kind"] == "norm":
-                policy = "fp32" if c == "fp32" else "lower_precision_fp"
-                ops = ", ops={" + ", ".join(f'"{o}": "{policy}"' for o in _units.REDUCTION_OPS) + "}"
+            if u["kind"] == "norm" and c != "fp32":
+                ops = (", ops={" + ", ".join(f'"{o}": "lower_precision_fp"'
+                                             for o in _units.REDUCTION_OPS) + "}")
             lines.append(f"ampc.policy.module_scope({expr}, "
                          f"dtype={_torch_dtype(_units.DTYPES[c])}{ops})")
         if fp8:

@@ -67,9 +67,10 @@ def find_units(model, types=UNIT_TYPES):
 def scope_args(module, choice):
     """(dtype, ops) of the module_scope that makes ``module`` run at ``choice``."""
     ops = None
-    if kind(module) == "norm":
-        policy = "fp32" if choice == "fp32" else "lower_precision_fp"
-        ops = {op: policy for op in REDUCTION_OPS}
+    if kind(module) == "norm" and choice != "fp32":
+        # fp32 needs no op policy: the scope casts the module's inputs to fp32 and its
+        # reductions follow them
+        ops = {op: "lower_precision_fp" for op in REDUCTION_OPS}
     return DTYPES[choice], ops
 
 
