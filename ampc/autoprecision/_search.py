@@ -172,7 +172,7 @@ def check_plan(model, batches, loss_fn, plan, ref, device):
 
 def search(model, batches, loss_fn=None, *, candidates=("fp32", "bf16", "fp16", "fp8"),
            budget=None, objective="time", units=None, device=None, fp8_recipe="delayed",
-           sensitivity=True, check=True, max_backoffs=8, repeats=2):
+           sensitivity=True, check=True, max_backoffs=12, repeats=2):
     """Chooses a precision for each module of ``model`` from measured error and measured
     cost, under an error budget, and checks the whole choice.
 
@@ -196,7 +196,9 @@ def search(model, batches, loss_fn=None, *, candidates=("fp32", "bf16", "fp16", 
             plan chosen on cost alone looks like).
         repeats (int): timed runs per unit, candidate and batch (the fastest is kept).
         check (bool): measure the whole plan against fp32 and back off the worst
-            contributor until it fits the budget (at most ``max_backoffs`` times).
+            contributor until it fits the budget: one module per round for 4 rounds, then
+            2, 4, ... per round, at most ``max_backoffs`` rounds (12: up to 60 modules),
+            after which every module is kept in fp32.
 
     Under torch.distributed every rank measures and rank 0's plan is broadcast, so that
     all ranks apply the same plan. Returns a :class:`Plan`.
@@ -250,22 +252,29 @@ def search(model, batches, loss_fn=None, *, candidates=("fp32", "bf16", "fp16", 
         if objective == "time":
             result = _whole_low(model, batches, loss_fn, plan, ref, device, result, measured,
                                 budget, notes)
-        for _ in range(max_backoffs):
+        for k in range(max_backoffs):
             why = _over(result, budget)
             if why is None:
                 break
-            name = _worst(plan, result, why)
-            if name is None:
-                break
-            usable = [c for c in order(measured[name], objective) if c not in rejected[name]]
-            new = raise_one(plan.choices, measured, usable, name)
-            plan.data["backoffs"].append({"module": name, "from": plan.choices[name],
-                                          "to": new, "why": why})
-            _set_choice(plan, name, new)
+            # one module at a time at first, then more per round (each round costs a check)
+            for _ in range(2 ** (k // 4)):
+                name = _worst(plan, result, why)
+                if name is None:
+                    break
+                usable = [c for c in order(measured[name], objective) if c not in rejected[name]]
+                new = raise_one(plan.choices, measured, usable, name)
+                plan.data["backoffs"].append({"module": name, "from": plan.choices[name],
+                                              "to": new, "why": why})
+                _set_choice(plan, name, new)
             result = check_plan(model, batches, loss_fn, plan, ref, device)
         if _over(result, budget):
-            notes.append(f"the whole plan is still over the budget ({_over(result, budget)}) "
-                         f"after {max_backoffs} back-offs")
+            # fp32 throughout fits any budget: never hand back a plan known to be over it
+            notes.append(f"the whole plan was still over the budget ({_over(result, budget)}) "
+                         f"after {max_backoffs} rounds of back-off: every module kept in fp32")
+            for u in plan.units:
+                u["choice"] = "fp32"
+            result = dict(result, loss_err=0.0, grad_err=0.0, wgrad_err=0.0, wgrad_worst=None,
+                          plan_ms=1e3 * min(r[2] for r in ref))
         fp32_ms = 1e3 * min(r[2] for r in ref)
         if objective == "time" and plan.dtype != "fp32":
             result = _fastest(model, batches, loss_fn, plan, ref, device, result, fp32_ms,
