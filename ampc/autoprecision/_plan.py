@@ -322,9 +322,11 @@ class Applied:
                 u["choice"] = choice
         dtype, ops = _units.scope_args(m, choice)
         # a GEMM at the dtype the region gives the ops outside the units needs no scope (a
-        # scope's hooks cost time on every call); norms always get theirs (their reduction)
-        by_region = (_units.kind(m) != "norm" and choice == self.plan.rest and choice != "fp8"
-                     and not _is_fp8(m))
+        # scope's hooks cost time on every call), nor does any module of an all-fp32 plan
+        # (no autocast region); norms in 16 bits always get theirs (their reduction)
+        by_region = ((_units.kind(m) != "norm" and choice == self.plan.rest and choice != "fp8"
+                      and not _is_fp8(m))
+                     or (self.plan.dtype == "fp32" and not _is_fp8(m)))   # no region at all
         handles = [] if by_region else [ampc.policy.module_scope(m, dtype=dtype, ops=ops)]
         if choice == "fp8":
             ampc.fp8.convert(m)
