@@ -1,10 +1,12 @@
 """python -m ampc.demo: a character-level GPT trained on the source of Python's standard
-library four ways, side by side, in under three minutes on any machine.
+library five ways, side by side, in about three minutes on any machine.
 
   fp32              fp32 weights, torch.optim.AdamW(fused=True)
   torch.amp         torch.autocast (+ torch.amp.GradScaler for fp16), torch AdamW
   ampc drop-in      ampc.autocast (+ ampc.GradScaler for fp16), ampc.optim.AdamW
   ampc master       ampc.prepare: 16-bit weights, fp32 master weights in ampc.optim.AdamW
+  ampc auto         a precision per module chosen by ampc.autoprecision.search on this
+                    machine (its search time is counted in its speed), ampc.optim.AdamW
 
 The text is read at run time from the running interpreter's standard library (every
 tenth file held out for validation). All runs start from the same weights and see the
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampc
-from ampc import validate
+from ampc import autoprecision, validate
 from ampc.validate._compare import DEFAULT_DTYPE, train_one
 from ampc.validate._report import NO_MATPLOTLIB, fmt, format_table, write_outputs
 
@@ -204,6 +206,10 @@ MIN_STEPS, FLOOR_STEPS = 150, 20      # a larger size must fit MIN_STEPS; never 
 MAX_STEPS = {"cpu": 400, "cuda": 1000}
 SAFETY = 1.1          # probes are short: plan for slightly slower steps
 AFTER_S = 15.0        # evaluation, the layer report, the picture and the sample
+SEARCH_BATCHES = 2
+# the search costs about this many fp32 steps and seconds (its per-call overheads), reserved
+# when sizing
+SEARCH_STEPS, SEARCH_FIXED_S = 30, 3.0
 
 
 def process_seconds():
@@ -221,7 +227,8 @@ def process_seconds():
 def choose(args, speeds, probe, seconds_left, log):
     """(size, steps): the largest size of which at least MIN_STEPS steps of all runs fit
     the time left, and how many steps of it fit (at least FLOOR_STEPS, at most MAX_STEPS).
-    ``probe(size)`` gives the seconds of one step of all runs together."""
+    ``probe(size)`` gives (seconds of one step of all runs together, seconds the search
+    will take)."""
     if args.size != "auto" and args.steps:
         return args.size, args.steps
     sizes = [args.size] if args.size != "auto" else list(SIZES)
@@ -231,11 +238,13 @@ def choose(args, speeds, probe, seconds_left, log):
         bound = matmul_flops(size) * (2 / speeds["fp32"] + 3 / speeds["low"]) / 1e9
         if chosen and bound * MIN_STEPS > seconds_left():
             break
-        per_step = SAFETY * probe(size)
+        per_step, search_s = probe(size)
+        per_step *= SAFETY
         # each run also evaluates VAL_BATCHES forward passes (a third of a step each)
-        steps = int((seconds_left() - AFTER_S) / per_step - VAL_BATCHES / 3)
+        steps = int((seconds_left() - AFTER_S - search_s) / per_step - VAL_BATCHES / 3)
         log(f"  {size:<6} {SIZES[size][0]:>3} wide x {SIZES[size][1]} layers: "
-            f"{per_step * 1e3:,.0f} ms per step of all five runs -> {max(steps, 0)} steps fit")
+            f"{per_step * 1e3:,.0f} ms per step of all six runs, about {search_s:.0f} s of "
+            f"search -> {max(steps, 0)} steps fit")
         if chosen and steps < MIN_STEPS:
             break
         chosen = (size, steps)
@@ -249,13 +258,42 @@ def choose(args, speeds, probe, seconds_left, log):
     return size, max(FLOOR_STEPS, min(MAX_STEPS[args.device], steps))
 
 
+def describe_plan(plan, search_s, dname, ratio, log):
+    """A few lines on what ampc.autoprecision chose here and why."""
+    counts = {}
+    for c in plan.choices.values():
+        counts[c] = counts.get(c, 0) + 1
+    m = plan.data.get("measured") or {}
+    log(f"ampc.autoprecision: {len(plan.units)} modules in {search_s:.1f} s: "
+        + ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
+        + f"; ops outside them {plan.rest}"
+        + (f"; whole model forward + backward {m['plan_ms']:.0f} ms against fp32's "
+           f"{m['fp32_ms']:.0f} ms" if m else ""))
+    for note in plan.data.get("notes", []):
+        log(f"  {note}")
+    fp32 = [u for u in plan.units if u["choice"] == "fp32"]
+    for reason, match in (("for accuracy", lambda w: " err " in w or "not finite" in w),
+                          ("for speed", lambda w: w.startswith("too slow"))):
+        kept = [u for u in fp32 if any(match(w) for w in u["rejected"].values())]
+        if kept:
+            u = kept[0]
+            why = "; ".join(f"{c}: {w}" for c, w in u["rejected"].items() if match(w))
+            log(f"  kept in fp32 {reason}: {len(kept)} modules, e.g. {u['module']} ({why})")
+    if set(plan.choices.values()) == {"fp32"}:
+        log(f"  {dname} matmuls run {1 / ratio:.0f}x slower than fp32 here" if ratio < 1 else
+            f"  no 16-bit choice measured faster here")
+        log("  so the plan keeps every module in fp32: the auto arm trains at fp32's speed "
+            "with fp32's accuracy, where the uniform 16-bit arms pay for slow matmuls")
+
+
 # ---- the job ----
 
 def parse_args(argv):
     p = argparse.ArgumentParser(
         prog="python -m ampc.demo",
         description="A character-level GPT trained on Python's standard library with fp32, "
-                    "torch.amp, the ampc drop-in and ampc master weights, side by side.")
+                    "torch.amp, the ampc drop-in, ampc master weights and a precision per "
+                    "module chosen by ampc.autoprecision, side by side.")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="default: cuda when torch sees a GPU, else cpu")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16"], default="auto",
@@ -326,8 +364,8 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     lr = 2e-3
 
     def probe(size):
-        """Seconds of one step of all five runs, from real steps of each kind: the fastest
-        of five after one to warm up (the first steps of a run are slower, and a busy
+        """(Seconds of one step of all six runs, seconds of the search), from real steps of
+        each kind: the fastest of five after one to warm up (the first steps of a run are slower, and a busy
         machine adds noise that only lengthens steps; the lockstep training stops on
         time if this was too hopeful)."""
         context, batch = SIZES[size][3], SIZES[size][4]
@@ -337,7 +375,9 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
         for kind in ("fp32", "torch.amp", "ampc", "ampc.master"):
             run = train_one(kind, dtype, make_model_for(size), batches, lr=lr, device=device)
             t[kind] = min(run.step_ms[1:]) / 1e3
-        return 2 * t["fp32"] + t["torch.amp"] + t["ampc"] + t["ampc.master"]
+        # ampc auto: about the drop-in's step (its modules at fp32 or 16 bits, each the faster)
+        return (2 * t["fp32"] + t["torch.amp"] + 2 * t["ampc"] + t["ampc.master"],
+                SEARCH_FIXED_S + SEARCH_STEPS * t["fp32"])
 
     log(f"sizing for {args.budget:.0f} s in all:")
     size, fit = choose(args, speeds, probe,
@@ -352,6 +392,15 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
         + (f"{steps} steps" if args.steps else
            f"as many steps as the time allows (about {fit} by the probe, at most {steps})"))
 
+    # ---- the plan: a precision per module, measured here ----
+    t_search = time.perf_counter()
+    found = batch_maker(train, context, batch, args.seed + 2)
+    plan = autoprecision.search(make_model().to(device),
+                                [tuple(t.to(device) for t in found(k)) for k in range(SEARCH_BATCHES)],
+                                repeats=1)
+    search_s = time.perf_counter() - t_search
+    describe_plan(plan, search_s, dname, ratio, log)
+
     # ---- train ----
     make_batch = batch_maker(train, context, batch, args.seed)
     val_batches = [batch_maker(val, context, batch, args.seed + 1)(k)
@@ -363,7 +412,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
              else args.budget - (time.perf_counter() - t_start) - AFTER_S)
     report = validate.compare(make_model, make_batch, steps=steps, dtype=dtype, device=device,
                               lr=lr, seeds=(args.seed, args.seed + 1), val_batches=val_batches,
-                              time_limit=limit)
+                              time_limit=limit, setups=validate.SETUPS + (plan,))
     train_s = time.perf_counter() - t_train
     if report.config["steps"] < steps:
         log(f"all runs stopped after {report.config['steps']} steps, to finish in "
@@ -372,15 +421,17 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
 
     # ---- results ----
     label = {"fp32": "fp32", "torch.amp": "torch.amp", "ampc": "ampc drop-in",
-             "ampc.master": "ampc master weights"}
+             "ampc.master": "ampc master weights", "ampc.auto": "ampc auto"}
     runs = [report.base] + report.runs
     amp = next(r for r in report.runs if r.kind == "torch.amp")
     tokens = context * batch
     rows, table = [], []
     for r in runs:
-        tps = tokens / (r.median_ms() / 1e3)
+        # the auto arm pays for its search: spread over the steps it trained
+        ms = r.median_ms() + (1e3 * search_s / steps if r.kind == "ampc.auto" else 0.0)
+        tps = tokens / (ms / 1e3)
         row = {"setup": label[r.kind] + ("" if r.kind == "fp32" else f" {r.dtype}"),
-               "tokens_per_s": tps, "step_ms": r.median_ms(), "peak_mib": r.peak_mib,
+               "tokens_per_s": tps, "step_ms": ms, "peak_mib": r.peak_mib,
                "train_loss": sum(r.losses[-report.window:]) / report.window,
                "val_loss": r.val_loss,
                "speed_vs_torch_amp": tps / (tokens / (amp.median_ms() / 1e3)),
@@ -394,7 +445,8 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     log(f"{steps} steps x {tokens:,} tokens per run, {train_s:.0f} s of training")
     log(format_table(["setup", "tokens/s", "step ms", "peak MiB", "train loss", "val loss",
                       "speed vs torch.amp", "memory vs torch.amp"], table))
-    log("step ms: median of forward + backward + optimizer step; peak MiB: memory the run "
+    log("step ms: median of forward + backward + optimizer step (ampc auto: plus its "
+        f"{search_s:.1f} s of search over the {steps} steps); peak MiB: memory the run "
         "added at its peak (" + ("torch.cuda.max_memory_allocated" if device == "cuda"
                                  else "resident set") + "); train loss: mean of the last "
         f"{report.window} steps")
@@ -424,18 +476,22 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
                        "matmul_gflops": speeds, "torch": torch.__version__,
                        "text": described},
             "table": rows, "compare": report.as_dict(), "layers": layer_report.as_dict(),
-            "sample": text}
+            "plan": plan.as_dict(), "search_s": search_s, "sample": text}
     throughput = {row["setup"]: row["tokens_per_s"] for row in rows}
     paths = write_outputs(args.out, "demo", "\n".join(lines), data,
                           lambda plt, path: report.plot(plt, path, throughput))
     layer_paths = layer_report.save(args.out)
+    plan.save(os.path.join(args.out, "plan.json"))
+    with open(os.path.join(args.out, "plan.txt"), "w") as f:
+        f.write(plan.table() + "\n\n" + plan.python() + "\n")
     log()
     if paths["png"]:
         log(f"picture: {os.path.abspath(paths['png'])} (loss curves, gap to fp32, "
             "grad-norm ratio, throughput)")
     else:
         log(NO_MATPLOTLIB)
-    log(f"wrote {paths['txt']}, {paths['json']}, {layer_paths['txt']}, {layer_paths['json']}"
+    log(f"wrote {paths['txt']}, {paths['json']}, {layer_paths['txt']}, {layer_paths['json']}, "
+        f"{os.path.join(args.out, 'plan.txt')}, {os.path.join(args.out, 'plan.json')}"
         + (f", {layer_paths['png']}" if layer_paths["png"] else ""))
     log(f"done in {time.perf_counter() - t_start:.0f} s")
     return 0

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 SETUPS = ("torch.amp", "ampc", "ampc.master")
 FP8_SETUP = "ampc.fp8"
+PLAN_SETUP = "ampc.auto"      # an ampc.autoprecision.Plan given as a setup
 ALL_SETUPS = SETUPS + (FP8_SETUP,)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -47,7 +48,10 @@ def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def parse_setup(spec, dtype):
-    """'ampc' or 'ampc@fp16' -> ('ampc', torch.float16); ``dtype`` when no suffix."""
+    """'ampc' or 'ampc@fp16' -> ('ampc', torch.float16); ``dtype`` when no suffix. An
+    ampc.autoprecision.Plan is its own setup: (plan, dtype)."""
+    if _is_plan(spec):
+        return spec, dtype
     if not isinstance(spec, str):
         raise TypeError(f"ampc.validate: a setup must be a string like 'ampc' or 'ampc@fp16', "
                         f"got {type(spec).__name__}")
@@ -61,6 +65,11 @@ def parse_setup(spec, dtype):
                              f"got {suffix!r}")
         dtype = DTYPES[suffix]
     return kind, dtype
+
+
+def _is_plan(spec):
+    from ..autoprecision import Plan
+    return isinstance(spec, Plan)
 
 
 @dataclass
@@ -209,9 +218,14 @@ class Trainer:
     def __init__(self, kind, dtype, make_model, *, loss_fn=None, lr=1e-3, seed=0,
                  device="cpu", name=None):
         import ampc
+        plan = kind if _is_plan(kind) else None
+        if plan is not None:
+            kind, dtype = PLAN_SETUP, {"fp16": torch.float16}.get(plan.dtype, torch.bfloat16)
         self.loss_fn = loss_fn or default_loss
         self.device = device
         dname = "fp32" if kind == "fp32" else DTYPE_NAMES[dtype]
+        if plan is not None:
+            name, dname = name or "ampc auto", plan.dtype
         self.run = Run(name or (kind if kind == "fp32" else f"{kind} {dname}"), kind, dname, seed)
         self.memory = _PeakMemory(device)
         self.memory.start()
@@ -228,7 +242,11 @@ class Trainer:
         model.train()
         fp16 = dtype == torch.float16 and kind != "fp32"
         self.scaler = None
-        if kind in ("fp32", "torch.amp"):
+        if plan is not None:
+            plan.apply(model)
+            fp16 = plan.needs_scaler()
+            self.opt = ampc.optim.AdamW(model.parameters(), lr=lr)
+        elif kind in ("fp32", "torch.amp"):
             self.opt = _torch_adamw(model.parameters(), lr)
             self.scaler = torch.amp.GradScaler(device) if fp16 else None
         elif kind in ("ampc", FP8_SETUP):
@@ -246,6 +264,8 @@ class Trainer:
             self.region = lambda: ampc.autocast(device, dtype=dtype)    # noqa: E731
         elif kind == FP8_SETUP:
             self.region = lambda: _fp8_region(device, dtype)           # noqa: E731
+        elif plan is not None:
+            self.region = plan.autocast
         else:
             self.region = contextlib.nullcontext
         self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)

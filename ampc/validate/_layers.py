@@ -183,12 +183,14 @@ def layers(model: torch.nn.Module, batch: tuple, loss_fn: Callable | None = None
     rows.sort(key=lambda r: -max(r["output_err"] or 0.0, r["grad_err"] or 0.0))
     config = {"dtype": DTYPE_NAMES[dtype], "device": device, "loss_scale": loss_scale,
               "threshold": threshold}
-    return LayerReport(rows, _suggest(rows, dtype, threshold), config)
+    names = _suggest(rows, dtype, threshold)
+    return LayerReport(rows, [f"ampc.policy.module_scope({expression(n)}, dtype=torch.float32)"
+                              for n in names], config, names)
 
 
 def _suggest(rows, dtype, threshold):
-    """module_scope lines for the leaf modules whose added error or weight-gradient error
-    stands out from the other leaves'."""
+    """The leaf modules whose added error or weight-gradient error stands out from the
+    other leaves'."""
     floor = UNIT_ROUNDOFF[dtype]
     leaves = [r for r in rows if r["leaf"]]      # a container's error is its children's
     out = []
@@ -199,6 +201,5 @@ def _suggest(rows, dtype, threshold):
         bar = max(threshold * statistics.median(values), floor)
         out += [r["module"] for r in leaves
                 if r[key] is not None and (not math.isfinite(r[key]) or r[key] > bar)]
-    return [f"ampc.policy.module_scope({expression(n)}, dtype=torch.float32)"
-            for n in dict.fromkeys(out)]
+    return list(dict.fromkeys(out))
 

@@ -19,11 +19,19 @@ def test_short_demo_tracks_fp32_and_writes_outputs(tmp_path, capsys):
     printed = capsys.readouterr().out
     data = json.loads((out / "demo.json").read_text())
     rows = {r["setup"]: r for r in data["table"]}
-    assert list(rows) == ["fp32", "torch.amp bf16", "ampc drop-in bf16",
-                          "ampc master weights bf16"]
+    names = list(rows)
+    assert names[:4] == ["fp32", "torch.amp bf16", "ampc drop-in bf16",
+                         "ampc master weights bf16"]
+    # the plan's region: bf16 where some module measured faster in bf16, else fp32
+    auto = names[4]
+    assert auto in ("ampc auto bf16", "ampc auto fp32") and len(names) == 5
     fp32 = rows["fp32"]["val_loss"]
-    for name in ("ampc drop-in bf16", "ampc master weights bf16"):
+    for name in ("ampc drop-in bf16", "ampc master weights bf16", auto):
         assert abs(rows[name]["val_loss"] - fp32) / fp32 < 0.02, name
+    plan = data["plan"]
+    assert {u["choice"] for u in plan["units"]} <= {"fp32", "bf16", "fp16", "fp8"}
+    assert data["search_s"] > 0 and "ampc.autoprecision:" in printed
+    assert (out / "plan.json").stat().st_size > 100 and "module_scope" in (out / "plan.txt").read_text()
     # it learned: the first step's loss is about ln(98) = 4.6
     first = data["compare"]["runs"][0]["losses"][0]
     assert first > 4 and rows["fp32"]["train_loss"] < first - 0.8
@@ -31,7 +39,7 @@ def test_short_demo_tracks_fp32_and_writes_outputs(tmp_path, capsys):
     assert all(r["tokens_per_s"] > 0 and r["peak_mib"] is not None for r in rows.values())
     assert "speed vs torch.amp" in printed and "within spread" in printed
     assert "sample from the ampc master-weight model" in printed
-    for name in ("demo.txt", "demo.json", "layers.txt", "layers.json"):
+    for name in ("demo.txt", "demo.json", "layers.txt", "layers.json", "plan.txt"):
         assert (out / name).stat().st_size > 100
     if _report.pyplot() is not None:
         assert (out / "demo.png").stat().st_size > 10_000
@@ -99,11 +107,11 @@ def test_choose_takes_the_largest_size_that_fits():
 
     def probe(size):
         probed.append(size)
-        return per_step[size]
+        return per_step[size], 2.0               # 2 s of search
     size, steps = demo.choose(Args, speeds, probe, lambda: 100.0, lambda line: None)
-    # small: 100 s less the reserve over 1.1 x 0.4 s -> 191 steps; medium fits 14
+    # small: 100 s less the reserve and the search over 1.1 x 0.4 s -> 186 steps; medium 14
     per_small = demo.SAFETY * 0.4
-    assert size == "small" and steps == int((100 - demo.AFTER_S) / per_small
+    assert size == "small" and steps == int((100 - demo.AFTER_S - 2.0) / per_small
                                             - demo.VAL_BATCHES / 3)
     assert probed == ["micro", "tiny", "small", "medium"]
     Args.size, Args.steps = "tiny", 25

@@ -1,0 +1,403 @@
+"""search(): measure, solve, check the whole plan, back off until it holds."""
+import contextlib
+import copy
+import math
+import time
+
+import torch
+
+from . import _measure, _units
+from ._plan import Plan, VERSION
+from ._solve import ERRORS, Budget, order, raise_one, solve
+
+OBJECTIVES = ("time", "memory")
+SLOW = 4.0       # a candidate whose matmul is this many times slower than fp32 is not tried
+TIE = 1.05       # whole-model times within 5% of each other count as equal
+
+
+def _default_loss(output, target):
+    import torch.nn.functional as F
+    return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+def _matmul_ms(choice, device, n=512, reps=20, seconds=0.2):
+    """Milliseconds of an (n x n) @ (n x n) at ``choice`` (fp8: an ampc.fp8.Linear) and in
+    fp32: the fastest of up to ``reps`` calls each within about ``seconds``."""
+    import ampc
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    x = torch.randn(n, n, device=device)
+    lin = torch.nn.Linear(n, n, bias=False).to(device)
+    if choice == "fp8":
+        ampc.fp8.convert(lin)
+    base = torch.nn.Linear(n, n, bias=False).to(device)
+    best = {choice: math.inf, "fp32": math.inf}
+    # interleaved with fp32's: a busy machine slows both alike
+    with torch.no_grad():
+        for mod, c in ((lin, choice), (base, "fp32")):
+            with _measure.at(mod, c, device, ampc.fp8.DelayedScaling()):
+                mod(x)
+        start = time.perf_counter()
+        for _ in range(reps):
+            for mod, c in ((lin, choice), (base, "fp32")):
+                with _measure.at(mod, c, device, ampc.fp8.DelayedScaling()):
+                    sync()
+                    t0 = time.perf_counter()
+                    mod(x)
+                    sync()
+                    best[c] = min(best[c], time.perf_counter() - t0)
+            if time.perf_counter() - start > seconds:
+                break
+    return best[choice] * 1e3, best["fp32"] * 1e3
+
+
+def probe(candidates, device):
+    """{candidate: why it is not tried} for candidates whose matmul runs SLOW times slower
+    than fp32's here (fp16 on most CPUs, bf16 without AVX-512 BF16 or AMX, fp8's exact
+    CPU reference path), or that do not run at all."""
+    out = {}
+    for c in candidates:
+        if c == "fp32":
+            continue
+        try:
+            ms, base = _matmul_ms(c, device)
+        except RuntimeError as e:
+            out[c] = f"does not run here ({str(e).splitlines()[0][:80]})"
+            continue
+        if ms > SLOW * base:
+            out[c] = (f"its 512x512 matmul takes {ms / base:.0f}x fp32's time on this "
+                      f"{'GPU' if device == 'cuda' else 'CPU'} ({ms:.2f} vs {base:.2f} ms)")
+    return out
+
+
+def _check_args(model, batches, candidates, budget, objective):
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"ampc.autoprecision.search: model must be an nn.Module, "
+                        f"got {type(model).__name__}")
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype != torch.float32:
+            raise ValueError(f"ampc.autoprecision.search: parameter {name} is {p.dtype}; "
+                             "search takes an fp32 model")
+    if isinstance(batches, tuple) and len(batches) == 2 and isinstance(batches[0], torch.Tensor):
+        raise TypeError("ampc.autoprecision.search: batches must be a list of (inputs, target) "
+                        "pairs, got one pair (wrap it in a list)")
+    batches = list(batches)
+    if not batches or not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in batches):
+        raise ValueError("ampc.autoprecision.search: batches must be a non-empty list of "
+                         "(inputs, target) pairs")
+    candidates = tuple(candidates)
+    bad = [c for c in candidates if c not in _units.CANDIDATES]
+    if bad or not candidates:
+        raise ValueError(f"ampc.autoprecision.search: candidates must be among "
+                         f"{', '.join(_units.CANDIDATES)}, got {candidates!r}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"ampc.autoprecision.search: objective must be 'time' or 'memory', "
+                         f"got {objective!r}")
+    if budget is None:
+        budget = Budget()
+    elif isinstance(budget, dict):
+        budget = Budget(**budget)
+    elif not isinstance(budget, Budget):
+        raise TypeError(f"ampc.autoprecision.search: budget must be an "
+                        f"ampc.autoprecision.Budget or a dict, got {type(budget).__name__}")
+    return batches, ("fp32",) + tuple(c for c in candidates if c != "fp32"), budget
+
+
+def whole_step(model, batch, loss_fn, region, device):
+    """(loss, {param name: grad}, seconds) of one forward and backward."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    inputs, target = batch
+    for p in model.parameters():
+        p.grad = None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        sync()
+        t0 = time.perf_counter()
+        with region():
+            out = _measure.call(model, inputs)
+        loss = loss_fn(out, target)
+        loss.backward()
+        sync()
+        seconds = time.perf_counter() - t0
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
+             if p.grad is not None}
+    return loss.detach().float().item(), grads, seconds
+
+
+def check_plan(model, batches, loss_fn, plan, ref, device):
+    """The whole plan against fp32 over the batches: loss error, error of all weight
+    gradients together, the worst unit's weight-gradient error, and step times."""
+    m = copy.deepcopy(model)
+    plan.apply(m)
+    scale = plan.data.get("loss_scale", 1.0) if plan.needs_scaler() else 1.0
+
+    def scaled_loss(out, target):
+        return loss_fn(out, target) * scale
+    loss_errs, grad_errs, times = [], [], []
+    unit_errs = {}
+    owners = {}
+    for name, mod in m.named_modules():
+        if name in plan.choices:
+            for pn, _ in mod.named_parameters():
+                owners[f"{name}.{pn}"] = name
+    whole_step(m, batches[0], scaled_loss, plan.autocast, device)   # warm-up
+    for k, batch in enumerate(batches):
+        ref_loss, ref_grads, _ = ref[k]
+        loss, grads, t = whole_step(m, batch, scaled_loss, plan.autocast, device)
+        loss /= scale
+        grads = {n: g / scale for n, g in grads.items()}
+        times.append(t)
+        loss_errs.append(abs(loss - ref_loss) / max(abs(ref_loss), 1e-12)
+                         if math.isfinite(loss) else math.inf)
+        grad_errs.append(_measure._rel([grads.get(n) for n in ref_grads], list(ref_grads.values()))
+                         or 0.0)
+        per = {}
+        for n, g in ref_grads.items():
+            if n in owners:
+                per.setdefault(owners[n], ([], []))
+                per[owners[n]][0].append(grads.get(n))
+                per[owners[n]][1].append(g)
+        for u, (a, b) in per.items():
+            unit_errs.setdefault(u, []).append(_measure._rel(a, b) or 0.0)
+    worst, worst_err = None, 0.0
+    for u, errs in unit_errs.items():
+        e = sum(errs) / len(errs)
+        if e > worst_err or not math.isfinite(e):
+            worst, worst_err = u, e
+    return {"loss_err": sum(loss_errs) / len(loss_errs),
+            "grad_err": sum(grad_errs) / len(grad_errs),
+            "wgrad_err": worst_err, "wgrad_worst": worst,
+            "unit_wgrad": {u: sum(e) / len(e) for u, e in unit_errs.items()},
+            "plan_ms": 1e3 * min(times)}
+
+
+def search(model, batches, loss_fn=None, *, candidates=("fp32", "bf16", "fp16", "fp8"),
+           budget=None, objective="time", units=None, device=None, fp8_recipe="delayed",
+           sensitivity=True, check=True, max_backoffs=12, repeats=2):
+    """Chooses a precision for each module of ``model`` from measured error and measured
+    cost, under an error budget, and checks the whole choice.
+
+    Args:
+        model (nn.Module): an fp32 model; it is not changed (the search works on copies).
+        batches: a few ``(inputs, target)`` pairs (2 to 4 are enough): errors are averaged
+            and times taken as the fastest over them.
+        loss_fn: ``loss_fn(output, target)``; default: cross-entropy over the last dim.
+        candidates: precisions to choose from: "fp32", "bf16", "fp16", "fp8" (fp32 is
+            always one). fp8 applies to nn.Linear layers with dims multiple of 16.
+        budget (Budget or dict): relative error a plan may add per step against fp32
+            (see :class:`Budget`: loss, grad, wgrad).
+        objective: "time" (forward + backward time measured on this device; candidates
+            whose matmul is 4x slower than fp32 here are not even tried) or "memory"
+            (bytes of the module's weights and activations: deterministic).
+        units: module types to decide (default: Linear, convolutions, MultiheadAttention,
+            norms, Softmax).
+        device: "cpu" or "cuda"; default: the model's.
+        fp8_recipe: "delayed" (DelayedScaling) or "current" (Float8CurrentScaling).
+        sensitivity (bool): False treats every candidate as exact (a control: what a
+            plan chosen on cost alone looks like).
+        repeats (int): timed runs per unit, candidate and batch (the fastest is kept).
+        check (bool): measure the whole plan against fp32 and back off the worst
+            contributor until it fits the budget: one module per round for 4 rounds, then
+            2, 4, ... per round, at most ``max_backoffs`` rounds (12: up to 60 modules),
+            after which every module is kept in fp32.
+
+    Under torch.distributed every rank measures and rank 0's plan is broadcast, so that
+    all ranks apply the same plan. Returns a :class:`Plan`.
+    """
+    t_start = time.perf_counter()
+    batches, candidates, budget = _check_args(model, batches, candidates, budget, objective)
+    recipe = _measure_recipe(fp8_recipe)
+    loss_fn = loss_fn or _default_loss
+    params = list(model.parameters())
+    device = device or (params[0].device.type if params else "cpu")
+    batches = [tuple(_to(b, device)) for b in batches]
+    found = _units.find_units(model, tuple(units) if units else _units.UNIT_TYPES)
+    if not found:
+        raise ValueError("ampc.autoprecision.search: the model has no module of the types "
+                         "it decides (Linear, convolutions, attention, norms, softmax); "
+                         "name yours with units=")
+    notes = []
+    skipped = probe(candidates, device) if objective == "time" else {}
+    for c, why in skipped.items():
+        notes.append(f"{c} not tried: {why}")
+    tried = [c for c in candidates if c not in skipped]
+    options = {n: _units.candidates_for(m, tried) for n, m in found.items()}
+    with torch.random.fork_rng(devices=[]):
+        measured, loss_scale = _measure.measure(model, batches, loss_fn, found, options, device,
+                                                recipe, repeats,
+                                                slow=SLOW if objective == "time" else None)
+    if not sensitivity:
+        for opts in measured.values():
+            for r in opts.values():
+                for k in ERRORS + ("out_err",):
+                    r[k] = 0.0 if r.get(k) is not None else None
+    choice, rejected = solve(measured, budget, objective)
+    data = {"version": VERSION, "device": device, "where": _where(device),
+            "objective": objective, "budget": budget.as_dict(), "candidates": list(candidates),
+            "fp8_recipe": fp8_recipe, "loss_scale": loss_scale, "notes": notes,
+            "backoffs": [], "units": []}
+    for n, m in found.items():
+        data["units"].append({"module": n, "type": type(m).__name__, "kind": _units.kind(m),
+                              "choice": choice[n], "options": measured[n],
+                              "rejected": rejected[n]})
+    plan = Plan(data)
+    units_fp32_ms = sum(u["options"]["fp32"]["ms"] or 0.0 for u in data["units"])
+    if check:
+        ref_model = copy.deepcopy(model)
+        whole_step(ref_model, batches[0], loss_fn, _null, device)            # warm-up
+        ref = [whole_step(ref_model, b, loss_fn, _null, device) for b in batches]
+        # fp32's time is what every whole-model choice is held against: timed twice
+        ref = [(l, g, min(t, whole_step(ref_model, b, loss_fn, _null, device)[2]))
+               for (l, g, t), b in zip(ref, batches)]
+        result = check_plan(model, batches, loss_fn, plan, ref, device)
+        if objective == "time":
+            result = _whole_low(model, batches, loss_fn, plan, ref, device, result, measured,
+                                budget, notes)
+        for k in range(max_backoffs):
+            why = _over(result, budget)
+            if why is None:
+                break
+            # one module at a time at first, then more per round (each round costs a check)
+            for _ in range(2 ** (k // 4)):
+                name = _worst(plan, result, why)
+                if name is None:
+                    break
+                usable = [c for c in order(measured[name], objective) if c not in rejected[name]]
+                new = raise_one(plan.choices, measured, usable, name)
+                plan.data["backoffs"].append({"module": name, "from": plan.choices[name],
+                                              "to": new, "why": why})
+                _set_choice(plan, name, new)
+            result = check_plan(model, batches, loss_fn, plan, ref, device)
+        if _over(result, budget):
+            # fp32 throughout fits any budget: never hand back a plan known to be over it
+            notes.append(f"the whole plan was still over the budget ({_over(result, budget)}) "
+                         f"after {max_backoffs} rounds of back-off: every module kept in fp32")
+            for u in plan.units:
+                u["choice"] = "fp32"
+            result = dict(result, loss_err=0.0, grad_err=0.0, wgrad_err=0.0, wgrad_worst=None,
+                          plan_ms=1e3 * min(r[2] for r in ref))
+        fp32_ms = 1e3 * min(r[2] for r in ref)
+        if objective == "time" and plan.dtype != "fp32":
+            result = _fastest(model, batches, loss_fn, plan, ref, device, result, fp32_ms,
+                              budget, notes)
+        result.pop("unit_wgrad")
+        result["fp32_ms"] = fp32_ms
+        plan.data["measured"] = result
+    plan.data["predicted"] = {"fp32_ms": units_fp32_ms, "plan_ms": sum(
+        u["options"][u["choice"]]["ms"] or 0.0 for u in data["units"])}
+    plan.data["search_s"] = time.perf_counter() - t_start
+    return _broadcast(plan)
+
+
+def _whole_low(model, batches, loss_fn, plan, ref, device, result, measured, budget, notes):
+    """Small modules time slower in 16 bits one by one (each pays its casts) than they run
+    in a model that stays in 16 bits between them. So the whole model is also measured
+    with every module at its least precise candidate that fits the budget; the faster of
+    the two whole-model times wins."""
+    low, _ = solve(measured, budget, "memory")
+    if low == plan.choices:
+        return result
+    mine = plan.choices
+    for u in plan.units:
+        u["choice"] = low[u["module"]]
+    other = check_plan(model, batches, loss_fn, plan, ref, device)
+    if other["plan_ms"] * TIE < result["plan_ms"] and _over(other, budget) is None:
+        notes.append(f"the modules one by one chose {_count(mine)}; the whole model measured "
+                     f"faster with {_count(low)} ({other['plan_ms']:.1f} against "
+                     f"{result['plan_ms']:.1f} ms per step): taken")
+        return other
+    for u in plan.units:
+        u["choice"] = mine[u["module"]]
+    return result
+
+
+def _count(choices):
+    counts = {}
+    for c in choices.values():
+        counts[c] = counts.get(c, 0) + 1
+    return ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
+
+
+def _fastest(model, batches, loss_fn, plan, ref, device, result, fp32_ms, budget, notes):
+    """The time objective, for the whole model: the ops outside the units at the region
+    dtype or in fp32, whichever measured faster (within the budget); and fp32 throughout
+    when the plan measured slower than fp32 all the same."""
+    plan.data["rest"] = "fp32"
+    other = check_plan(model, batches, loss_fn, plan, ref, device)
+    if other["plan_ms"] < result["plan_ms"] / TIE and _over(other, budget) is None:
+        result = other
+    else:
+        plan.data["rest"] = plan.dtype
+    if result["plan_ms"] > fp32_ms * TIE:
+        notes.append(f"the whole plan measured {result['plan_ms']:.1f} ms per step against "
+                     f"{fp32_ms:.1f} ms for fp32: every module kept in fp32")
+        for u in plan.units:
+            u["choice"] = "fp32"
+        result = dict(result, plan_ms=fp32_ms, loss_err=0.0, grad_err=0.0, wgrad_err=0.0,
+                      wgrad_worst=None)
+    return result
+
+
+def _null():
+    return contextlib.nullcontext()
+
+
+def _over(result, budget):
+    """Which whole-plan error is over the budget, or None. (One unit's weight-gradient
+    error in the whole plan also carries every later unit's dgrad error: it is reported,
+    and the units' own wgrad errors are held to the budget one by one, in the search.)"""
+    if not (result["loss_err"] <= budget.loss):
+        return f"loss err {result['loss_err']:.1e} > {budget.loss:g}"
+    if not (result["grad_err"] <= budget.grad):
+        return f"grad err {result['grad_err']:.1e} > {budget.grad:g}"
+    return None
+
+
+def _worst(plan, result, why):
+    """The unit below fp32 that contributes most to what is over the budget."""
+    low = [u for u in plan.units if u["choice"] != "fp32"]
+    if not low:
+        return None
+    key = "loss_err" if why.startswith("loss") else "dgrad_err"
+
+    def contribution(u):
+        r = u["options"][u["choice"]]
+        return (r.get(key) or 0.0, r.get("wgrad_err") or 0.0)
+    return max(low, key=contribution)["module"]
+
+
+def _set_choice(plan, name, choice):
+    for u in plan.units:
+        if u["module"] == name:
+            u["choice"] = choice
+
+
+def _measure_recipe(name):
+    import ampc
+    if name not in ("delayed", "current"):
+        raise ValueError(f"ampc.autoprecision.search: fp8_recipe must be 'delayed' or "
+                         f"'current', got {name!r}")
+    return ampc.fp8.Float8CurrentScaling() if name == "current" else ampc.fp8.DelayedScaling()
+
+
+def _where(device):
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+
+
+def _to(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def _broadcast(plan):
+    """Rank 0's plan on every rank (when torch.distributed is initialized)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return plan
+    box = [plan.to_json() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return Plan.from_json(box[0])

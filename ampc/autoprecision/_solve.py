@@ -1,0 +1,140 @@
+"""The budget and the solver: the cheapest choice per unit whose summed error fits.
+
+A multiple-choice knapsack solved greedily: every unit starts at its cheapest candidate
+that fits the budget on its own; while a summed error is over its limit, the move that
+buys the most error per unit of added cost is taken (a unit raised to a candidate with
+less error). Errors of different units are rounding errors independent of each other, so
+they add as a root sum of squares: the sum of their squares is held under the square of
+the budget. Deterministic for given measurements (ties go to the earlier unit).
+"""
+import math
+from dataclasses import asdict, dataclass
+
+ERRORS = ("loss_err", "dgrad_err", "wgrad_err")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much error a plan may add, per training step, against fp32 (relative errors).
+
+    loss:  the per-example loss (each unit's first-order estimate, units combined as a
+           root sum of squares; the whole plan's measured loss error must also stay
+           under it)
+    grad:  the gradient passed back to earlier layers (units' dgrad errors, combined
+           the same way; the whole plan: the error of all weight gradients together)
+    wgrad: any one unit's weight gradient (each unit on its own, and in the whole plan)
+
+    The defaults let a typical network run bf16 throughout (a bf16 GEMM adds about 1e-2
+    to the per-example loss and 3e-3 to its gradients) and refuse what is broken: an
+    output past fp16's range (infinite error), gradients that underflow (error near 1),
+    a norm whose input bf16 cannot resolve (error near 1).
+    """
+    loss: float = 0.05
+    grad: float = 0.25
+    wgrad: float = 0.05
+
+    def __post_init__(self):
+        for k, v in asdict(self).items():
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                    and math.isfinite(v)):
+                raise ValueError(f"ampc.autoprecision.Budget: {k} must be a positive number, "
+                                 f"got {v!r}")
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def _err(r, key):
+    v = r.get(key)
+    return 0.0 if v is None else v
+
+
+def fits_alone(r, budget):
+    """Why a candidate cannot be used for its unit whatever the others do, or None."""
+    if r.get("error"):
+        return r["error"] if r["error"].startswith("too slow") else "does not run here"
+    for key, limit in (("loss_err", budget.loss), ("dgrad_err", budget.grad),
+                       ("wgrad_err", budget.wgrad)):
+        v = _err(r, key)
+        if not math.isfinite(v):
+            return f"{key.split('_')[0]} error not finite"
+        if v > limit:
+            return f"{key.split('_')[0]} err {v:.1e} > {limit:g}"
+    return None
+
+
+def cost_of(r, objective):
+    v = r["bytes"] if objective == "memory" else r["ms"]
+    return math.inf if v is None else v
+
+
+def order(options, objective, tie=0.05):
+    """The candidates of one unit cheapest first; with the time objective, times within
+    ``tie`` of each other count as equal (timing noise) and the one using fewer bytes,
+    then with less error, goes first."""
+    def key(c):
+        r = options[c]
+        return (r["bytes"], _err(r, "loss_err") + _err(r, "dgrad_err") + _err(r, "wgrad_err"))
+    names = sorted(options, key=lambda c: (cost_of(options[c], objective), key(c)))
+    if objective != "time" or not names:
+        return names
+    out = []
+    while names:
+        best = cost_of(options[names[0]], objective)
+        group = [c for c in names if cost_of(options[c], objective) <= best * (1 + tie)]
+        group.sort(key=key)
+        out += group
+        names = [c for c in names if c not in group]
+    return out
+
+
+def solve(measured, budget, objective):
+    """{unit: choice}, and {unit: {candidate: reason}} for the candidates ruled out."""
+    usable, rejected = {}, {}
+    for name, options in measured.items():
+        rejected[name] = {}
+        ok = []
+        for c in order(options, objective):
+            why = fits_alone(options[c], budget)
+            if why is None:
+                ok.append(c)
+            else:
+                rejected[name][c] = why
+        usable[name] = ok or ["fp32"]
+    choice = {n: ok[0] for n, ok in usable.items()}
+
+    def total(key):
+        return sum(_err(measured[n][choice[n]], key) ** 2 for n in choice)
+
+    limits = {"loss_err": budget.loss ** 2, "dgrad_err": budget.grad ** 2}
+    while True:
+        over = {k: total(k) - lim for k, lim in limits.items() if total(k) > lim}
+        if not over:
+            break
+        best = None
+        for n, c in choice.items():
+            now = measured[n][c]
+            for alt in usable[n]:
+                r = measured[n][alt]
+                gain = sum(max(0.0, _err(now, k) ** 2 - _err(r, k) ** 2) / limits[k] for k in over)
+                if gain <= 0:
+                    continue
+                extra = max(cost_of(r, objective) - cost_of(now, objective), 1e-9)
+                score = gain / extra
+                if best is None or score > best[0]:
+                    best = (score, n, alt)
+        if best is None:
+            break
+        choice[best[1]] = best[2]
+    return choice, rejected
+
+
+def raise_one(choice, measured, usable_order, name):
+    """The next candidate of ``name`` with less total error than its current one, or fp32."""
+    now = measured[name][choice[name]]
+    now_err = sum(_err(now, k) for k in ERRORS)
+    for c in usable_order:
+        r = measured[name][c]
+        if c != choice[name] and sum(_err(r, k) for k in ERRORS) < now_err:
+            return c
+    return "fp32"

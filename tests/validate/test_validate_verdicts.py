@@ -1,0 +1,80 @@
+"""ampc.validate's verdicts: a fp32 spread too wide to judge by is said so (a warning and
+the verdict), and the layer table shows every module its suggestions name."""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from ampc import validate
+from ampc.validate._compare import Run
+from ampc.validate._report import MAX_SPREAD, Comparison, LayerReport
+
+
+def run(name, losses, kind="ampc"):
+    r = Run(name, kind, "bf16", 0)
+    r.losses = list(losses)
+    r.grad_norms = [1.0] * len(losses)
+    r.scales = [1.0] * len(losses)
+    r.step_ms = [1.0] * len(losses)
+    return r
+
+
+def comparison(spread_level, setup_level, steps=20):
+    base = run("fp32", [1.0] * steps, "fp32")
+    other = run("fp32 seed 1", [spread_level] * steps, "fp32")
+    setup = run("ampc bf16", [setup_level] * steps)
+    return Comparison(base, [setup], [other], {"seeds": [0, 1]})
+
+
+def test_a_wide_spread_warns_and_judges_nothing():
+    with pytest.warns(UserWarning, match=r"spread is 20.0%, over the 5% within which"):
+        report = comparison(1.2, 1.15)          # 20% spread; a 15% gap would pass it
+    assert report.too_wide and report.rows[0]["within_spread"] is None
+    text = report.table()
+    assert "spread too wide" in text and "too wide to judge a setup by" in text
+    assert not report.ok()                      # held to MAX_SPREAD instead: 15% > 5%
+    assert report.as_dict()["spread_too_wide"] is True
+
+
+def test_a_narrow_spread_judges_as_before():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = comparison(1.01, 1.005)
+    assert not report.too_wide and report.rows[0]["within_spread"] is True
+    assert "yes" in report.table() and "too wide" not in report.table()
+    assert report.ok()
+    assert comparison(1.01, 1.03).rows[0]["within_spread"] is False
+
+
+def test_threshold_is_five_percent():
+    assert MAX_SPREAD == 0.05
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not comparison(1.049, 1.0).too_wide
+    with pytest.warns(UserWarning):
+        assert comparison(1.051, 1.0).too_wide
+
+
+def test_layer_table_shows_every_module_a_suggestion_names():
+    rows = [{"module": f"m{i}", "type": "Linear", "leaf": True, "output_err": 1.0 / (i + 1),
+             "added_err": 1e-3, "grad_err": 1e-3, "underflow": None, "overflow": None}
+            for i in range(20)]
+    line = "ampc.policy.module_scope(model.m17, dtype=torch.float32)"
+    report = LayerReport(rows, [line], {"dtype": "bf16", "loss_scale": 1.0}, ["m17"])
+    text = report.table(top=5)
+    shown = [l.split("|")[0].strip() for l in text.splitlines()[3:]]
+    assert shown[:6] == ["m0", "m1", "m2", "m3", "m4", "m17"]
+    assert "(top 5, and 1 more a suggestion names)" in text and line in text
+    assert "m16" not in shown
+
+
+def test_layers_report_names_only_modules_its_table_shows():
+    from validate.test_validate import cancel_model      # 2.bad loses precision in bf16
+    model = cancel_model()
+    batch = (torch.randn(32, 8), torch.randint(0, 4, (32,)))
+    report = validate.layers(model, batch)
+    assert report.suggested == ["2.bad"]
+    assert report.rows[0]["module"] != "2.bad"     # not the top row: shown because named
+    text = report.table(top=1)
+    assert any(l.lstrip().startswith("2.bad |") for l in text.splitlines())
