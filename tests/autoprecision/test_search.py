@@ -9,7 +9,7 @@ from torch import nn
 import ampc
 from ampc.autoprecision import Budget, Plan, search
 
-from models import ANY, SENSITIVE, Known, target_batches
+from autoprecision_models import ANY, SENSITIVE, Known, target_batches
 
 CANDS = ("fp32", "bf16", "fp16")
 
