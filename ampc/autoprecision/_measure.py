@@ -25,21 +25,9 @@ import time
 import torch
 
 from . import _units
+from ..validate._layers import _first_float as first_float
 
 FP16_MAX = 65504.0
-
-
-def first_float(value):
-    """The first floating tensor in an output (tuples, lists, dicts), or None."""
-    if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() else None
-    items = value.values() if isinstance(value, dict) else value
-    if isinstance(items, (tuple, list)) or isinstance(value, dict):
-        for v in items:
-            t = first_float(v)
-            if t is not None:
-                return t
-    return None
 
 
 def call(model, inputs):

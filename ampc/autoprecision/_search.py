@@ -9,6 +9,7 @@ import torch
 from . import _measure, _units
 from ._plan import Plan, VERSION
 from ._solve import ERRORS, Budget, order, raise_one, solve
+from ..validate._compare import _to
 
 OBJECTIVES = ("time", "memory")
 SLOW = 4.0       # a candidate whose matmul is this many times slower than fp32 is not tried
@@ -383,14 +384,6 @@ def _where(device):
     if device == "cuda":
         return torch.cuda.get_device_name()
     return f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
-
-
-def _to(value, device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    return value
 
 
 def _broadcast(plan):
