@@ -61,7 +61,7 @@ def cuda_versions():
     if _lib.cuda_lib is None:
         return None
     api = _lib.cuda_lib.ampc_cuda_get_api()
-    # the probe is the first entry of the table (csrc/ampc.h, struct ampc_cuda_api)
+    # the probe is the first entry of the table (csrc/api/ampc.h, struct ampc_cuda_api)
     probe_type = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_int),
                                   ctypes.POINTER(ctypes.c_int))
     probe = probe_type(ctypes.cast(api, ctypes.POINTER(ctypes.c_void_p))[0])
