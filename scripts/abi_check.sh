@@ -14,7 +14,8 @@ sum_before=$(sha256sum ampc/*.so)
 for py in .venv/bin/python .venv-torch213/bin/python; do
     echo "== $($py -c 'import torch; print("torch", torch.__version__)')"
     # the source tree on PYTHONPATH: the same built libraries, no install step
-    PYTHONPATH="$PWD" $py -m pytest -q -m smoke -p no:cacheprovider tests
+    # the smoke subset has no framework test, and the torch 2.13 venv has no framework
+    PYTHONPATH="$PWD" $py -m pytest -q -m smoke -p no:cacheprovider --ignore=tests/integrations tests
 done
 [ "$sum_before" = "$(sha256sum ampc/*.so)" ] || { echo "libraries changed during the check"; exit 1; }
 echo "abi check passed: one build, torch 2.14.1 and 2.13.0"
