@@ -25,13 +25,12 @@ import time
 import torch
 
 from . import _units
+from ..validate._compare import _call as call
 from ..validate._layers import _first_float as first_float
 
 FP16_MAX = 65504.0
 
 
-def call(model, inputs):
-    return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
 
 
 def _detach(value):

@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from . import _measure
-from ._plan import RAISE_TO
+from ._plan import RAISE_TO, _recipe
 from ._solve import _err
 
 
@@ -36,7 +36,7 @@ def _agree(ratios):
 class Monitor:
     def __init__(self, applied, loss_fn=None, *, every=100, sample=2, action="raise",
                  patience=1, release=0.5, device=None):
-        from ._search import _default_loss
+        from ..validate._compare import default_loss
         if action not in ("raise", "warn"):
             raise ValueError(f"ampc.autoprecision.Monitor: action must be 'raise' or 'warn', "
                              f"got {action!r}")
@@ -48,7 +48,7 @@ class Monitor:
             raise ValueError(f"ampc.autoprecision.Monitor: release must be in (0, 1), "
                              f"got {release!r}")
         self.applied, self.plan = applied, applied.plan
-        self.loss_fn = loss_fn or _default_loss
+        self.loss_fn = loss_fn or default_loss
         self.every, self.sample, self.action = every, sample, action
         self.patience, self.release = patience, release
         self.device = device or self.plan.device
@@ -135,20 +135,21 @@ class Monitor:
             loss, records, grads = _measure.capture(shadow, batch, self.loss_fn, names)
             scale = _measure.loss_scale_for(records, grads)   # where GradScaler would be now
             out = {}
+            choices = self.plan.choices
+            recipe = (_recipe(self.plan.data.get("fp8_recipe")) if "fp8" in choices.values()
+                      else None)
             for name in names:
                 rec = records.get(name)
                 if rec is None or "out" not in rec:
                     out[name] = {}
                     continue
-                m, c = units[name], self.plan.choices[name]
-                ref_y, ref_dx, ref_dw, _ = _measure.run_unit(m, "fp32", rec, self.device, None, 1.0)
+                m, c = units[name], choices[name]
                 if c == "fp32":
                     out[name] = {"loss_err": 0.0, "dgrad_err": 0.0, "wgrad_err": 0.0}
                     continue
-                from ._plan import _recipe
+                ref_y, ref_dx, ref_dw, _ = _measure.run_unit(m, "fp32", rec, self.device, None, 1.0)
                 s = scale if c == "fp16" else 1.0
-                y, dx, dw, _ = _measure.run_unit(m, c, rec, self.device,
-                                                 _recipe(self.plan.data.get("fp8_recipe")), s)
+                y, dx, dw, _ = _measure.run_unit(m, c, rec, self.device, recipe, s)
                 out[name] = {"loss_err": _measure.loss_error(y, ref_y, rec.get("grad"), loss),
                              "dgrad_err": _measure._rel(dx, ref_dx),
                              "wgrad_err": _measure._rel(dw, ref_dw)}

@@ -7,6 +7,8 @@ import torch
 
 from . import _units
 from ._solve import Budget
+from ..validate._layers import expression
+from ..validate._report import format_table
 
 VERSION = 1
 RAISE_TO = {"fp8": "bf16", "bf16": "fp32", "fp16": "fp32", "fp32": "fp32"}
@@ -18,14 +20,6 @@ def _fmt(v, spec=".1e"):
     if isinstance(v, float) and not math.isfinite(v):
         return "inf"
     return format(v, spec)
-
-
-def _table(header, rows):
-    cells = [list(map(str, header))] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = [" | ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 class Plan:
@@ -114,7 +108,7 @@ class Plan:
                  f"ops outside these modules {self.rest}; "
                  f"budget per step: loss {b['loss']:g}, grad {b['grad']:g}, "
                  f"wgrad {b['wgrad']:g} (relative to fp32)",
-                 _table(header, rows)]
+                 format_table(header, rows)]
         pred = d.get("predicted") or {}
         if pred:
             lines.append(f"predicted (sum over modules, forward + backward): fp32 "
@@ -172,7 +166,7 @@ class Plan:
             c = u["choice"]
             if c == "fp8":
                 fp8.append(u["module"])
-            expr = _units.expression(u["module"])
+            expr = expression(u["module"])
             ops = ""
             if u["kind"] == "norm" and c != "fp32":
                 ops = (", ops={" + ", ".join(f'"{o}": "lower_precision_fp"'
@@ -257,10 +251,6 @@ class Plan:
         return validate.compare(make_model, make_batch, loss_fn, steps,
                                 setups=tuple(setups) + (self,), dtype=dtype, device=self.device,
                                 seeds=seeds, **kwargs)
-
-    def monitor(self, applied, loss_fn=None, **kwargs):
-        from ._monitor import Monitor
-        return Monitor(applied, loss_fn, **kwargs)
 
 
 def _torch_dtype(dtype):

@@ -9,16 +9,11 @@ import torch
 from . import _measure, _units
 from ._plan import Plan, VERSION
 from ._solve import ERRORS, Budget, order, raise_one, solve
-from ..validate._compare import _to
+from ..validate._compare import _to, default_loss
 
 OBJECTIVES = ("time", "memory")
 SLOW = 4.0       # a candidate whose matmul is this many times slower than fp32 is not tried
 TIE = 1.05       # whole-model times within 5% of each other count as equal
-
-
-def _default_loss(output, target):
-    import torch.nn.functional as F
-    return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
 def _matmul_ms(choice, device, n=512, reps=20, seconds=0.2):
@@ -207,7 +202,7 @@ def search(model, batches, loss_fn=None, *, candidates=("fp32", "bf16", "fp16", 
     t_start = time.perf_counter()
     batches, candidates, budget = _check_args(model, batches, candidates, budget, objective)
     recipe = _measure_recipe(fp8_recipe)
-    loss_fn = loss_fn or _default_loss
+    loss_fn = loss_fn or default_loss
     params = list(model.parameters())
     device = device or (params[0].device.type if params else "cpu")
     batches = [tuple(_to(b, device)) for b in batches]

@@ -78,6 +78,3 @@ def param_bytes(module):
     return sum(p.numel() for p in module.parameters())
 
 
-def expression(path):
-    """'blocks.0.attn' -> 'model.blocks[0].attn' (pasteable Python)."""
-    return "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in path.split("."))

@@ -40,10 +40,10 @@ _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 _FP8_STATE = "AmpcPrecision.fp8_state"     # checkpoint key of the FP8 layers' scaling state
 
 
-def _fp8_buffer_names():
-    """The names of the scaling state an ampc.fp8.Linear saves besides weight and bias."""
-    fresh = ampc.fp8.Linear(16, 16, bias=False, device="meta")
-    return [k for k in fresh.state_dict() if k != "weight"]
+def _unwrapped(optimizer):
+    """The optimizer a LightningOptimizer wraps (manual optimization hands the wrapper to
+    clip_gradients, the step the optimizer itself): the scaler keys its state by it."""
+    return getattr(optimizer, "_optimizer", optimizer)
 
 
 def _to_floating(t, dtype):
@@ -143,7 +143,7 @@ class AmpcPrecision(_Config, _Precision):
             return
         weights = checkpoint["state_dict"]
         keys = [f"{name}.{b}" if name else b for name, m in self._module.named_modules()
-                if isinstance(m, ampc.fp8.Linear) for b in _fp8_buffer_names()]
+                if isinstance(m, ampc.fp8.Linear) for b in ampc.fp8.scaling.PERSISTENT]
         checkpoint[_FP8_STATE] = {k: weights.pop(k) for k in keys if k in weights}
 
     def on_load_checkpoint(self, checkpoint):
@@ -168,6 +168,7 @@ class AmpcPrecision(_Config, _Precision):
         return super().pre_backward(tensor, module)
 
     def optimizer_step(self, optimizer, model, closure, **kwargs):
+        optimizer = _unwrapped(optimizer)
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -194,6 +195,7 @@ class AmpcPrecision(_Config, _Precision):
                        gradient_clip_algorithm=GradClipAlgorithmType.NORM):
         if clip_val <= 0 or self.scaler is None:
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+        optimizer = _unwrapped(optimizer)
         if gradient_clip_algorithm == GradClipAlgorithmType.NORM:
             self.scaler.clip_grad_norm_(optimizer, clip_val)
             return

@@ -5,7 +5,7 @@
  * gets one expansion per entry; a macro it leaves undefined expands to nothing, and all
  * are undefined again at the end (so no include guard: it is included many times).
  * Users: ampc.h (CPU prototypes, the slots of struct ampc_cuda_api), cuda/common.cuh
- * (launcher prototypes), cuda/api.cu (the table, filled by slot name), torch/ops.h and
+ * (launcher prototypes), cuda/api.cu (the table, filled by slot name), torch/call.h and
  * torch/register.c (op entry points, boxed kernels, schemas), tests/kernels/test_build.py
  * (the ops torch must have).
  *

@@ -17,6 +17,7 @@ char g_cuda_refusal[512] = "this build of ampc has no CUDA kernels (nvcc was not
 EXPORT void ampc_refuse_cuda(const char *why)
 {
     g_cuda = NULL;
+    g_cuda_emulation = 0;
     snprintf(g_cuda_refusal, sizeof(g_cuda_refusal), "%s", why);
 }
 
@@ -46,6 +47,7 @@ EXPORT int ampc_set_cuda_api(const struct ampc_cuda_api *api)
                  "version %d", runtime / 1000, runtime % 1000 / 10, runtime / 1000,
                  driver / 1000, driver % 1000 / 10, driver / 1000);
         g_cuda = NULL;
+        g_cuda_emulation = 0;
         return 1;
     }
     g_cuda = api;

@@ -26,8 +26,9 @@ def test_fsdp2_two_ranks_with_ampc_precision(tmp_path):
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc_per_node", "2", os.path.join(HERE, "lightning_fsdp2_worker.py"),
                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and all((tmp_path / f"rank{r}.pt").exists() for r in (0, 1)), \
+        out.stdout[-3000:] + out.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
-    assert all(r is not None for r in ranks), out.stdout[-3000:] + out.stderr[-3000:]
     for r in ranks:
         assert torch.isinf(r["losses"][worker.INF_BATCH])
         assert r["skipped"] == 1 and r["scale"] == worker.SCALE / 2

@@ -136,13 +136,24 @@ def assert_bits(got, want, what):
                              f"{int(g.flatten()[i]):#x}, CPU {int(w.flatten()[i]):#x}")
 
 
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for v in x for t in _tensors(v)] if isinstance(x, (list, tuple)) else []
+
+
 def both_ways(call, inputs, what):
     """call(*inputs) on the CPU path and on the emulated CUDA kernels, each on its own copy
     of the inputs; every tensor must end bit-identical. Returns the emulated copy."""
     cpu, emu = copy(inputs), copy(inputs)
     call(*cpu)
+    launches = _emu.ampc_emu_launch_count()
     with emulated():
         call(*emu)
+    # a call that touches any element must have gone through the emulated kernels, or this
+    # would compare the CPU path with itself
+    if any(t.numel() for t in _tensors(inputs)):
+        assert _emu.ampc_emu_launch_count() > launches, f"{what}: no emulated launch ran"
     for k, (a, b) in enumerate(zip(emu, cpu)):
         for i, (x, y) in enumerate(zip(a, b) if isinstance(a, list) else [(a, b)]):
             assert_bits(x, y, f"{what}: argument {k} tensor {i}")
@@ -201,10 +212,6 @@ def test_cast_seed_tensor_is_read_on_the_device():
 
 
 # ---- unscale_check, check_norm ----
-
-def unscale_op(d, s, found_inf, inv_scale):
-    torch.ops.ampc.unscale_check(s, found_inf, inv_scale)
-
 
 @pytest.mark.parametrize("plant", [None, "first", "last"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=name)

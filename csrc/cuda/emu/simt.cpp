@@ -511,7 +511,6 @@ const char *cudaGetErrorName(cudaError_t err)
     switch (err) {
     case cudaSuccess: return "cudaSuccess";
     case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
-    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     }
@@ -523,7 +522,6 @@ const char *cudaGetErrorString(cudaError_t err)
     switch (err) {
     case cudaSuccess: return "no error";
     case cudaErrorInvalidValue: return "invalid argument";
-    case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
     }
@@ -567,18 +565,6 @@ cudaError_t cudaMemsetAsync(void *ptr, int value, size_t bytes, cudaStream_t str
     if (!ptr && bytes)
         return set_error(cudaErrorInvalidValue);
     memset(ptr, value, bytes);
-    return cudaSuccess;
-}
-
-cudaError_t cudaMalloc(void **ptr, size_t bytes)
-{
-    *ptr = malloc(bytes ? bytes : 1);
-    return *ptr ? cudaSuccess : set_error(cudaErrorMemoryAllocation);
-}
-
-cudaError_t cudaFree(void *ptr)
-{
-    free(ptr);
     return cudaSuccess;
 }
 

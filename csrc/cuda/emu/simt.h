@@ -71,7 +71,6 @@ struct alignas(16) uint4 {
 enum cudaError {
     cudaSuccess = 0,
     cudaErrorInvalidValue = 1,
-    cudaErrorMemoryAllocation = 2,
     cudaErrorInvalidConfiguration = 9,
     cudaErrorInvalidDevice = 101,
 };
@@ -95,8 +94,6 @@ cudaError_t cudaRuntimeGetVersion(int *version);
 cudaError_t cudaGetDevice(int *device);
 cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, int device);
 cudaError_t cudaMemsetAsync(void *ptr, int value, size_t bytes, cudaStream_t stream);
-cudaError_t cudaMalloc(void **ptr, size_t bytes);
-cudaError_t cudaFree(void *ptr);
 
 // ---- the execution model (simt.cpp) ----
 
