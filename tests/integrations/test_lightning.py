@@ -146,6 +146,32 @@ def test_fp16_clipping_folded_where_lightning_refuses():
     assert not torch.equal(ours, unclipped)       # the clip did something
 
 
+class ManualModel(Model):
+    """Manual optimization: the step hands clip_gradients Lightning's optimizer wrapper."""
+
+    def __init__(self):
+        super().__init__("ampc")
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        opt.step()
+
+
+def test_fp16_clipping_under_manual_optimization_as_by_hand():
+    # the scaler sees one optimizer, not the wrapper in clip_gradients and the optimizer in
+    # the step (that unscaled twice and lost the clip)
+    ours, trainer = _fit(ManualModel(), plugins=[AmpcPrecision("16-mixed", "cpu")])
+    ref, net = _by_hand(torch.float16, clip=0.05, scaler=ampc.GradScaler("cpu"))
+    assert torch.equal(ours, ref), (ours, ref)
+    for a, b in zip(trainer.lightning_module.net.parameters(), net.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_clip_by_value_unscales_first():
     ours, _ = _fit(Model("ampc"), plugins=[AmpcPrecision("16-mixed", "cpu")],
                    gradient_clip_val=0.01, gradient_clip_algorithm="value")
