@@ -20,77 +20,21 @@ included. Every unit is measured on its own copy: the model is not changed.
 import contextlib
 import copy
 import math
-import time
 
-import torch
-
+import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 from . import _units
-from ..validate._compare import _call as call
-from ..validate._layers import _first_float as first_float
-
-FP16_MAX = 65504.0
-
-
+from .._numerics.capture import Call, capture
+from .._numerics.errors import FP16_MAX, fp16_range, loss_error, rel_error
+from .._numerics.model import float_tensors
+from .._numerics.unit import run_unit
 
 
-def _detach(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detach(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _detach(v) for k, v in value.items()}
-    return value
-
-
-def capture(model, batch, loss_fn, names):
-    """One fp32 forward and backward of ``model``; returns (loss, {name: record}) with each
-    unit's first call's args, kwargs, output and output gradient, and every parameter's
-    gradient (the model's own .grad is left as it was)."""
-    units = dict(model.named_modules())
-    records = {}
-    handles = []
-    for name in names:
-        def pre(mod, args, kwargs, name=name):
-            if name not in records:
-                records[name] = {"args": _detach(args), "kwargs": _detach(kwargs)}
-
-        def post(mod, args, out, name=name):
-            rec = records[name]
-            if "out" in rec:
-                return
-            t = first_float(out)
-            rec["out"] = None if t is None else t.detach().clone()
-            if t is not None and t.requires_grad:
-                t.register_hook(lambda g: rec.__setitem__("grad", g.detach().clone()))
-
-        handles.append(units[name].register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(units[name].register_forward_hook(post))
-    saved = [p.grad for p in model.parameters()]
-    try:
-        inputs, target = batch
-        torch.manual_seed(0)
-        loss = loss_fn(call(model, inputs), target)
-        params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:
-            p.grad = None
-        loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                 if p.grad is not None}
-    finally:
-        for h in handles:
-            h.remove()
-        for p, g in zip(model.parameters(), saved):
-            p.grad = g
-    return loss.detach().float().item(), records, grads
-
-
-def loss_scale_for(records, grads):
+def loss_scale_for(step):
     """The loss scale GradScaler settles near: the largest power of two at which the
-    largest gradient seen (unit output gradients and parameter gradients) stays under
-    half of fp16's largest value; between 1 and 2**24."""
+    largest gradient of a captured step (unit output gradients and parameter gradients)
+    stays under half of fp16's largest value; between 1 and 2**24."""
     top = 0.0
-    for t in [r["grad"] for r in records.values() if r.get("grad") is not None] + list(grads.values()):
+    for t in [c.grad for c in step.calls.values() if c.grad is not None] + list(step.grads.values()):
         if t.numel():
             top = max(top, float(t.detach().abs().max()))
     if top == 0.0 or not math.isfinite(top):
@@ -104,7 +48,6 @@ def at(module, choice, device, recipe):
     if choice == "fp32":
         yield
         return
-    import ampc
     dtype, ops = _units.scope_args(module, choice)
     with contextlib.ExitStack() as stack:
         stack.enter_context(ampc.autocast(device, dtype=dtype))
@@ -114,105 +57,25 @@ def at(module, choice, device, recipe):
         yield
 
 
-def _float_leaves(value, out):
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point():
-            out.append(value)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            _float_leaves(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _float_leaves(v, out)
-    return out
+def run_at(module, choice, call: Call, device, recipe, scale):
+    """(output, input grads, weight grads, seconds) of ``module`` run alone on ``call`` at
+    ``choice`` (see ampc._numerics.unit.run_unit)."""
+    return run_unit(module, call, lambda: at(module, choice, device, recipe), device, scale)
 
 
-def run_unit(module, choice, rec, device, recipe, scale):
-    """Runs ``module`` alone on a recorded call at ``choice``; returns (output, input
-    grads, weight grads, seconds). Gradients are unscaled."""
-    args, kwargs = _detach(rec["args"]), _detach(rec["kwargs"])
-    inputs = _float_leaves((args, kwargs), [])
-    for t in inputs:
-        t.requires_grad_(True)
-    params = [p for p in module.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = None
-    if any(isinstance(m, torch.nn.Dropout) or getattr(m, "dropout", 0) for m in module.modules()):
-        torch.manual_seed(0)       # the same dropout draws at every precision
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    # timed: the forward (its casts included) and the backward, not entering the region
-    with at(module, choice, device, recipe):
-        sync()
-        t0 = time.perf_counter()
-        out = first_float(module(*args, **kwargs))
-        seconds = time.perf_counter() - t0
-    grad = None if out is None or rec.get("grad") is None else rec["grad"] * scale
-    if out is not None and out.requires_grad and grad is not None:
-        sync()
-        t0 = time.perf_counter()
-        out.backward(grad)
-        sync()
-        seconds += time.perf_counter() - t0
-    y = None if out is None else out.detach().float()
-    dx = [None if t.grad is None else t.grad.float() / scale for t in inputs]
-    dw = [None if p.grad is None else p.grad.float() / scale for p in params]
-    for p in params:
-        p.grad = None
-    return y, dx, dw, seconds
-
-
-def _rel(a, b):
-    """||a - b|| / ||b|| over paired lists (None entries skipped); None when nothing to
-    compare; inf when ``a`` is not finite."""
-    num = den = 0.0
-    seen = False
-    for x, y in zip(a, b):
-        if x is None or y is None:
-            continue
-        seen = True
-        if not torch.isfinite(x).all():
-            return math.inf
-        num += float(torch.linalg.vector_norm((x - y).double())) ** 2
-        den += float(torch.linalg.vector_norm(y.double())) ** 2
-    if not seen:
-        return None
-    return math.sqrt(num) / math.sqrt(den) if den > 0 else math.sqrt(num)
-
-
-def loss_error(y, ref, grad, loss):
-    """Per example |<dL/dy, y - ref>|, summed over examples (dim 0), over |loss|."""
-    if y is None or grad is None:
-        return None
-    if not torch.isfinite(y).all():
-        return math.inf
-    d = (grad.double() * (y.double() - ref.double()))
-    per_example = d.reshape(d.shape[0], -1).sum(1) if d.dim() else d.reshape(1)
-    return float(per_example.abs().sum()) / max(abs(loss), 1e-12)
-
-
-def fp16_range(rec, ref_dw, scale):
+def unit_fp16_range(call: Call, ref_dw, scale):
     """(underflow, overflow) fractions, in fp16 at ``scale``, of the unit's output
     gradient and weight gradients (underflow), and of those and its activations
     (overflow)."""
-    grads = [t for t in [rec.get("grad")] + [g for g in ref_dw if g is not None] if t is not None]
-    total = under = over = 0
-    for g in grads:
-        s = (g.double() * scale).to(torch.float16)
-        total += g.numel()
-        under += int(((s == 0) & (g != 0)).sum())
-        over += int((torch.isinf(s) & torch.isfinite(g)).sum())
-    out = rec.get("out")
-    if out is not None:
-        total += out.numel()
-        over += int((out.abs() > FP16_MAX).sum())
-    return (under / total, over / total) if total else (None, None)
+    grads = [t for t in [call.grad] + list(ref_dw) if t is not None]
+    return fp16_range(grads, scale, [] if call.out is None else [call.out])
 
 
 def unit_bytes(rec, module, choice):
     """Bytes of the unit's input and output activations plus its weights at ``choice``:
     what lower precision saves in memory (the memory objective)."""
-    n = sum(t.numel() for t in _float_leaves((rec["args"], rec["kwargs"]), []))
-    n += 0 if rec.get("out") is None else rec["out"].numel()
+    n = sum(t.numel() for t in float_tensors((rec.args, rec.kwargs)))
+    n += 0 if rec.out is None else rec.out.numel()
     n += _units.param_bytes(module)
     return n * _units.BYTES[choice]
 
@@ -228,6 +91,7 @@ class Tally:
         self.times = []
         self.bytes = 0
         self.error = None      # why the candidate could not run
+        self.too_slow = None   # why the candidate is not worth its time here
 
     def add(self, **values):
         self.n += 1
@@ -242,7 +106,68 @@ class Tally:
         out["bytes"] = self.bytes
         if self.error:
             out["error"] = self.error
+        if self.too_slow:
+            out["too_slow"] = self.too_slow
         return out
+
+
+def _copies(units, options):
+    """{name: {candidate: a copy of the unit to run at it}} (fp8: an ampc.fp8.Linear)."""
+    copies = {}
+    for name, module in units.items():
+        copies[name] = {}
+        for c in options[name]:
+            m = copy.deepcopy(module)
+            if c == "fp8":
+                ampc.fp8.convert(m)
+            copies[name][c] = m
+    return copies
+
+
+def _warm_up(copies, tallies, rec, device, recipe, scale, slow):
+    """A first call of each candidate (fp8's amax history starts there), noting those that
+    fail and, with ``slow``, those whose first call takes ``slow`` times fp32's second."""
+    warm = {}
+    for c, m in copies.items():
+        try:
+            warm[c] = run_at(m, c, rec, device, recipe, scale if c == "fp16" else 1.0)[3]
+        except RuntimeError as e:
+            tallies[c].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    base = run_at(copies["fp32"], "fp32", rec, device, recipe, 1.0)[3]
+    for c, t in warm.items():
+        if slow and c != "fp32" and t > slow * max(base, 1e-4):
+            tallies[c].too_slow = f"too slow here: {t / base:.0f}x fp32's time"
+
+
+def _fastest(m, c, rec, device, recipe, scale, repeats):
+    """run_at's result, its time the fastest of ``repeats`` runs."""
+    y, dx, dw, t = run_at(m, c, rec, device, recipe, scale)
+    for _ in range(repeats - 1):
+        t = min(t, run_at(m, c, rec, device, recipe, scale)[3])
+    return y, dx, dw, t
+
+
+def _measure_unit(copies, tallies, rec, step, device, recipe, scale, repeats, first):
+    """Adds one batch's errors and times of every candidate of one unit to its tallies."""
+    ref_y, ref_dx, ref_dw, t32 = _fastest(copies["fp32"], "fp32", rec, device, recipe, 1.0, repeats)
+    tallies["fp32"].add(out_err=0.0, loss_err=0.0,
+                        dgrad_err=0.0 if any(g is not None for g in ref_dx) else None,
+                        wgrad_err=0.0 if ref_dw else None)
+    tallies["fp32"].times.append(t32)
+    for c, m in copies.items():
+        tally = tallies[c]
+        if first:
+            tally.bytes = unit_bytes(rec, m, c)
+        if c == "fp32" or tally.error or tally.too_slow:
+            continue
+        s = scale if c == "fp16" else 1.0
+        y, dx, dw, t = _fastest(m, c, rec, device, recipe, s, repeats)
+        under, over = unit_fp16_range(rec, ref_dw, scale) if c == "fp16" else (None, None)
+        tally.add(out_err=rel_error([y], [ref_y]),
+                  loss_err=loss_error(y, ref_y, rec.grad, step.loss),
+                  dgrad_err=rel_error(dx, ref_dx), wgrad_err=rel_error(dw, ref_dw),
+                  underflow=under, overflow=over)
+        tally.times.append(t)
 
 
 def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, slow=None):
@@ -251,64 +176,20 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, 
     ``repeats`` times per batch and the fastest kept (a busy machine only adds time). With
     ``slow``, a candidate whose first call takes ``slow`` times fp32's is not measured
     further for that unit (fp16 GEMMs on most CPUs)."""
-    copies = {}
-    for name, module in units.items():
-        copies[name] = {}
-        for c in options[name]:
-            m = copy.deepcopy(module)
-            if c == "fp8":
-                import ampc
-                ampc.fp8.convert(m)
-            copies[name][c] = m
+    copies = _copies(units, options)
     tallies = {n: {c: Tally() for c in options[n]} for n in units}
     ref_model = copy.deepcopy(model)
     scale = None
     for k, batch in enumerate(batches):
-        loss, records, grads = capture(ref_model, batch, loss_fn, list(units))
+        step = capture(ref_model, batch, loss_fn, list(units))
         if scale is None:
-            scale = loss_scale_for(records, grads)
+            scale = loss_scale_for(step)
         for name in units:
-            rec = records.get(name)
-            if rec is None or "out" not in rec:
+            rec = step.calls.get(name)
+            if rec is None or not rec.returned:
                 continue               # not called on this batch
-            first = k == 0
-            if first:                  # a first call of each: warm-up (and fp8 history)
-                warm = {}
-                for c, m in copies[name].items():
-                    try:
-                        warm[c] = run_unit(m, c, rec, device, recipe,
-                                           scale if c == "fp16" else 1.0)[3]
-                    except RuntimeError as e:
-                        tallies[name][c].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-                # a second fp32 call: the first one pays for one-time set-up
-                base = run_unit(copies[name]["fp32"], "fp32", rec, device, recipe, 1.0)[3]
-                for c, t in warm.items():
-                    if slow and c != "fp32" and t > slow * max(base, 1e-4):
-                        tallies[name][c].error = f"too slow here: {t / base:.0f}x fp32's time"
-            ref_y, ref_dx, ref_dw, t32 = run_unit(copies[name]["fp32"], "fp32", rec, device,
-                                                  recipe, 1.0)
-            for _ in range(repeats - 1):
-                t32 = min(t32, run_unit(copies[name]["fp32"], "fp32", rec, device, recipe, 1.0)[3])
-            tallies[name]["fp32"].add(out_err=0.0, loss_err=0.0,
-                                      dgrad_err=0.0 if any(g is not None for g in ref_dx) else None,
-                                      wgrad_err=0.0 if ref_dw else None)
-            tallies[name]["fp32"].times.append(t32)
-            for c, m in copies[name].items():
-                tally = tallies[name][c]
-                if first:
-                    tally.bytes = unit_bytes(rec, m, c)
-                if c == "fp32" or tally.error:
-                    continue
-                s = scale if c == "fp16" else 1.0
-                y, dx, dw, t = run_unit(m, c, rec, device, recipe, s)
-                for _ in range(repeats - 1):
-                    t = min(t, run_unit(m, c, rec, device, recipe, s)[3])
-                under = over = None
-                if c == "fp16":
-                    under, over = fp16_range(rec, ref_dw, scale)
-                tally.add(out_err=_rel([y], [ref_y]),
-                          loss_err=loss_error(y, ref_y, rec.get("grad"), loss),
-                          dgrad_err=_rel(dx, ref_dx), wgrad_err=_rel(dw, ref_dw),
-                          underflow=under, overflow=over)
-                tally.times.append(t)
+            if k == 0:
+                _warm_up(copies[name], tallies[name], rec, device, recipe, scale, slow)
+            _measure_unit(copies[name], tallies[name], rec, step, device, recipe, scale, repeats,
+                          first=k == 0)
     return {n: {c: t.result() for c, t in tallies[n].items()} for n in units}, scale or 65536.0

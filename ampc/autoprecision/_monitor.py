@@ -11,21 +11,31 @@ warning is given, as ``action`` says. It counts as back inside only once its err
 under ``release`` times its allowance (hysteresis: no flapping at the edge). Steps in
 between only count: no device work, no host sync.
 """
+from __future__ import annotations
+
 import copy
 import math
 import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
-from . import _measure
-from ._plan import RAISE_TO, _recipe
+from . import _measure, _units
 from ._solve import _err
+from ._units import Reason
+from .._numerics.capture import capture
+from .._numerics.errors import loss_error, rel_error
+from .._numerics.model import default_loss
+
+if TYPE_CHECKING:
+    from ._plan import Applied
 
 
 def _agree(ratios):
     """Under torch.distributed, each module's largest ratio over the ranks: every rank
     then takes the same decisions (each measured its own batch)."""
-    import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return ratios
     t = torch.tensor([min(r, 1e30) for r in ratios.values()], dtype=torch.float64)
@@ -34,9 +44,11 @@ def _agree(ratios):
 
 
 class Monitor:
-    def __init__(self, applied, loss_fn=None, *, every=100, sample=2, action="raise",
-                 patience=1, release=0.5, device=None):
-        from ..validate._compare import default_loss
+    """Re-measures the modules of an applied plan during training (see the module's doc)."""
+
+    def __init__(self, applied: Applied, loss_fn: Callable | None = None, *, every: int = 100,
+                 sample: int = 2, action: str = "raise", patience: int = 1, release: float = 0.5,
+                 device: str | None = None) -> None:
         if action not in ("raise", "warn"):
             raise ValueError(f"ampc.autoprecision.Monitor: action must be 'raise' or 'warn', "
                              f"got {action!r}")
@@ -59,17 +71,17 @@ class Monitor:
         self.history = []       # {"step", "module", "choice", "errors", "ratio"}
         self.decisions = []     # {"step", "module", "from", "to", "ratio", "action"}
 
-    def allowance(self, name):
+    def allowance(self, name: str) -> dict[str, float]:
         """{error: limit} for one module: the budget less the other modules' errors."""
         b = self.plan.budget
-        others = [u for u in self.plan.units if u["module"] != name]
+        others = [u for u in self.plan if u.module != name]
         out = {"wgrad_err": b.wgrad}
         for key, limit in (("loss_err", b.loss), ("dgrad_err", b.grad)):
-            used = sum(_err(u["options"].get(u["choice"], {}), key) ** 2 for u in others)
+            used = sum(_err(u.figures(), key) ** 2 for u in others)
             out[key] = max(limit ** 2 - used, 0.0) ** 0.5
         return out
 
-    def step(self, batch):
+    def step(self, batch: tuple) -> list[dict[str, Any]]:
         """Call once per training step; on every ``every``-th step it checks the next
         sampled modules on ``batch`` and returns the decisions taken (else [])."""
         self.steps += 1
@@ -77,8 +89,9 @@ class Monitor:
             return []
         return self.check(batch)
 
-    def check(self, batch):
-        names = [u["module"] for u in self.plan.units]
+    def check(self, batch: tuple) -> list[dict[str, Any]]:
+        """Checks the next sampled modules on ``batch`` now; returns the decisions taken."""
+        names = [u.module for u in self.plan]
         if not names:
             return []
         picked = [names[(self.cursor + i) % len(names)] for i in range(min(self.sample, len(names)))]
@@ -93,7 +106,7 @@ class Monitor:
         ratios = _agree(ratios)
         taken = []
         for name in picked:
-            choice = self.plan.choices[name]
+            choice = self.plan.choice(name)
             e, ratio = errors[name], ratios[name]
             self.history.append({"step": self.steps, "module": name, "choice": choice,
                                  "errors": e, "ratio": ratio})
@@ -114,11 +127,11 @@ class Monitor:
         return taken
 
     def _act(self, name, choice, ratio):
-        new = RAISE_TO[choice] if self.action == "raise" else choice
+        new = _units.RAISE_TO[choice] if self.action == "raise" else choice
         d = {"step": self.steps, "module": name, "from": choice, "to": new,
              "ratio": ratio, "action": self.action}
         if self.action == "raise":
-            self.applied.set(name, new)
+            self.applied.set(name, new, Reason.MONITOR)
             self.out.discard(name)          # judged afresh at its new precision
             self.over[name] = 0
         else:
@@ -126,45 +139,44 @@ class Monitor:
                           f"({choice}) is at {ratio:.1f}x its error allowance", stacklevel=3)
         return d
 
-    def measure(self, batch, names):
+    def measure(self, batch: tuple, names: list[str]) -> dict[str, dict[str, float | None]]:
         """{name: errors at its planned precision} on ``batch``, against an fp32 shadow."""
         shadow = copy.deepcopy(self.applied.model)
         units = dict(shadow.named_modules())
         batch = tuple(batch)
+        plan = self.plan
+        recipe = _units.fp8_recipe(plan.data.get("fp8_recipe")) if "fp8" in plan.choices.values() else None
         with torch.random.fork_rng(devices=[]):
-            loss, records, grads = _measure.capture(shadow, batch, self.loss_fn, names)
-            scale = _measure.loss_scale_for(records, grads)   # where GradScaler would be now
+            step = capture(shadow, batch, self.loss_fn, names)
+            scale = _measure.loss_scale_for(step)      # where GradScaler would be now
             out = {}
-            choices = self.plan.choices
-            recipe = (_recipe(self.plan.data.get("fp8_recipe")) if "fp8" in choices.values()
-                      else None)
             for name in names:
-                rec = records.get(name)
-                if rec is None or "out" not in rec:
+                rec = step.calls.get(name)
+                if rec is None or not rec.returned:
                     out[name] = {}
                     continue
-                m, c = units[name], choices[name]
+                m, c = units[name], plan.choice(name)
                 if c == "fp32":
                     out[name] = {"loss_err": 0.0, "dgrad_err": 0.0, "wgrad_err": 0.0}
                     continue
-                ref_y, ref_dx, ref_dw, _ = _measure.run_unit(m, "fp32", rec, self.device, None, 1.0)
+                ref_y, ref_dx, ref_dw, _ = _measure.run_at(m, "fp32", rec, self.device, None, 1.0)
                 s = scale if c == "fp16" else 1.0
-                y, dx, dw, _ = _measure.run_unit(m, c, rec, self.device, recipe, s)
-                out[name] = {"loss_err": _measure.loss_error(y, ref_y, rec.get("grad"), loss),
-                             "dgrad_err": _measure._rel(dx, ref_dx),
-                             "wgrad_err": _measure._rel(dw, ref_dw)}
+                y, dx, dw, _ = _measure.run_at(m, c, rec, self.device, recipe, s)
+                out[name] = {"loss_err": loss_error(y, ref_y, rec.grad, step.loss),
+                             "dgrad_err": rel_error(dx, ref_dx),
+                             "wgrad_err": rel_error(dw, ref_dw)}
         return out
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "cursor": self.cursor, "over": dict(self.over),
                 "out": sorted(self.out), "history": list(self.history),
                 "decisions": list(self.decisions), "choices": self.plan.choices}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores the record and re-applies the choices it had taken."""
         self.steps, self.cursor = state["steps"], state["cursor"]
         self.over, self.out = dict(state["over"]), set(state["out"])
         self.history, self.decisions = list(state["history"]), list(state["decisions"])
         for name, choice in state["choices"].items():
-            if self.plan.choices.get(name) != choice:
-                self.applied.set(name, choice)
+            if name in self.plan and self.plan.choice(name) != choice:
+                self.applied.set(name, choice, Reason.MONITOR)

@@ -1,17 +1,62 @@
-"""Plan: what search() chose, why, and what it measured; applies itself to a model."""
+"""Plan: what search() chose, why, and what it measured; applies itself to a model.
+
+A plan is a record per unit (:class:`Unit`, frozen) kept by name, and the plan-wide
+figures. A unit's choice changes through one method, :meth:`Plan.set_choice`, which
+also keeps the counts of choices that the region dtype is read from: every lookup and
+change is O(1), so applying a plan of n units costs O(n).
+"""
+from __future__ import annotations
+
 import contextlib
 import json
 import math
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 from . import _units
+from ._monitor import Monitor
 from ._solve import Budget
-from ..validate._layers import expression
-from ..validate._report import format_table
+from ._units import Reason
+from .._numerics.model import expression
+from ..validate import compare, format_table
+
+if TYPE_CHECKING:
+    from ..validate import Comparison
 
 VERSION = 1
-RAISE_TO = {"fp8": "bf16", "bf16": "fp32", "fp16": "fp32", "fp32": "fp32"}
+RAISE_TO = _units.RAISE_TO
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One module of a plan: what it is, what it runs at and why, and what was measured
+    (``options``: {candidate: figures}; ``rejected``: {candidate: why not})."""
+    module: str
+    type: str
+    kind: str
+    choice: str
+    options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    rejected: Mapping[str, str] = field(default_factory=dict)
+    reason: Reason = Reason.SOLVED
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Unit:
+        return cls(d["module"], d["type"], d.get("kind", "other"), d["choice"],
+                   d.get("options", {}), d.get("rejected", {}), Reason(d.get("reason", "solved")))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"module": self.module, "type": self.type, "kind": self.kind,
+                "choice": self.choice, "options": self.options, "rejected": self.rejected,
+                "reason": self.reason.value}
+
+    def figures(self, choice: str | None = None) -> Mapping[str, Any]:
+        """What was measured at ``choice`` (default: its own), {} when not measured."""
+        return self.options.get(choice or self.choice, {})
 
 
 def _fmt(v, spec=".1e"):
@@ -29,77 +74,118 @@ class Plan:
     is the autocast region's dtype (the ops outside every unit run at it). Print it
     (``table()``), save and load it (``save``, ``Plan.load``, ``as_dict``), paste it
     (``python()``), apply it (``apply(model)``), train under it (``autocast()``,
-    ``scaler()``), check it over a training run (``verify``).
+    ``scaler()``), check it over a training run (``verify``). ``plan.units`` lists the
+    :class:`Unit` records, ``plan.unit(name)`` finds one; ``plan.data`` holds the
+    plan-wide fields (device, budget, notes, backoffs, measured figures).
     """
 
-    def __init__(self, data):
-        if not isinstance(data, dict) or data.get("version") != VERSION:
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        if not isinstance(data, Mapping) or data.get("version") != VERSION:
             raise ValueError(f"ampc.autoprecision.Plan: not a plan of version {VERSION}")
-        self.data = data
+        self.data = {k: v for k, v in data.items() if k != "units"}
+        self._units = {}
+        self._counts = Counter()
+        for d in data.get("units", []):
+            u = d if isinstance(d, Unit) else Unit.from_dict(d)
+            self._units[u.module] = u
+            self._counts[u.choice] += 1
 
     # ---- what it says ----
 
     @property
-    def units(self):
-        return self.data["units"]
+    def units(self) -> list[Unit]:
+        return list(self._units.values())
+
+    def __len__(self) -> int:
+        return len(self._units)
+
+    def __iter__(self) -> Iterator[Unit]:
+        return iter(self._units.values())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._units
+
+    def unit(self, name: str) -> Unit:
+        """The record of module ``name`` (KeyError when the plan has none)."""
+        return self._units[name]
+
+    def choice(self, name: str) -> str:
+        return self._units[name].choice
+
+    def set_choice(self, name: str, choice: str, reason: Reason = Reason.SET) -> Unit:
+        """The one way a unit's choice changes; returns its new record."""
+        if choice not in _units.CANDIDATES:
+            raise ValueError(f"ampc.autoprecision.Plan: choice must be one of "
+                             f"{', '.join(_units.CANDIDATES)}, got {choice!r}")
+        old = self._units[name]
+        new = replace(old, choice=choice, reason=Reason(reason))
+        self._units[name] = new
+        self._counts[old.choice] -= 1
+        self._counts[choice] += 1
+        return new
+
+    def set_choices(self, choices: Mapping[str, str], reason: Reason) -> None:
+        """set_choice for each (name, choice) of ``choices``."""
+        for name, c in choices.items():
+            self.set_choice(name, c, reason)
 
     @property
-    def choices(self):
-        return {u["module"]: u["choice"] for u in self.units}
+    def choices(self) -> dict[str, str]:
+        return {n: u.choice for n, u in self._units.items()}
 
     @property
-    def device(self):
+    def device(self) -> str:
         return self.data["device"]
 
-    @property
-    def dtype(self):
-        """The region dtype: bf16 when any unit runs bf16 or fp8, else fp16 when any runs
-        fp16, else fp32 (no autocast region at all)."""
-        chosen = set(self.choices.values())
-        if chosen & {"bf16", "fp8"}:
-            return "bf16"
-        return "fp16" if "fp16" in chosen else "fp32"
+    def _uses(self, choice):
+        return self._counts[choice] > 0
 
     @property
-    def rest(self):
+    def dtype(self) -> str:
+        """The region dtype: bf16 when any unit runs bf16 or fp8, else fp16 when any runs
+        fp16, else fp32 (no autocast region at all)."""
+        if self._uses("bf16") or self._uses("fp8"):
+            return "bf16"
+        return "fp16" if self._uses("fp16") else "fp32"
+
+    @property
+    def rest(self) -> str:
         """The precision of the ops outside every unit: the region dtype, or fp32 (a
         policy scope around the model) where that measured faster."""
         return "fp32" if self.data.get("rest") == "fp32" or self.dtype == "fp32" else self.dtype
 
     @property
-    def budget(self):
+    def budget(self) -> Budget:
         return Budget(**self.data["budget"])
 
-    def needs_scaler(self):
+    def needs_scaler(self) -> bool:
         """An fp16 choice needs loss scaling (GradScaler)."""
-        return "fp16" in self.choices.values()
+        return self._uses("fp16")
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, Plan) and self.choices == other.choices and \
             self.dtype == other.dtype
 
-    def __repr__(self):
-        counts = {}
-        for c in self.choices.values():
-            counts[c] = counts.get(c, 0) + 1
-        return (f"Plan({len(self.units)} modules: "
+    def __repr__(self) -> str:
+        counts = {c: n for c, n in self._counts.items() if n}
+        return (f"Plan({len(self._units)} modules: "
                 + ", ".join(f"{n} {c}" for c, n in sorted(counts.items())) + ")")
 
     # ---- the table ----
 
-    def table(self):
+    def table(self) -> str:
         cands = self.data["candidates"]
         header = (["module", "type", "choice", "loss err", "dgrad err", "wgrad err"]
                   + [f"ms {c}" for c in cands] + ["why not lower"])
         rows = []
-        for u in self.units:
-            r = u["options"].get(u["choice"], {})
-            times = [_fmt(u["options"][c].get("ms"), ".2f") if c in u["options"] else "n/a"
+        for u in self:
+            r = u.figures()
+            times = [_fmt(u.options[c].get("ms"), ".2f") if c in u.options else "n/a"
                      for c in cands]
-            why = "; ".join(f"{c}: {w}" for c, w in u.get("rejected", {}).items())
-            if not why and u["choice"] == "fp32" and len(u["options"]) > 1:
+            why = "; ".join(f"{c}: {w}" for c, w in u.rejected.items())
+            if not why and u.choice == "fp32" and len(u.options) > 1:
                 why = "fp32: the cheapest within the summed budget"
-            rows.append([u["module"], u["type"], u["choice"], _fmt(r.get("loss_err")),
+            rows.append([u.module, u.type, u.choice, _fmt(r.get("loss_err")),
                          _fmt(r.get("dgrad_err")), _fmt(r.get("wgrad_err"))] + times + [why or "-"])
         d = self.data
         b = d["budget"]
@@ -129,46 +215,49 @@ class Plan:
             lines.append(f"search took {d['search_s']:.1f} s")
         return "\n".join(lines)
 
-    def __str__(self):
+    def __str__(self) -> str:
         return self.table()
 
     # ---- JSON ----
 
-    def as_dict(self):
-        return json.loads(json.dumps(self.data))
+    def _record(self):
+        return dict(self.data, units=[u.as_dict() for u in self])
 
-    def to_json(self):
-        return json.dumps(self.data, indent=1, allow_nan=True)
+    def as_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self._record()))
+
+    def to_json(self) -> str:
+        return json.dumps(self._record(), indent=1, allow_nan=True)
 
     @classmethod
-    def from_json(cls, text):
+    def from_json(cls, text: str) -> Plan:
         return cls(json.loads(text))
 
-    def save(self, path):
+    def save(self, path: str) -> str:
         with open(path, "w") as f:
             f.write(self.to_json() + "\n")
         return path
 
     @classmethod
-    def load(cls, path):
+    def load(cls, path: str) -> Plan:
         with open(path) as f:
             return cls.from_json(f.read())
 
     # ---- pasteable Python ----
 
-    def python(self):
+    def python(self) -> str:
         """The plan as Python lines to paste after the model is built (``model``)."""
         dev, region = self.device, self.dtype
         lines = [f"# ampc.autoprecision plan: {len(self.units)} modules, region {region}",
                  "import torch", "import ampc", ""]
         fp8 = []
-        for u in self.units:
-            c = u["choice"]
+        for u in self:
+            c = u.choice
             if c == "fp8":
-                fp8.append(u["module"])
-            expr = expression(u["module"])
+                fp8.append(u.module)
+            expr = expression(u.module)
             ops = ""
-            if u["kind"] == "norm" and c != "fp32":
+            if u.kind == "norm" and c != "fp32":
                 ops = (", ops={" + ", ".join(f'"{o}": "lower_precision_fp"'
                                              for o in _units.REDUCTION_OPS) + "}")
             lines.append(f"ampc.policy.module_scope({expr}, "
@@ -193,7 +282,7 @@ class Plan:
 
     # ---- using it ----
 
-    def apply(self, model):
+    def apply(self, model: torch.nn.Module) -> Applied:
         """Gives each module of the plan its precision (a module_scope, and for fp8 an
         ampc.fp8.Linear). Refuses, before changing anything, a plan naming a module
         ``model`` lacks, one of another type, or fp8 on a module that cannot take it.
@@ -202,53 +291,52 @@ class Plan:
             raise TypeError(f"ampc.autoprecision.Plan.apply: model must be an nn.Module, "
                             f"got {type(model).__name__}")
         modules = dict(model.named_modules())
-        missing = [u["module"] for u in self.units if u["module"] not in modules]
+        missing = [u.module for u in self if u.module not in modules]
         if missing:
             raise ValueError(f"ampc.autoprecision.Plan.apply: the plan names {len(missing)} "
                              f"module(s) the model does not have: {', '.join(missing)}")
-        for u in self.units:
-            m = modules[u["module"]]
-            if type(m).__name__ != u["type"]:
-                raise ValueError(f"ampc.autoprecision.Plan.apply: module {u['module']} is a "
-                                 f"{type(m).__name__}, the plan was made for a {u['type']}")
-            if u["choice"] == "fp8" and not (_units.fp8_capable(m) or _is_fp8(m)):
-                raise ValueError(f"ampc.autoprecision.Plan.apply: module {u['module']} cannot "
+        for u in self:
+            m = modules[u.module]
+            if type(m).__name__ != u.type:
+                raise ValueError(f"ampc.autoprecision.Plan.apply: module {u.module} is a "
+                                 f"{type(m).__name__}, the plan was made for a {u.type}")
+            if u.choice == "fp8" and not (_units.fp8_capable(m) or _is_fp8(m)):
+                raise ValueError(f"ampc.autoprecision.Plan.apply: module {u.module} cannot "
                                  "run in fp8 (an nn.Linear with in and out features multiple "
                                  "of 16)")
         applied = Applied(self, model)
-        for u in self.units:
-            applied.set(u["module"], u["choice"])
+        for u in self:
+            applied.place(u.module)
         return applied
 
-    def autocast(self):
+    def autocast(self) -> contextlib.ExitStack:
         """The region to train in: ampc.autocast at the region dtype, with an FP8 region
         (only the plan's fp8 modules) when there are any."""
-        import ampc
         stack = contextlib.ExitStack()
         if self.dtype != "fp32":
             stack.enter_context(ampc.autocast(self.device, dtype=_units.DTYPES[self.dtype]))
             if self.rest == "fp32":     # the modules' own scopes set their precision inside
                 stack.enter_context(ampc.policy.scope(dtype=torch.float32))
-        if "fp8" in self.choices.values():
-            stack.enter_context(ampc.fp8.autocast(recipe=_recipe(self.data.get("fp8_recipe")),
+        if self._uses("fp8"):
+            stack.enter_context(ampc.fp8.autocast(recipe=_units.fp8_recipe(self.data.get("fp8_recipe")),
                                                   modules=()))
         return stack
 
-    def scaler(self, **kwargs):
+    def scaler(self, **kwargs: Any) -> ampc.GradScaler | None:
         """An ampc.GradScaler when a module runs fp16, else None."""
-        import ampc
         return ampc.GradScaler(self.device, **kwargs) if self.needs_scaler() else None
 
-    def verify(self, make_model, make_batch, steps=50, loss_fn=None, *, setups=("torch.amp",),
-               seeds=(0, 1), **kwargs):
+    def verify(self, make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int], tuple],
+               steps: int = 50, loss_fn: Callable | None = None, *,
+               setups: tuple[str, ...] = ("torch.amp",), seeds: tuple[int, ...] = (0, 1),
+               **kwargs: Any) -> Comparison:
         """``ampc.validate.compare`` of fp32 (from each seed: its run-to-run spread), the
         ``setups`` (uniform torch.amp at the region dtype by default) and this plan,
         trained from the same weights on the same batches. Returns the Comparison: its
         table gives each one's gap to fp32, the verdict (inside fp32's spread or not) and
         the median step time."""
-        from .. import validate
         dtype = _units.DTYPES["bf16" if self.dtype == "fp32" else self.dtype]
-        return validate.compare(make_model, make_batch, loss_fn, steps,
+        return compare(make_model, make_batch, loss_fn, steps,
                                 setups=tuple(setups) + (self,), dtype=dtype, device=self.device,
                                 seeds=seeds, **kwargs)
 
@@ -258,20 +346,13 @@ def _torch_dtype(dtype):
 
 
 def _is_fp8(module):
-    import ampc
     return isinstance(module, ampc.fp8.Linear)
-
-
-def _recipe(name):
-    import ampc
-    return ampc.fp8.Float8CurrentScaling() if name == "current" else ampc.fp8.DelayedScaling()
 
 
 class _Fp8Off:
     """Hooks that run one ampc.fp8.Linear outside FP8 (a nested disabled fp8 region)."""
 
     def __init__(self, module):
-        import ampc
         self.stack = []
 
         def pre(mod, args):
@@ -295,51 +376,64 @@ class Applied:
     module given a precision; ``set(name, choice)`` changes one; ``remove()`` takes the
     scopes off again (fp8 modules stay ampc.fp8.Linear, run outside FP8)."""
 
-    def __init__(self, plan, model):
+    def __init__(self, plan: Plan, model: torch.nn.Module) -> None:
         self.plan, self.model = plan, model
         self.modules = dict(model.named_modules())
         self.handles = {}
-        self.changes = []
-        self.by_region = []     # modules the region's dtype already gives their choice
+        self._changes = {}       # name -> (name, type, choice), in the order first set
+        self._by_region = {}     # modules the region's dtype already gives their choice
 
-    def set(self, name, choice):
-        import ampc
+    @property
+    def changes(self) -> list[tuple[str, str, str]]:
+        return list(self._changes.values())
+
+    @property
+    def by_region(self) -> list[str]:
+        return list(self._by_region)
+
+    def set(self, name: str, choice: str, reason: Reason = Reason.SET) -> None:
+        """Gives module ``name`` the precision ``choice`` (the plan's record changes too)."""
+        self.plan.set_choice(name, choice, reason)
+        self.place(name)
+
+    def place(self, name: str) -> None:
+        """Puts module ``name`` at the precision its plan record holds."""
         m = self.modules[name]
+        choice = self.plan.choice(name)
         for h in self.handles.pop(name, []):
             h.remove()
-        for u in self.plan.units:
-            if u["module"] == name:
-                u["choice"] = choice
         dtype, ops = _units.scope_args(m, choice)
         # a GEMM at the dtype the region gives the ops outside the units needs no scope (a
         # scope's hooks cost time on every call), nor does any module of an all-fp32 plan
         # (no autocast region); norms in 16 bits always get theirs (their reduction)
+        fp8_now = _is_fp8(m)
         by_region = ((_units.kind(m) != "norm" and choice == self.plan.rest and choice != "fp8"
-                      and not _is_fp8(m))
-                     or (self.plan.dtype == "fp32" and not _is_fp8(m)))   # no region at all
+                      and not fp8_now)
+                     or (self.plan.dtype == "fp32" and not fp8_now))   # no region at all
         handles = [] if by_region else [ampc.policy.module_scope(m, dtype=dtype, ops=ops)]
         if choice == "fp8":
             ampc.fp8.convert(m)
-        elif _is_fp8(m):
+        elif fp8_now:
             handles.append(_Fp8Off(m))
         self.handles[name] = handles
-        self.changes = [c for c in self.changes if c[0] != name] + [(name, type(m).__name__, choice)]
-        self.by_region = [n for n in self.by_region if n != name] + \
-            ([name] if by_region else [])
+        self._changes.pop(name, None)
+        self._changes[name] = (name, type(m).__name__, choice)
+        self._by_region.pop(name, None)
+        if by_region:
+            self._by_region[name] = None
 
-    def remove(self):
+    def remove(self) -> None:
         for hs in self.handles.values():
             for h in hs:
                 h.remove()
         self.handles = {}
 
-    def __str__(self):
-        region = set(self.by_region)
-        return "\n".join([f"ampc.autoprecision: {len(self.changes)} modules set"]
-                         + [f"  {n} ({t}): {c}" + (" (by the autocast region)" if n in region
-                                                    else "") for n, t, c in self.changes])
+    def __str__(self) -> str:
+        return "\n".join([f"ampc.autoprecision: {len(self._changes)} modules set"]
+                         + [f"  {n} ({t}): {c}" + (" (by the autocast region)"
+                                                    if n in self._by_region else "")
+                            for n, t, c in self._changes.values()])
 
-    def monitor(self, loss_fn=None, **kwargs):
+    def monitor(self, loss_fn: Callable | None = None, **kwargs: Any) -> Monitor:
         """A :class:`Monitor` re-checking these modules during training."""
-        from ._monitor import Monitor
         return Monitor(self, loss_fn, **kwargs)

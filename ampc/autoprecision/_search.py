@@ -1,15 +1,22 @@
 """search(): measure, solve, check the whole plan, back off until it holds."""
+from __future__ import annotations
+
 import contextlib
 import copy
 import math
 import time
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 
+import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 from . import _measure, _units
 from ._plan import Plan, VERSION
-from ._solve import ERRORS, Budget, order, raise_one, solve
-from ..validate._compare import _to, default_loss
+from ._solve import ERRORS, Budget, Over, order, raise_one, solve
+from ._units import Reason
+from .._numerics.errors import rel_error
+from .._numerics.model import call_model, default_loss, to_device
 
 OBJECTIVES = ("time", "memory")
 SLOW = 4.0       # a candidate whose matmul is this many times slower than fp32 is not tried
@@ -19,7 +26,6 @@ TIE = 1.05       # whole-model times within 5% of each other count as equal
 def _matmul_ms(choice, device, n=512, reps=20, seconds=0.2):
     """Milliseconds of an (n x n) @ (n x n) at ``choice`` (fp8: an ampc.fp8.Linear) and in
     fp32: the fastest of up to ``reps`` calls each within about ``seconds``."""
-    import ampc
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     x = torch.randn(n, n, device=device)
     lin = torch.nn.Linear(n, n, bias=False).to(device)
@@ -109,7 +115,7 @@ def whole_step(model, batch, loss_fn, region, device):
         sync()
         t0 = time.perf_counter()
         with region():
-            out = _measure.call(model, inputs)
+            out = call_model(model, inputs)
         loss = loss_fn(out, target)
         loss.backward()
         sync()
@@ -132,7 +138,7 @@ def check_plan(model, batches, loss_fn, plan, ref, device):
     unit_errs = {}
     owners = {}
     for name, mod in m.named_modules():
-        if name in plan.choices:
+        if name in plan:
             for pn, _ in mod.named_parameters():
                 owners[f"{name}.{pn}"] = name
     whole_step(m, batches[0], scaled_loss, plan.autocast, device)   # warm-up
@@ -144,7 +150,7 @@ def check_plan(model, batches, loss_fn, plan, ref, device):
         times.append(t)
         loss_errs.append(abs(loss - ref_loss) / max(abs(ref_loss), 1e-12)
                          if math.isfinite(loss) else math.inf)
-        grad_errs.append(_measure._rel([grads.get(n) for n in ref_grads], list(ref_grads.values()))
+        grad_errs.append(rel_error([grads.get(n) for n in ref_grads], list(ref_grads.values()))
                          or 0.0)
         per = {}
         for n, g in ref_grads.items():
@@ -153,7 +159,7 @@ def check_plan(model, batches, loss_fn, plan, ref, device):
                 per[owners[n]][0].append(grads.get(n))
                 per[owners[n]][1].append(g)
         for u, (a, b) in per.items():
-            unit_errs.setdefault(u, []).append(_measure._rel(a, b) or 0.0)
+            unit_errs.setdefault(u, []).append(rel_error(a, b) or 0.0)
     worst, worst_err = None, 0.0
     for u, errs in unit_errs.items():
         e = sum(errs) / len(errs)
@@ -166,9 +172,12 @@ def check_plan(model, batches, loss_fn, plan, ref, device):
             "plan_ms": 1e3 * min(times)}
 
 
-def search(model, batches, loss_fn=None, *, candidates=("fp32", "bf16", "fp16", "fp8"),
-           budget=None, objective="time", units=None, device=None, fp8_recipe="delayed",
-           sensitivity=True, check=True, max_backoffs=12, repeats=2):
+def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable | None = None, *,
+           candidates: Iterable[str] = ("fp32", "bf16", "fp16", "fp8"),
+           budget: Budget | dict | None = None, objective: str = "time",
+           units: Iterable[type] | None = None, device: str | None = None,
+           fp8_recipe: str = "delayed", sensitivity: bool = True, check: bool = True,
+           max_backoffs: int = 12, repeats: int = 2) -> Plan:
     """Chooses a precision for each module of ``model`` from measured error and measured
     cost, under an error budget, and checks the whole choice.
 
@@ -198,90 +207,129 @@ def search(model, batches, loss_fn=None, *, candidates=("fp32", "bf16", "fp16", 
 
     Under torch.distributed every rank measures and rank 0's plan is broadcast, so that
     all ranks apply the same plan. Returns a :class:`Plan`.
+
+    The phases: the units and their candidates (:func:`_units_and_options`), per-unit
+    measurement (``_measure.measure``), the solver (:func:`_first_plan`), and, with
+    ``check``, the whole-model check and back-off (:func:`_check_whole`).
     """
     t_start = time.perf_counter()
     batches, candidates, budget = _check_args(model, batches, candidates, budget, objective)
-    recipe = _measure_recipe(fp8_recipe)
+    if fp8_recipe not in _units.FP8_RECIPES:
+        raise ValueError(f"ampc.autoprecision.search: fp8_recipe must be 'delayed' or "
+                         f"'current', got {fp8_recipe!r}")
     loss_fn = loss_fn or default_loss
     params = list(model.parameters())
     device = device or (params[0].device.type if params else "cpu")
-    batches = [tuple(_to(b, device)) for b in batches]
-    found = _units.find_units(model, tuple(units) if units else _units.UNIT_TYPES)
+    batches = [tuple(to_device(b, device)) for b in batches]
+    found, options, notes = _units_and_options(model, units, candidates, objective, device)
+    with torch.random.fork_rng(devices=[]):
+        measured, loss_scale = _measure.measure(model, batches, loss_fn, found, options, device,
+                                                _units.fp8_recipe(fp8_recipe), repeats,
+                                                slow=SLOW if objective == "time" else None)
+    if not sensitivity:
+        _blind(measured)
+    plan = _first_plan(found, measured, budget, objective, candidates, fp8_recipe, loss_scale,
+                       device, notes)
+    if check:
+        _check_whole(model, batches, loss_fn, plan, measured, budget, objective, device,
+                     max_backoffs)
+    plan.data["predicted"] = {"fp32_ms": sum(u.options["fp32"]["ms"] or 0.0 for u in plan),
+                              "plan_ms": sum(u.figures()["ms"] or 0.0 for u in plan)}
+    plan.data["search_s"] = time.perf_counter() - t_start
+    return _broadcast(plan)
+
+
+def _units_and_options(model, types, candidates, objective, device):
+    """The units of ``model``, each one's candidates (less those too slow here), and the
+    notes saying which were not tried."""
+    found = _units.find_units(model, tuple(types) if types else _units.UNIT_TYPES)
     if not found:
         raise ValueError("ampc.autoprecision.search: the model has no module of the types "
                          "it decides (Linear, convolutions, attention, norms, softmax); "
                          "name yours with units=")
-    notes = []
     skipped = probe(candidates, device) if objective == "time" else {}
-    for c, why in skipped.items():
-        notes.append(f"{c} not tried: {why}")
+    notes = [f"{c} not tried: {why}" for c, why in skipped.items()]
     tried = [c for c in candidates if c not in skipped]
-    options = {n: _units.candidates_for(m, tried) for n, m in found.items()}
-    with torch.random.fork_rng(devices=[]):
-        measured, loss_scale = _measure.measure(model, batches, loss_fn, found, options, device,
-                                                recipe, repeats,
-                                                slow=SLOW if objective == "time" else None)
-    if not sensitivity:
-        for opts in measured.values():
-            for r in opts.values():
-                for k in ERRORS + ("out_err",):
-                    r[k] = 0.0 if r.get(k) is not None else None
+    return found, {n: _units.candidates_for(m, tried) for n, m in found.items()}, notes
+
+
+def _blind(measured):
+    """Every candidate counted exact (the sensitivity=False control)."""
+    for opts in measured.values():
+        for r in opts.values():
+            for k in ERRORS + ("out_err",):
+                r[k] = 0.0 if r.get(k) is not None else None
+
+
+def _first_plan(found, measured, budget, objective, candidates, fp8_recipe, loss_scale, device,
+                notes):
+    """The solver's plan, unit by unit, before any whole-model check."""
     choice, rejected = solve(measured, budget, objective)
-    data = {"version": VERSION, "device": device, "where": _where(device),
-            "objective": objective, "budget": budget.as_dict(), "candidates": list(candidates),
-            "fp8_recipe": fp8_recipe, "loss_scale": loss_scale, "notes": notes,
-            "backoffs": [], "units": []}
-    for n, m in found.items():
-        data["units"].append({"module": n, "type": type(m).__name__, "kind": _units.kind(m),
-                              "choice": choice[n], "options": measured[n],
-                              "rejected": rejected[n]})
-    plan = Plan(data)
-    units_fp32_ms = sum(u["options"]["fp32"]["ms"] or 0.0 for u in data["units"])
-    if check:
-        ref_model = copy.deepcopy(model)
-        whole_step(ref_model, batches[0], loss_fn, _null, device)            # warm-up
-        ref = [whole_step(ref_model, b, loss_fn, _null, device) for b in batches]
-        # fp32's time is what every whole-model choice is held against: timed twice
-        ref = [(l, g, min(t, whole_step(ref_model, b, loss_fn, _null, device)[2]))
-               for (l, g, t), b in zip(ref, batches)]
-        result = check_plan(model, batches, loss_fn, plan, ref, device)
-        if objective == "time":
-            result = _whole_low(model, batches, loss_fn, plan, ref, device, result, measured,
-                                budget, notes)
-        for k in range(max_backoffs):
-            why = _over(result, budget)
-            if why is None:
+    units = [{"module": n, "type": type(m).__name__, "kind": _units.kind(m), "choice": choice[n],
+              "options": measured[n], "rejected": rejected[n]} for n, m in found.items()]
+    return Plan({"version": VERSION, "device": device, "where": _where(device),
+                 "objective": objective, "budget": budget.as_dict(), "candidates": list(candidates),
+                 "fp8_recipe": fp8_recipe, "loss_scale": loss_scale, "notes": notes,
+                 "backoffs": [], "units": units})
+
+
+def _fp32_reference(model, batches, loss_fn, device):
+    """[(loss, grads, seconds)] of fp32 per batch; the time, which every whole-model choice
+    is held against, the faster of two runs."""
+    ref_model = copy.deepcopy(model)
+    whole_step(ref_model, batches[0], loss_fn, _null, device)            # warm-up
+    ref = [whole_step(ref_model, b, loss_fn, _null, device) for b in batches]
+    return [(loss, g, min(t, whole_step(ref_model, b, loss_fn, _null, device)[2]))
+            for (loss, g, t), b in zip(ref, batches)]
+
+
+def _back_off(model, batches, loss_fn, plan, ref, device, result, measured, budget, objective,
+              max_backoffs):
+    """Raises the worst contributors until the whole plan fits the budget: one module per
+    round for 4 rounds, then 2, 4, ... Returns the last check's result."""
+    for k in range(max_backoffs):
+        over = _over(result, budget)
+        if over is None:
+            break
+        for _ in range(2 ** (k // 4)):
+            name = _worst(plan, result, over)
+            if name is None:
                 break
-            # one module at a time at first, then more per round (each round costs a check)
-            for _ in range(2 ** (k // 4)):
-                name = _worst(plan, result, why)
-                if name is None:
-                    break
-                usable = [c for c in order(measured[name], objective) if c not in rejected[name]]
-                new = raise_one(plan.choices, measured, usable, name)
-                plan.data["backoffs"].append({"module": name, "from": plan.choices[name],
-                                              "to": new, "why": why})
-                _set_choice(plan, name, new)
-            result = check_plan(model, batches, loss_fn, plan, ref, device)
-        if _over(result, budget):
-            # fp32 throughout fits any budget: never hand back a plan known to be over it
-            notes.append(f"the whole plan was still over the budget ({_over(result, budget)}) "
-                         f"after {max_backoffs} rounds of back-off: every module kept in fp32")
-            for u in plan.units:
-                u["choice"] = "fp32"
-            result = dict(result, loss_err=0.0, grad_err=0.0, wgrad_err=0.0, wgrad_worst=None,
-                          plan_ms=1e3 * min(r[2] for r in ref))
-        fp32_ms = 1e3 * min(r[2] for r in ref)
-        if objective == "time" and plan.dtype != "fp32":
-            result = _fastest(model, batches, loss_fn, plan, ref, device, result, fp32_ms,
-                              budget, notes)
-        result.pop("unit_wgrad")
-        result["fp32_ms"] = fp32_ms
-        plan.data["measured"] = result
-    plan.data["predicted"] = {"fp32_ms": units_fp32_ms, "plan_ms": sum(
-        u["options"][u["choice"]]["ms"] or 0.0 for u in data["units"])}
-    plan.data["search_s"] = time.perf_counter() - t_start
-    return _broadcast(plan)
+            u = plan.unit(name)
+            usable = [c for c in order(measured[name], objective) if c not in u.rejected]
+            new = raise_one(plan.choices, measured, usable, name)
+            plan.data["backoffs"].append({"module": name, "from": u.choice, "to": new,
+                                          "why": str(over)})
+            plan.set_choice(name, new, Reason.BACKED_OFF)
+        result = check_plan(model, batches, loss_fn, plan, ref, device)
+    return result
+
+
+def _check_whole(model, batches, loss_fn, plan, measured, budget, objective, device, max_backoffs):
+    """The whole plan measured against fp32, backed off until it fits (else all fp32), and
+    for the time objective its fastest form; the figures go to ``plan.data["measured"]``."""
+    notes = plan.data["notes"]
+    ref = _fp32_reference(model, batches, loss_fn, device)
+    fp32_ms = 1e3 * min(r[2] for r in ref)
+    result = check_plan(model, batches, loss_fn, plan, ref, device)
+    if objective == "time":
+        result = _whole_low(model, batches, loss_fn, plan, ref, device, result, measured,
+                            budget, notes)
+    result = _back_off(model, batches, loss_fn, plan, ref, device, result, measured, budget,
+                       objective, max_backoffs)
+    if _over(result, budget):
+        # fp32 throughout fits any budget: never hand back a plan known to be over it
+        notes.append(f"the whole plan was still over the budget ({_over(result, budget)}) "
+                     f"after {max_backoffs} rounds of back-off: every module kept in fp32")
+        plan.set_choices(dict.fromkeys(plan.choices, "fp32"), Reason.ALL_FP32)
+        result = dict(result, loss_err=0.0, grad_err=0.0, wgrad_err=0.0, wgrad_worst=None,
+                      plan_ms=fp32_ms)
+    if objective == "time" and plan.dtype != "fp32":
+        result = _fastest(model, batches, loss_fn, plan, ref, device, result, fp32_ms,
+                          budget, notes)
+    result.pop("unit_wgrad")
+    result["fp32_ms"] = fp32_ms
+    plan.data["measured"] = result
 
 
 def _whole_low(model, batches, loss_fn, plan, ref, device, result, measured, budget, notes):
@@ -293,16 +341,14 @@ def _whole_low(model, batches, loss_fn, plan, ref, device, result, measured, bud
     if low == plan.choices:
         return result
     mine = plan.choices
-    for u in plan.units:
-        u["choice"] = low[u["module"]]
+    plan.set_choices(low, Reason.WHOLE_MODEL)
     other = check_plan(model, batches, loss_fn, plan, ref, device)
     if other["plan_ms"] * TIE < result["plan_ms"] and _over(other, budget) is None:
         notes.append(f"the modules one by one chose {_count(mine)}; the whole model measured "
                      f"faster with {_count(low)} ({other['plan_ms']:.1f} against "
                      f"{result['plan_ms']:.1f} ms per step): taken")
         return other
-    for u in plan.units:
-        u["choice"] = mine[u["module"]]
+    plan.set_choices(mine, Reason.SOLVED)
     return result
 
 
@@ -326,8 +372,7 @@ def _fastest(model, batches, loss_fn, plan, ref, device, result, fp32_ms, budget
     if result["plan_ms"] > fp32_ms * TIE:
         notes.append(f"the whole plan measured {result['plan_ms']:.1f} ms per step against "
                      f"{fp32_ms:.1f} ms for fp32: every module kept in fp32")
-        for u in plan.units:
-            u["choice"] = "fp32"
+        plan.set_choices(dict.fromkeys(plan.choices, "fp32"), Reason.ALL_FP32)
         result = dict(result, plan_ms=fp32_ms, loss_err=0.0, grad_err=0.0, wgrad_err=0.0,
                       wgrad_worst=None)
     return result
@@ -338,41 +383,28 @@ def _null():
 
 
 def _over(result, budget):
-    """Which whole-plan error is over the budget, or None. (One unit's weight-gradient
-    error in the whole plan also carries every later unit's dgrad error: it is reported,
-    and the units' own wgrad errors are held to the budget one by one, in the search.)"""
+    """Which whole-plan error is over the budget (an :class:`Over`), or None. (One unit's
+    weight-gradient error in the whole plan also carries every later unit's dgrad error:
+    it is reported, and the units' own wgrad errors are held to the budget one by one, in
+    the search.)"""
     if not (result["loss_err"] <= budget.loss):
-        return f"loss err {result['loss_err']:.1e} > {budget.loss:g}"
+        return Over("loss_err", result["loss_err"], budget.loss)
     if not (result["grad_err"] <= budget.grad):
-        return f"grad err {result['grad_err']:.1e} > {budget.grad:g}"
+        return Over("grad_err", result["grad_err"], budget.grad)
     return None
 
 
-def _worst(plan, result, why):
+def _worst(plan, result, over):
     """The unit below fp32 that contributes most to what is over the budget."""
-    low = [u for u in plan.units if u["choice"] != "fp32"]
+    low = [u for u in plan if u.choice != "fp32"]
     if not low:
         return None
-    key = "loss_err" if why.startswith("loss") else "dgrad_err"
+    key = "loss_err" if over.key == "loss_err" else "dgrad_err"
 
     def contribution(u):
-        r = u["options"][u["choice"]]
+        r = u.figures()
         return (r.get(key) or 0.0, r.get("wgrad_err") or 0.0)
-    return max(low, key=contribution)["module"]
-
-
-def _set_choice(plan, name, choice):
-    for u in plan.units:
-        if u["module"] == name:
-            u["choice"] = choice
-
-
-def _measure_recipe(name):
-    import ampc
-    if name not in ("delayed", "current"):
-        raise ValueError(f"ampc.autoprecision.search: fp8_recipe must be 'delayed' or "
-                         f"'current', got {name!r}")
-    return ampc.fp8.Float8CurrentScaling() if name == "current" else ampc.fp8.DelayedScaling()
+    return max(low, key=contribution).module
 
 
 def _where(device):
@@ -383,7 +415,6 @@ def _where(device):
 
 def _broadcast(plan):
     """Rank 0's plan on every rank (when torch.distributed is initialized)."""
-    import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return plan
     box = [plan.to_json() if dist.get_rank() == 0 else None]

@@ -7,6 +7,9 @@ less error). Errors of different units are rounding errors independent of each o
 they add as a root sum of squares: the sum of their squares is held under the square of
 the budget. Deterministic for given measurements (ties go to the earlier unit).
 """
+from __future__ import annotations
+
+import heapq
 import math
 from dataclasses import asdict, dataclass
 
@@ -40,8 +43,19 @@ class Budget:
                 raise ValueError(f"ampc.autoprecision.Budget: {k} must be a positive number, "
                                  f"got {v!r}")
 
-    def as_dict(self):
+    def as_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class Over:
+    """A whole-plan error over its budget: which (``loss_err`` or ``grad_err``), by how much."""
+    key: str
+    value: float
+    limit: float
+
+    def __str__(self):
+        return f"{self.key.split('_')[0]} err {self.value:.1e} > {self.limit:g}"
 
 
 def _err(r, key):
@@ -51,8 +65,10 @@ def _err(r, key):
 
 def fits_alone(r, budget):
     """Why a candidate cannot be used for its unit whatever the others do, or None."""
+    if r.get("too_slow"):
+        return r["too_slow"]
     if r.get("error"):
-        return r["error"] if r["error"].startswith("too slow") else "does not run here"
+        return r["error"] if r["error"].startswith("too slow") else "does not run here"  # plans saved before "too_slow"
     for key, limit in (("loss_err", budget.loss), ("dgrad_err", budget.grad),
                        ("wgrad_err", budget.wgrad)):
         v = _err(r, key)
@@ -102,31 +118,51 @@ def solve(measured, budget, objective):
                 rejected[name][c] = why
         usable[name] = ok or ["fp32"]
     choice = {n: ok[0] for n, ok in usable.items()}
-
-    def total(key):
-        return sum(_err(measured[n][choice[n]], key) ** 2 for n in choice)
-
-    limits = {"loss_err": budget.loss ** 2, "dgrad_err": budget.grad ** 2}
-    while True:
-        over = {k: total(k) - lim for k, lim in limits.items() if total(k) > lim}
-        if not over:
-            break
-        best = None
-        for n, c in choice.items():
-            now = measured[n][c]
-            for alt in usable[n]:
-                r = measured[n][alt]
-                gain = sum(max(0.0, _err(now, k) ** 2 - _err(r, k) ** 2) / limits[k] for k in over)
-                if gain <= 0:
-                    continue
-                extra = max(cost_of(r, objective) - cost_of(now, objective), 1e-9)
-                score = gain / extra
-                if best is None or score > best[0]:
-                    best = (score, n, alt)
-        if best is None:
-            break
-        choice[best[1]] = best[2]
+    _lower_errors(choice, usable, measured, budget, objective)
     return choice, rejected
+
+
+def _lower_errors(choice, usable, measured, budget, objective):
+    """While a summed error is over its limit, takes the move that buys the most error per
+    unit of added cost. The moves wait in a heap ordered by (score, unit, candidate); a
+    move becomes stale when its unit moves (then its unit's moves are pushed afresh), and
+    every score is rebuilt when the set of errors over the limit changes (at most twice),
+    so n units cost O(n log n), not O(n) per move."""
+    limits = {"loss_err": budget.loss ** 2, "dgrad_err": budget.grad ** 2}
+    totals = {k: math.fsum(_err(measured[n][choice[n]], k) ** 2 for n in choice) for k in limits}
+    index = {n: i for i, n in enumerate(choice)}
+
+    def moves(n, over):
+        now = measured[n][choice[n]]
+        for j, alt in enumerate(usable[n]):
+            r = measured[n][alt]
+            gain = sum(max(0.0, _err(now, k) ** 2 - _err(r, k) ** 2) / limits[k] for k in over)
+            if gain > 0:
+                extra = max(cost_of(r, objective) - cost_of(now, objective), 1e-9)
+                yield (-gain / extra, index[n], j, n, alt, choice[n])
+
+    heap, heap_over = [], None
+    while True:
+        over = tuple(k for k in limits if totals[k] > limits[k])
+        if not over:
+            return
+        if over != heap_over:
+            heap = [m for n in choice for m in moves(n, over)]
+            heapq.heapify(heap)
+            heap_over = over
+        while heap and heap[0][5] != choice[heap[0][3]]:
+            heapq.heappop(heap)             # stale: its unit has moved since
+        if not heap:
+            return
+        _, _, _, n, alt, _ = heapq.heappop(heap)
+        for k in limits:
+            totals[k] += _err(measured[n][alt], k) ** 2 - _err(measured[n][choice[n]], k) ** 2
+        choice[n] = alt
+        for k in limits:                    # the running sums drift: exact near the edge
+            if abs(totals[k] - limits[k]) <= 1e-9 * limits[k]:
+                totals[k] = math.fsum(_err(measured[m][choice[m]], k) ** 2 for m in choice)
+        for m in moves(n, over):
+            heapq.heappush(heap, m)
 
 
 def raise_one(choice, measured, usable_order, name):

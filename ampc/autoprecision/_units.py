@@ -12,13 +12,21 @@ one of CANDIDATES:
 Ops outside every unit (residual adds, a functional attention call, activations) run at
 the plan's region dtype under autocast's default policy.
 """
+from __future__ import annotations
+
+import enum
+
 import torch
 from torch import nn
+
+import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 
 CANDIDATES = ("fp32", "bf16", "fp16", "fp8")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp8": torch.bfloat16}
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+RAISE_TO = {"fp8": "bf16", "bf16": "fp32", "fp16": "fp32", "fp32": "fp32"}   # one step up
+FP8_RECIPES = ("delayed", "current")
 
 GEMM_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d,
               nn.ConvTranspose2d, nn.ConvTranspose3d, nn.MultiheadAttention)
@@ -29,6 +37,16 @@ UNIT_TYPES = GEMM_TYPES + NORM_TYPES
 # the reductions a norm or softmax unit computes; lowered with it, kept fp32 otherwise
 REDUCTION_OPS = ("layer_norm", "group_norm", "batch_norm", "rms_norm", "softmax",
                  "log_softmax")
+
+
+class Reason(str, enum.Enum):
+    """Why a unit holds its choice."""
+    SOLVED = "solved"                     # the cheapest within the budget, unit by unit
+    BACKED_OFF = "backed off"             # raised: the whole plan was over the budget
+    WHOLE_MODEL = "whole model"           # the whole model measured faster this way
+    ALL_FP32 = "all fp32"                 # the whole plan kept in fp32 (over budget or slower)
+    MONITOR = "monitor"                   # raised by the Monitor during training
+    SET = "set"                           # set by hand (Applied.set)
 
 
 def kind(module):
@@ -51,17 +69,26 @@ def candidates_for(module, candidates):
     return [c for c in candidates if c != "fp8" or fp8_capable(module)]
 
 
-def find_units(model, types=UNIT_TYPES):
+def find_units(model: nn.Module, types: tuple = UNIT_TYPES) -> dict[str, nn.Module]:
     """{qualified name: module} of the units of ``model``, in module order. A unit inside
-    another unit (a Linear inside a MultiheadAttention) is left to its parent."""
-    units, inside = {}, []
+    another unit (a Linear inside a MultiheadAttention) is left to its parent.
+
+    named_modules walks depth first, so a unit's descendants come right after it: the one
+    unit last entered is all that needs remembering (linear in the number of modules)."""
+    units, inside = {}, None
     for name, module in model.named_modules():
-        if any(name.startswith(p + ".") for p in inside):
+        if inside is not None and name.startswith(inside):
             continue
+        inside = None
         if isinstance(module, types) and name:
             units[name] = module
-            inside.append(name)
+            inside = name + "."
     return units
+
+
+def fp8_recipe(name: str | None):
+    """The ampc.fp8 recipe a plan names: "current" (Float8CurrentScaling), else "delayed"."""
+    return ampc.fp8.Float8CurrentScaling() if name == "current" else ampc.fp8.DelayedScaling()
 
 
 def scope_args(module, choice):

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from . import ALL_SETUPS, DTYPES, SETUPS, compare, layers
+from ._report import NO_MATPLOTLIB
 
 
 def _load(spec, what, parser, default_module=None):
@@ -84,7 +85,6 @@ def main(argv=None):
 
 
 def _print_paths(paths):
-    from ._report import NO_MATPLOTLIB
     print("wrote " + ", ".join(v for v in paths.values() if v))
     if paths["png"] is None:
         print(NO_MATPLOTLIB)

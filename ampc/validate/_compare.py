@@ -24,14 +24,14 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from ._report import Comparison
+import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
+from .._numerics.model import call_model, default_loss, to_device
+from ._report import Comparison
+from ._run import Run, _finite, rel_gap, smooth  # noqa: F401  (compare's names; the report reads them)
 
 SETUPS = ("torch.amp", "ampc", "ampc.master")
 FP8_SETUP = "ampc.fp8"
@@ -40,11 +40,6 @@ ALL_SETUPS = SETUPS + (FP8_SETUP,)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
-
-
-def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over the last dimension of ``output`` (computed in fp32)."""
-    return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
 def parse_setup(spec, dtype):
@@ -67,36 +62,21 @@ def parse_setup(spec, dtype):
     return kind, dtype
 
 
+@runtime_checkable
+class PlanSetup(Protocol):
+    """What a setup given as an object (an ampc.autoprecision.Plan) offers: a region dtype
+    name, whether it needs a GradScaler, ``apply(model)`` and its ``autocast()`` region."""
+    dtype: str
+
+    def apply(self, model: torch.nn.Module) -> Any: ...
+
+    def autocast(self) -> Any: ...
+
+    def needs_scaler(self) -> bool: ...
+
+
 def _is_plan(spec):
-    from ..autoprecision import Plan
-    return isinstance(spec, Plan)
-
-
-@dataclass
-class Run:
-    """One training run: per-step curves and what it cost."""
-    name: str
-    kind: str                 # fp32, torch.amp, ampc or ampc.master
-    dtype: str                # fp32, fp16 or bf16
-    seed: int
-    losses: list = field(default_factory=list)
-    grad_norms: list = field(default_factory=list)   # global L2 norm of the unscaled grads
-    scales: list = field(default_factory=list)       # loss scale used at each step (1.0: none)
-    skipped: list = field(default_factory=list)      # steps whose update was skipped (inf/nan)
-    step_ms: list = field(default_factory=list)      # forward + backward + optimizer
-    peak_mib: float = None    # memory this run added at its peak (see _PeakMemory)
-    val_loss: float = None
-    model: object = field(default=None, repr=False)      # the trained model and its
-    optimizer: object = field(default=None, repr=False)  # optimizer (not serialized)
-
-    def median_ms(self) -> float:
-        warm = self.step_ms[len(self.step_ms) // 5:] or self.step_ms
-        return statistics.median(warm)
-
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("model", "optimizer")}
-        d["median_step_ms"] = self.median_ms()
-        return d
+    return not isinstance(spec, str) and isinstance(spec, PlanSetup)
 
 
 # ---- memory ----
@@ -180,18 +160,6 @@ def _progress(total, label, enabled, position=None):
     return bar
 
 
-def _call(model, inputs):
-    return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
-
-
-def _to(value, device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    return value
-
-
 def _grad_norm(model):
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
@@ -217,7 +185,6 @@ class Trainer:
 
     def __init__(self, kind, dtype, make_model, *, loss_fn=None, lr=1e-3, seed=0,
                  device="cpu", name=None):
-        import ampc
         plan = kind if _is_plan(kind) else None
         if plan is not None:
             kind, dtype = PLAN_SETUP, {"fp16": torch.float16}.get(plan.dtype, torch.bfloat16)
@@ -292,7 +259,7 @@ class Trainer:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with self.region():
-            out = _call(self.model, inputs)
+            out = call_model(self.model, inputs)
         loss = self.loss_fn(out, target)
         (scaler.scale(loss) if scaler else loss).backward()
         self.sync()
@@ -333,7 +300,6 @@ class Trainer:
 
 @contextlib.contextmanager
 def _fp8_region(device, dtype):
-    import ampc
     with ampc.autocast(device, dtype=dtype), ampc.fp8.autocast(recipe=ampc.fp8.DelayedScaling()):
         yield
 
@@ -393,32 +359,13 @@ def evaluate(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable
     with torch.no_grad():
         for inputs, target in batches:
             with region():
-                out = _call(model, inputs)
+                out = call_model(model, inputs)
             total += loss_fn(out, target).item()
     model.train(was_training)
     return total / len(batches)
 
 
 # ---- compare ----
-
-def smooth(values, window):
-    """Trailing moving average (window ``window``); nan and inf propagate."""
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= window:
-            acc -= values[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
-
-
-def rel_gap(curve, base):
-    return [abs(a - b) / abs(b) if b else abs(a - b) for a, b in zip(curve, base)]
-
-
-def _finite(x):
-    return x is not None and math.isfinite(x)
-
 
 def compare(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int], tuple],
             loss_fn: Callable | None = None, steps: int = 100, setups: Sequence[str] = SETUPS, *,
@@ -455,7 +402,6 @@ def compare(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int
     Returns:
         :class:`ampc.validate.Comparison`: ``.table()``, ``.as_dict()``, ``.save(dir)``.
     """
-    from ._report import Comparison
     device = _check_device(device, "compare")
     if not callable(make_model) or not callable(make_batch):
         raise TypeError("ampc.validate.compare: make_model and make_batch must be callables")
@@ -472,8 +418,8 @@ def compare(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int
         raise ValueError(f"ampc.validate.compare: dtype must be torch.float16 or "
                          f"torch.bfloat16, got {dtype}")
     parsed = [parse_setup(s, dtype) for s in setups]
-    batches = [_to(make_batch(k), device) for k in range(steps)]
-    val = [_to(b, device) for b in val_batches] if val_batches else []
+    batches = [to_device(make_batch(k), device) for k in range(steps)]
+    val = [to_device(b, device) for b in val_batches] if val_batches else []
     specs = ([("fp32", None, seeds[0], None)]
              + [("fp32", None, s, f"fp32 seed {s}") for s in seeds[1:]]
              + [(kind, dt, seeds[0], None) for kind, dt in parsed])

@@ -21,99 +21,28 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._compare import DEFAULT_DTYPE, DTYPE_NAMES, _call, _to, default_loss
+import ampc
+from .._numerics.capture import capture
+from .._numerics.errors import fp16_range, rel_error
+from .._numerics.model import default_loss, expression, to_device
+from ._compare import DEFAULT_DTYPE, DTYPE_NAMES
+from ._report import LayerReport
 
 if TYPE_CHECKING:
     from ..grad_scaler import GradScaler
-    from ._report import LayerReport
+
+__all__ = ["layers", "expression"]
 
 UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 
 
-def _first_float(value):
-    """The first floating tensor in an argument or output (tuples, lists, dicts)."""
-    if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() else None
-    items = value.values() if isinstance(value, dict) else value
-    if isinstance(items, (tuple, list)) or isinstance(value, dict):
-        for v in items:
-            t = _first_float(v)
-            if t is not None:
-                return t
-    return None
-
-
-def _capture(model, batch, loss_fn, region):
-    """Runs one step; returns per-module inputs, outputs, output grads and weight grads."""
-    inputs, outputs, out_grads = {}, {}, {}
-    handles = []
-    for name, module in model.named_modules():
-        name = name or "(model)"
-
-        def pre(mod, args, kwargs, name=name):
-            t = _first_float((args, kwargs))
-            if t is not None:
-                inputs[name] = t.detach().float().clone()
-
-        def post(mod, args, out, name=name):
-            t = _first_float(out)
-            if t is None:
-                return
-            outputs[name] = t.detach().float().clone()
-            if t.requires_grad:
-                t.register_hook(lambda g: out_grads.__setitem__(name, g.detach().float()))
-
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(module.register_forward_hook(post))
-    try:
-        x, target = batch
-        torch.manual_seed(0)                    # the same dropout draws in both runs
-        with region():
-            out = _call(model, x)
-        (loss_fn or default_loss)(out, target).backward()
-    finally:
-        for h in handles:
-            h.remove()
-    grads = {}
-    for name, module in model.named_modules():
-        own = [p.grad.float() for p in module.parameters(recurse=False) if p.grad is not None]
-        if own:
-            grads[name or "(model)"] = own
-    return inputs, outputs, out_grads, grads
-
-
-def _rel(a, b):
-    """||a - b|| / ||b|| over lists of tensors; None when shapes differ."""
-    num = den = 0.0
-    for x, y in zip(a, b):
-        if x.shape != y.shape:
-            return None
-        num += torch.linalg.vector_norm(x - y).item() ** 2
-        den += torch.linalg.vector_norm(y).item() ** 2
-    return math.sqrt(num) / math.sqrt(den) if den > 0 else math.sqrt(num)
-
-
-def _fp16_range(tensors, scale):
-    """Fractions of elements that underflow to zero / overflow in fp16 once scaled."""
-    total = under = over = 0
-    for g in tensors:
-        s = (g.double() * scale).to(torch.float16)
-        total += g.numel()
-        under += int(((s == 0) & (g != 0)).sum())
-        over += int((torch.isinf(s) & torch.isfinite(g)).sum())
-    return (under / total, over / total) if total else (None, None)
-
-
-def expression(path):
-    """'blocks.0.attn' -> 'model.blocks[0].attn' (pasteable Python)."""
-    if path == "(model)":
-        return "model"
-    return "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in path.split("."))
+def _label(name):
+    return name or "(model)"
 
 
 def layers(model: torch.nn.Module, batch: tuple, loss_fn: Callable | None = None, *,
            dtype: torch.dtype | None = None, loss_scale: float | None = None,
-           scaler: "GradScaler | None" = None, threshold: float = 4.0) -> "LayerReport":
+           scaler: GradScaler | None = None, threshold: float = 4.0) -> LayerReport:
     """Per-module numerics of one mixed-precision training step against fp32.
 
     The model is not changed: two copies of it run one forward and backward on ``batch``,
@@ -136,8 +65,6 @@ def layers(model: torch.nn.Module, batch: tuple, loss_fn: Callable | None = None
         :class:`ampc.validate.LayerReport`: rows worst first (``.rows``), pasteable
         ``.suggestions``, ``.table()``, ``.as_dict()``, ``.save(dir)``.
     """
-    import ampc
-    from ._report import LayerReport
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"ampc.validate.layers: model must be an nn.Module, "
                         f"got {type(model).__name__}")
@@ -155,28 +82,33 @@ def layers(model: torch.nn.Module, batch: tuple, loss_fn: Callable | None = None
                          f"got {dtype}")
     if loss_scale is None:
         loss_scale = scaler.get_scale() if scaler is not None else 65536.0
-    batch = _to(tuple(batch), params[0][1].device if params else "cpu")
+    batch = to_device(tuple(batch), params[0][1].device if params else "cpu")
 
-    ref = _capture(copy.deepcopy(model), batch, loss_fn, contextlib.nullcontext)
-    low = _capture(copy.deepcopy(model), batch, loss_fn,
-                   lambda: ampc.autocast(device, dtype=dtype))
-    ref_in, ref_out, ref_gout, ref_grads = ref
-    low_in, low_out, _, low_grads = low
+    names = [n for n, _ in model.named_modules()]
+    loss_fn = loss_fn or default_loss
+    ref_model, low_model = copy.deepcopy(model), copy.deepcopy(model)
+    ref = capture(ref_model, batch, loss_fn, names)
+    low = capture(low_model, batch, loss_fn, names,
+                  lambda: ampc.autocast(device, dtype=dtype))
 
-    modules = {(n or "(model)"): m for n, m in model.named_modules()}
+    modules = dict(model.named_modules())
     rows = []
-    for name in ref_out:
-        if name not in low_out:
+    for name, r in ref.calls.items():
+        m = low.calls.get(name)
+        if r.out is None or m is None or m.out is None:
             continue
-        out_err = _rel([low_out[name]], [ref_out[name]])
-        in_err = (_rel([low_in[name]], [ref_in[name]]) or 0.0
-                  if name in ref_in and name in low_in else 0.0)
-        grad_err = _rel(low_grads[name], ref_grads[name]) if name in ref_grads else None
+        out_err = rel_error([m.out.float()], [r.out.float()])
+        r_in, m_in = r.input, m.input
+        in_err = (rel_error([m_in.float()], [r_in.float()]) or 0.0
+                  if r_in is not None and m_in is not None else 0.0)
+        ref_grads = ref.module_grads(ref_model, name)
+        grad_err = (rel_error([g.float() for g in low.module_grads(low_model, name)],
+                              [g.float() for g in ref_grads]) if ref_grads else None)
         under = over = None
         if dtype == torch.float16:
-            under, over = _fp16_range(ref_grads.get(name, []) + (
-                [ref_gout[name]] if name in ref_gout else []), loss_scale)
-        rows.append({"module": name, "type": type(modules[name]).__name__,
+            under, over = fp16_range(ref_grads + ([r.grad] if r.grad is not None else []),
+                                     loss_scale)
+        rows.append({"module": _label(name), "type": type(modules[name]).__name__,
                      "leaf": next(modules[name].children(), None) is None, "output_err": out_err,
                      "added_err": None if out_err is None else max(0.0, out_err - in_err),
                      "grad_err": grad_err, "underflow": under, "overflow": over})

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ._compare import Run, _finite, rel_gap, smooth
+from ._run import Run, _finite, rel_gap, smooth
 
 
 def format_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:

@@ -62,12 +62,12 @@ def test_resnet18_plan_applies_and_trains():
     batches = [(torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g))
                for _ in range(2)]
     plan = search(model, batches, candidates=("fp32", "bf16"), objective="memory", repeats=1)
-    kinds = {u["type"] for u in plan.units}
+    kinds = {u.type for u in plan.units}
     assert {"Conv2d", "BatchNorm2d", "Linear"} <= kinds and len(plan.units) == 41
     # one by one every module fits bf16; together, at initialization on 4 random images
     # (batch norm over 4 values at layer4), the weight gradients of the whole model differ
     # from fp32's by about a third: the check backs off, and fp32 where it cannot fit
-    assert all("bf16" not in u["rejected"] for u in plan.units if u["type"] == "Conv2d")
+    assert all("bf16" not in u.rejected for u in plan.units if u.type == "Conv2d")
     if "bf16" not in plan.choices.values():
         assert plan.data["backoffs"] and all(b["why"].startswith("grad err")
                                              for b in plan.data["backoffs"])

@@ -39,16 +39,16 @@ def test_known_answers(known):
     assert c["tiny"] == "bf16"             # fp16 weight gradients underflow
     assert c["head"] == "fp16"             # bf16 logits move the loss past the budget
     assert keeps_sensitive_high(plan)
-    units = {u["module"]: u for u in plan.units}
-    hot16 = units["hot"]["options"]["fp16"]
+    units = {u.module: u for u in plan.units}
+    hot16 = units["hot"].options["fp16"]
     assert hot16["overflow"] > 0 and hot16["loss_err"] == float("inf")
-    tiny16 = units["tiny"]["options"]["fp16"]
+    tiny16 = units["tiny"].options["fp16"]
     assert tiny16["underflow"] > 0.5 and tiny16["wgrad_err"] == pytest.approx(1.0)
     # an ordinary Linear's errors at bf16 are those of bf16's rounding (2**-9 relative)
-    inp = units["inp"]["options"]["bf16"]
+    inp = units["inp"].options["bf16"]
     assert 5e-4 < inp["wgrad_err"] < 2e-2 and 5e-4 < inp["dgrad_err"] < 2e-2
-    assert units["head"]["options"]["bf16"]["loss_err"] > plan.budget.loss \
-        > units["head"]["options"]["fp16"]["loss_err"]
+    assert units["head"].options["bf16"]["loss_err"] > plan.budget.loss \
+        > units["head"].options["fp16"]["loss_err"]
     assert plan.data["measured"]["loss_err"] <= plan.budget.loss
     assert plan.data["measured"]["grad_err"] <= plan.budget.grad
 
@@ -161,7 +161,7 @@ def test_fp8_choice_applies_to_linear_only():
     plan = search(model, batches, candidates=("fp32", "fp8"), objective="memory", repeats=1,
                   budget=Budget(loss=1.0, grad=1.0, wgrad=1.0))
     assert plan.choices == {"0": "fp8", "2": "fp8", "4": "fp32"}
-    assert "fp8" not in plan.units[2]["options"]
+    assert "fp8" not in plan.units[2].options
     assert "FP8_MODULES = {" in plan.python() and "fp8_filter" in plan.python()
     applied = plan.apply(model)
     assert isinstance(model[0], ampc.fp8.Linear)
@@ -183,9 +183,9 @@ def test_time_objective_runs_and_notes_slow_candidates():
     assert set(plan.choices.values()) <= {"fp32", "bf16", "fp16"}
     assert plan.data["objective"] == "time"
     for u in plan.units:
-        assert u["options"]["fp32"]["ms"] > 0
+        assert u.options["fp32"]["ms"] > 0
     # a candidate not tried is said so, with the measured ratio
-    tried = {c for u in plan.units for c in u["options"]}
+    tried = {c for u in plan.units for c in u.options}
     for c in {"bf16", "fp16"} - tried:
         assert any(n.startswith(f"{c} not tried: its 512x512 matmul takes") for n in
                    plan.data["notes"])

@@ -1,0 +1,64 @@
+"""How far a low-precision result is from its fp32 reference, and whether fp16 can hold it.
+
+Norms are taken in float64 so that the error of the measurement stays far below the
+error measured (an fp32 sum of squares of a large tensor loses digits a bf16 error has).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+FP16_MAX = 65504.0
+
+
+def rel_error(a: Sequence[torch.Tensor | None], b: Sequence[torch.Tensor | None]) -> float | None:
+    """||a - b|| / ||b|| over paired lists of tensors, as one vector (||a - b|| when b is all
+    zero). Pairs with a None are skipped; None when no pair is left or two shapes differ;
+    inf when a compared ``a`` holds a non-finite value."""
+    num = den = 0.0
+    seen = False
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            continue
+        if x.shape != y.shape:
+            return None
+        seen = True
+        if not torch.isfinite(x).all():
+            return math.inf
+        num += float(torch.linalg.vector_norm(x.double() - y.double())) ** 2
+        den += float(torch.linalg.vector_norm(y.double())) ** 2
+    if not seen:
+        return None
+    return math.sqrt(num) / math.sqrt(den) if den > 0 else math.sqrt(num)
+
+
+def loss_error(y: torch.Tensor | None, ref: torch.Tensor, grad: torch.Tensor | None,
+               loss: float) -> float | None:
+    """First-order loss change of an output error: per example |<dL/dy, y - ref>| (dim 0),
+    summed, over |loss|. None without an output or its gradient; inf for a non-finite ``y``."""
+    if y is None or grad is None:
+        return None
+    if not torch.isfinite(y).all():
+        return math.inf
+    d = grad.double() * (y.double() - ref.double())
+    per_example = d.reshape(d.shape[0], -1).sum(1) if d.dim() else d.reshape(1)
+    return float(per_example.abs().sum()) / max(abs(loss), 1e-12)
+
+
+def fp16_range(grads: Iterable[torch.Tensor], scale: float,
+               activations: Iterable[torch.Tensor] = ()) -> tuple[float | None, float | None]:
+    """(underflow, overflow): the fractions of elements that, in fp16, round to zero from
+    non-zero (gradients, multiplied by the loss ``scale``) or pass its largest value 65504
+    (scaled gradients, and the unscaled ``activations``). (None, None) when there are none."""
+    total = under = over = 0
+    for g in grads:
+        s = (g.double() * scale).to(torch.float16)
+        total += g.numel()
+        under += int(((s == 0) & (g != 0)).sum())
+        over += int((torch.isinf(s) & torch.isfinite(g)).sum())
+    for a in activations:
+        total += a.numel()
+        over += int((a.abs() > FP16_MAX).sum())
+    return (under / total, over / total) if total else (None, None)

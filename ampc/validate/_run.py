@@ -1,0 +1,56 @@
+"""A training run's record (Run) and the curve arithmetic compare() and its report share."""
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Run:
+    """One training run: per-step curves and what it cost."""
+    name: str
+    kind: str                 # fp32, torch.amp, ampc or ampc.master
+    dtype: str                # fp32, fp16 or bf16
+    seed: int
+    losses: list = field(default_factory=list)
+    grad_norms: list = field(default_factory=list)   # global L2 norm of the unscaled grads
+    scales: list = field(default_factory=list)       # loss scale used at each step (1.0: none)
+    skipped: list = field(default_factory=list)      # steps whose update was skipped (inf/nan)
+    step_ms: list = field(default_factory=list)      # forward + backward + optimizer
+    peak_mib: float = None    # memory this run added at its peak (see _PeakMemory)
+    val_loss: float = None
+    model: object = field(default=None, repr=False)      # the trained model and its
+    optimizer: object = field(default=None, repr=False)  # optimizer (not serialized)
+
+    def median_ms(self) -> float:
+        warm = self.step_ms[len(self.step_ms) // 5:] or self.step_ms
+        return statistics.median(warm)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("model", "optimizer")}
+        d["median_step_ms"] = self.median_ms()
+        return d
+
+
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average (window ``window``); nan and inf propagate."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def rel_gap(curve: list[float], base: list[float]) -> list[float]:
+    """Per step |curve - base| / |base| (the absolute gap where base is 0)."""
+    return [abs(a - b) / abs(b) if b else abs(a - b) for a, b in zip(curve, base)]
+
+
+def _finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
