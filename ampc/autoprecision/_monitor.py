@@ -17,7 +17,7 @@ import copy
 import math
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,14 @@ from .._numerics.capture import capture
 from .._numerics.errors import loss_error, rel_error
 from .._numerics.model import default_loss
 
-if TYPE_CHECKING:
-    from ._plan import Applied
+
+class AppliedPlan(Protocol):
+    """What the Monitor needs of an applied plan (ampc.autoprecision.Applied): the plan, the
+    model it is applied to, and a way to change one module's precision."""
+    plan: Any
+    model: torch.nn.Module
+
+    def set(self, name: str, choice: str, reason: Reason = ...) -> None: ...
 
 
 def _agree(ratios):
@@ -46,7 +52,7 @@ def _agree(ratios):
 class Monitor:
     """Re-measures the modules of an applied plan during training (see the module's doc)."""
 
-    def __init__(self, applied: Applied, loss_fn: Callable | None = None, *, every: int = 100,
+    def __init__(self, applied: AppliedPlan, loss_fn: Callable | None = None, *, every: int = 100,
                  sample: int = 2, action: str = "raise", patience: int = 1, release: float = 0.5,
                  device: str | None = None) -> None:
         if action not in ("raise", "warn"):

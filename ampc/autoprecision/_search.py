@@ -125,11 +125,32 @@ def whole_step(model, batch, loss_fn, region, device):
     return loss.detach().float().item(), grads, seconds
 
 
-def check_plan(model, batches, loss_fn, plan, ref, device):
-    """The whole plan against fp32 over the batches: loss error, error of all weight
-    gradients together, the worst unit's weight-gradient error, and step times."""
-    m = copy.deepcopy(model)
-    plan.apply(m)
+class WorkingCopy:
+    """The one copy of the model every whole-plan check of a search runs on. Each check
+    takes the previous plan's scopes off, starts every FP8 module's scaling state afresh
+    (as a fresh copy would have it; a module no longer fp8 runs outside FP8) and applies
+    the plan. A check runs no optimizer step, so the weights stay the model's."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = copy.deepcopy(model)
+        self.applied = None
+
+    def under(self, plan: Plan) -> torch.nn.Module:
+        if self.applied is not None:
+            self.applied.remove()
+            for m in self.model.modules():
+                if isinstance(m, ampc.fp8.Linear):
+                    h = m.fp8_fwd_amax_history
+                    ampc.fp8.scaling.init_state(m, h.shape[0], h.device)
+        self.applied = plan.apply(self.model)
+        return self.model
+
+
+def check_plan(work, batches, loss_fn, plan, ref, device):
+    """The whole plan on ``work`` (a :class:`WorkingCopy`) against fp32 over the batches:
+    loss error, error of all weight gradients together, the worst unit's weight-gradient
+    error, and step times."""
+    m = work.under(plan)
     scale = plan.data.get("loss_scale", 1.0) if plan.needs_scaler() else 1.0
 
     def scaled_loss(out, target):
@@ -283,7 +304,7 @@ def _fp32_reference(model, batches, loss_fn, device):
             for (loss, g, t), b in zip(ref, batches)]
 
 
-def _back_off(model, batches, loss_fn, plan, ref, device, result, measured, budget, objective,
+def _back_off(work, batches, loss_fn, plan, ref, device, result, measured, budget, objective,
               max_backoffs):
     """Raises the worst contributors until the whole plan fits the budget: one module per
     round for 4 rounds, then 2, 4, ... Returns the last check's result."""
@@ -301,7 +322,7 @@ def _back_off(model, batches, loss_fn, plan, ref, device, result, measured, budg
             plan.data["backoffs"].append({"module": name, "from": u.choice, "to": new,
                                           "why": str(over)})
             plan.set_choice(name, new, Reason.BACKED_OFF)
-        result = check_plan(model, batches, loss_fn, plan, ref, device)
+        result = check_plan(work, batches, loss_fn, plan, ref, device)
     return result
 
 
@@ -311,11 +332,12 @@ def _check_whole(model, batches, loss_fn, plan, measured, budget, objective, dev
     notes = plan.data["notes"]
     ref = _fp32_reference(model, batches, loss_fn, device)
     fp32_ms = 1e3 * min(r[2] for r in ref)
-    result = check_plan(model, batches, loss_fn, plan, ref, device)
+    work = WorkingCopy(model)
+    result = check_plan(work, batches, loss_fn, plan, ref, device)
     if objective == "time":
-        result = _whole_low(model, batches, loss_fn, plan, ref, device, result, measured,
+        result = _whole_low(work, batches, loss_fn, plan, ref, device, result, measured,
                             budget, notes)
-    result = _back_off(model, batches, loss_fn, plan, ref, device, result, measured, budget,
+    result = _back_off(work, batches, loss_fn, plan, ref, device, result, measured, budget,
                        objective, max_backoffs)
     if _over(result, budget):
         # fp32 throughout fits any budget: never hand back a plan known to be over it
@@ -325,14 +347,14 @@ def _check_whole(model, batches, loss_fn, plan, measured, budget, objective, dev
         result = dict(result, loss_err=0.0, grad_err=0.0, wgrad_err=0.0, wgrad_worst=None,
                       plan_ms=fp32_ms)
     if objective == "time" and plan.dtype != "fp32":
-        result = _fastest(model, batches, loss_fn, plan, ref, device, result, fp32_ms,
+        result = _fastest(work, batches, loss_fn, plan, ref, device, result, fp32_ms,
                           budget, notes)
     result.pop("unit_wgrad")
     result["fp32_ms"] = fp32_ms
     plan.data["measured"] = result
 
 
-def _whole_low(model, batches, loss_fn, plan, ref, device, result, measured, budget, notes):
+def _whole_low(work, batches, loss_fn, plan, ref, device, result, measured, budget, notes):
     """Small modules time slower in 16 bits one by one (each pays its casts) than they run
     in a model that stays in 16 bits between them. So the whole model is also measured
     with every module at its least precise candidate that fits the budget; the faster of
@@ -342,7 +364,7 @@ def _whole_low(model, batches, loss_fn, plan, ref, device, result, measured, bud
         return result
     mine = plan.choices
     plan.set_choices(low, Reason.WHOLE_MODEL)
-    other = check_plan(model, batches, loss_fn, plan, ref, device)
+    other = check_plan(work, batches, loss_fn, plan, ref, device)
     if other["plan_ms"] * TIE < result["plan_ms"] and _over(other, budget) is None:
         notes.append(f"the modules one by one chose {_count(mine)}; the whole model measured "
                      f"faster with {_count(low)} ({other['plan_ms']:.1f} against "
@@ -359,12 +381,12 @@ def _count(choices):
     return ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
 
 
-def _fastest(model, batches, loss_fn, plan, ref, device, result, fp32_ms, budget, notes):
+def _fastest(work, batches, loss_fn, plan, ref, device, result, fp32_ms, budget, notes):
     """The time objective, for the whole model: the ops outside the units at the region
     dtype or in fp32, whichever measured faster (within the budget); and fp32 throughout
     when the plan measured slower than fp32 all the same."""
     plan.data["rest"] = "fp32"
-    other = check_plan(model, batches, loss_fn, plan, ref, device)
+    other = check_plan(work, batches, loss_fn, plan, ref, device)
     if other["plan_ms"] < result["plan_ms"] / TIE and _over(other, budget) is None:
         result = other
     else:

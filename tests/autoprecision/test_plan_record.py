@@ -1,0 +1,94 @@
+"""The Plan as a record: frozen units kept by name, one way to change a choice, the saved
+format of version 1 (plans saved before the typed records still load)."""
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from ampc.autoprecision import Plan
+from ampc.autoprecision._plan import Reason, Unit
+
+# a plan as search() saved it before units carried a reason or "too_slow"
+OLD = {"version": 1, "device": "cpu", "where": "torch CPU capability AVX2", "objective": "time",
+       "budget": {"loss": 0.05, "grad": 0.25, "wgrad": 0.05}, "candidates": ["fp32", "bf16", "fp16"],
+       "fp8_recipe": "delayed", "loss_scale": 65536.0, "notes": [], "backoffs": [],
+       "units": [{"module": "0", "type": "Linear", "kind": "gemm", "choice": "bf16",
+                  "options": {"fp32": {"loss_err": 0.0, "ms": 0.1, "bytes": 400},
+                              "bf16": {"loss_err": 0.01, "ms": 0.05, "bytes": 200},
+                              "fp16": {"error": "too slow here: 9x fp32's time", "ms": None,
+                                       "bytes": 200}},
+                  "rejected": {"fp16": "too slow here: 9x fp32's time"}},
+                 {"module": "1", "type": "LayerNorm", "kind": "norm", "choice": "fp32",
+                  "options": {"fp32": {"ms": 0.02, "bytes": 80}}, "rejected": {}}]}
+
+
+def test_old_saved_plan_loads_and_round_trips(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(OLD))
+    plan = Plan.load(str(path))
+    assert plan.choices == {"0": "bf16", "1": "fp32"} and plan.dtype == "bf16"
+    assert plan.unit("0").reason is Reason.SOLVED and plan.unit("1").kind == "norm"
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.as_dict()["units"][0]["reason"] == "solved"
+    assert {k: v for k, v in again.as_dict().items() if k != "units"} == \
+        {k: v for k, v in OLD.items() if k != "units"}
+    assert "fp16: too slow here" in plan.table()
+    with pytest.raises(ValueError, match="version 1"):
+        Plan(dict(OLD, version=2))
+
+
+def test_units_are_frozen_and_change_only_through_set_choice():
+    plan = Plan(OLD)
+    u = plan.unit("0")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        u.choice = "fp32"
+    new = plan.set_choice("0", "fp32", Reason.BACKED_OFF)
+    assert u.choice == "bf16"                    # the old record is untouched
+    assert new is plan.unit("0") and new.choice == "fp32" and new.reason is Reason.BACKED_OFF
+    assert plan.dtype == "fp32" and not plan.needs_scaler()   # the counts followed
+    plan.set_choice("1", "fp16")
+    assert plan.dtype == "fp16" and plan.needs_scaler() and plan.unit("1").reason is Reason.SET
+    with pytest.raises(ValueError, match="choice must be one of"):
+        plan.set_choice("1", "int8")
+    with pytest.raises(KeyError):
+        plan.set_choice("nope", "fp32")
+
+
+def test_lookup_by_name_does_not_walk_the_units():
+    units = [dict(OLD["units"][0], module=str(k)) for k in range(2000)]
+    plan = Plan(dict(OLD, units=units))
+
+    class Counting(dict):
+        """The plan's index; iterating it would mean a walk over every unit."""
+        walks = 0
+
+        def __iter__(self):
+            Counting.walks += 1
+            return super().__iter__()
+
+        def values(self):
+            Counting.walks += 1
+            return super().values()
+    plan._units = Counting(plan._units)
+    for k in range(0, 2000, 7):
+        assert plan.unit(str(k)).module == str(k) and plan.choice(str(k)) == "bf16"
+        plan.set_choice(str(k), "fp32")
+        assert str(k) in plan and plan.dtype == "bf16"
+    assert Counting.walks == 0
+
+
+def test_apply_sets_every_unit_and_applied_set_changes_the_record():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    plan = Plan(dict(OLD, units=[dict(OLD["units"][0]), dict(OLD["units"][1])]))
+    applied = plan.apply(model)
+    assert applied.changes == [("0", "Linear", "bf16"), ("1", "LayerNorm", "fp32")]
+    applied.set("0", "fp32")
+    assert plan.choice("0") == "fp32" and applied.changes[-1] == ("0", "Linear", "fp32")  # last set, last
+    applied.remove()
+    wrong = nn.Sequential(nn.Conv1d(8, 8, 1), nn.LayerNorm(8))
+    with pytest.raises(ValueError, match="made for a Linear"):
+        plan.apply(wrong)
+    assert isinstance(Unit.from_dict(OLD["units"][1]), Unit)
