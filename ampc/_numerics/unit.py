@@ -13,7 +13,8 @@ from .model import detached, first_float, float_tensors
 
 
 def run_unit(module: torch.nn.Module, call: Call, region: Callable[[], Any] = contextlib.nullcontext,
-             device: str = "cpu", scale: float = 1.0):
+             device: str = "cpu", scale: float = 1.0
+             ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None], float]:
     """Runs ``module`` on ``call``'s arguments inside ``region()`` and back-propagates the
     recorded output gradient times ``scale`` (a loss scale). Returns (output, input grads,
     weight grads, seconds), in fp32 and unscaled; the time is the forward (casts at the

@@ -12,7 +12,7 @@ import json
 import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,9 +54,20 @@ class Unit:
                 "choice": self.choice, "options": self.options, "rejected": self.rejected,
                 "reason": self.reason.value}
 
+    def __getitem__(self, key: str) -> Any:
+        """Read access by the saved format's keys (``u["choice"]``), as plans were read
+        before the records were typed; there is no item assignment."""
+        if key not in _FIELDS:
+            raise KeyError(key)
+        value = getattr(self, key)
+        return value.value if key == "reason" else value
+
     def figures(self, choice: str | None = None) -> Mapping[str, Any]:
         """What was measured at ``choice`` (default: its own), {} when not measured."""
         return self.options.get(choice or self.choice, {})
+
+
+_FIELDS = frozenset(f.name for f in fields(Unit))
 
 
 def _fmt(v, spec=".1e"):

@@ -31,7 +31,7 @@ import torch
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 from .._numerics.model import call_model, default_loss, to_device
 from ._report import Comparison
-from ._run import Run, _finite, rel_gap, smooth  # noqa: F401  (compare's names; the report reads them)
+from ._run import Run
 
 SETUPS = ("torch.amp", "ampc", "ampc.master")
 FP8_SETUP = "ampc.fp8"

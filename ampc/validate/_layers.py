@@ -11,7 +11,6 @@ to paste that keeps them in fp32.
 """
 from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
 
-import contextlib
 import copy
 import math
 import statistics
@@ -31,7 +30,6 @@ from ._report import LayerReport
 if TYPE_CHECKING:
     from ..grad_scaler import GradScaler
 
-__all__ = ["layers", "expression"]
 
 UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 

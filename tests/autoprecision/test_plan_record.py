@@ -92,3 +92,13 @@ def test_apply_sets_every_unit_and_applied_set_changes_the_record():
     with pytest.raises(ValueError, match="made for a Linear"):
         plan.apply(wrong)
     assert isinstance(Unit.from_dict(OLD["units"][1]), Unit)
+
+
+def test_units_read_by_saved_keys_but_never_written():
+    u = Plan(OLD).unit("0")
+    assert u["choice"] == "bf16" and u["module"] == "0" and u["reason"] == "solved"
+    assert u["rejected"] == {"fp16": "too slow here: 9x fp32's time"}
+    with pytest.raises(KeyError):
+        u["nope"]
+    with pytest.raises(TypeError):
+        u["choice"] = "fp32"

@@ -13,7 +13,7 @@ import ampc
 from ampc import validate
 from ampc.validate import __main__ as cli
 from ampc.validate import _report
-from ampc.validate._layers import expression
+from ampc._numerics.model import expression
 
 VOCAB = 16
 
@@ -303,6 +303,6 @@ def test_command_line_bad_arguments(argv, match, tmp_path, monkeypatch, capsys):
 
 
 def test_smooth_and_gap():
-    assert validate._compare.smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
-    assert validate._compare.rel_gap([1.1, 2.0], [1.0, 2.0]) == pytest.approx([0.1, 0.0])
-    assert math.isnan(validate._compare.smooth([1.0, float("nan")], 2)[1])
+    assert validate._run.smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert validate._run.rel_gap([1.1, 2.0], [1.0, 2.0]) == pytest.approx([0.1, 0.0])
+    assert math.isnan(validate._run.smooth([1.0, float("nan")], 2)[1])

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ampc import validate
-from ampc.validate._compare import Run
+from ampc.validate._run import Run
 from ampc.validate._report import MAX_SPREAD, Comparison, LayerReport
 
 
