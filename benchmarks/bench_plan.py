@@ -1,4 +1,4 @@
-"""ampc.autoprecision's bookkeeping against the number of units: Plan.apply and find_units.
+"""ampc.autoprecision's bookkeeping against the number of units: Plan.apply, find_units, the solver.
 
     python benchmarks/bench_plan.py [--sizes 1000,10000] [--reps 3] [--json]
 
@@ -9,8 +9,11 @@ that many tiny units (blocks of Linear(8, 8) + LayerNorm(8), one level deep: fin
 looks inside every block) and a saved-format plan for it (units alternating bf16 and fp32),
 then times, interleaved rep by rep, ``Plan.from_json(text).apply(model)`` on a fresh copy
 of the model (parsing included) and ``find_units(model)``. There is no torch counterpart;
-linearity is read from the time per unit across sizes.
+linearity is read from the time per unit across sizes. ``solve`` takes measurements drawn
+at random (seeded) whose summed errors are over the budget when each unit takes its
+cheapest candidate, so that the solver makes about one move per unit.
 """
+import random
 import json
 import statistics
 import time
@@ -21,6 +24,7 @@ import _harness as H
 
 ampc = H.import_ampc()
 from ampc.autoprecision import Plan  # noqa: E402  (after the harness finds ampc)
+from ampc.autoprecision._solve import Budget, solve  # noqa: E402
 from ampc.autoprecision._units import find_units  # noqa: E402
 
 
@@ -39,15 +43,28 @@ def plan_text(model):
                        "candidates": ["fp32", "bf16"], "units": units})
 
 
+def measured_of(units, seed=0):
+    """{unit: {candidate: figures}}: bf16 cheaper than fp32, its errors summing to about
+    three times the budget over all units."""
+    rng = random.Random(seed)
+    bar = 3 * 0.05 / units ** 0.5
+    return {str(k): {"fp32": {"loss_err": 0.0, "dgrad_err": 0.0, "wgrad_err": 0.0, "ms": 1.0, "bytes": 4},
+                     "bf16": {"loss_err": bar * rng.uniform(0.5, 1.5), "dgrad_err": bar * rng.random(),
+                              "wgrad_err": 0.01, "ms": rng.uniform(0.3, 0.9), "bytes": 2}}
+            for k in range(units)}
+
+
 def main():
     p = H.common_args(__doc__)
     p.add_argument("--sizes", default="1000,10000")
     args = H.parse(p)
     reps = args.reps or 3
     rows = []
+    Plan.from_json(plan_text(model_of(2))).apply(model_of(2))   # first use loads ampc.fp8: not timed
     for n in [int(s) for s in args.sizes.split(",")]:
         text = plan_text(model_of(n))
-        t_apply, t_find = [], []
+        measured = measured_of(n)
+        t_apply, t_find, t_solve = [], [], []
         for _ in range(reps):
             model = model_of(n)
             t0 = time.perf_counter()
@@ -58,7 +75,11 @@ def main():
             found = find_units(model)
             t_find.append(time.perf_counter() - t0)
             assert len(found) == n, (len(found), n)
-        for what, ts in (("Plan.apply", t_apply), ("find_units", t_find)):
+            t0 = time.perf_counter()
+            choice, _ = solve(measured, Budget(), "time")
+            t_solve.append(time.perf_counter() - t0)
+            assert "fp32" in choice.values() and "bf16" in choice.values()
+        for what, ts in (("Plan.apply", t_apply), ("find_units", t_find), ("solve", t_solve)):
             med = statistics.median(ts)
             rows.append({"case": what, "units": n, "median_s": med, "min_s": min(ts), "max_s": max(ts),
                          "us_per_unit": 1e6 * med / n, "reps": reps})
