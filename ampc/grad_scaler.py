@@ -308,9 +308,13 @@ class GradScaler:
                              f"got {hysteresis!r}")
         lo = 0.0 if min_scale is None else min_scale
         hi = math.inf if max_scale is None else max_scale
-        if not 0.0 <= lo <= hi or not hi > 0.0:
+        try:    # the rule is the kernel's: ask it, with the bounds as update() passes them
+            ops.update_scale(torch.ones(1), torch.zeros(1, dtype=torch.int32), torch.zeros(1),
+                             2.0, 0.5, 1, min_scale=lo, max_scale=hi)
+        except RuntimeError:
             raise ValueError(f"ampc.GradScaler: need 0 <= min_scale <= max_scale and "
-                             f"max_scale > 0, got min_scale={min_scale}, max_scale={max_scale}")
+                             f"max_scale > 0, got min_scale={min_scale}, "
+                             f"max_scale={max_scale}") from None
         if patience is not None and (not isinstance(patience, int) or patience < 1):
             raise ValueError(f"ampc.GradScaler: min_scale_patience must be None or an int "
                              f">= 1, got {patience!r}")

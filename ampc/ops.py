@@ -7,7 +7,6 @@ input raises an error that names the op and the argument.
 """
 import ctypes
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 from itertools import repeat
 from operator import attrgetter
@@ -166,17 +165,8 @@ def check_norm(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Tensor) ->
     """
     _check_tensor("check_norm", "found_inf", found_inf)
     _check_tensor("check_norm", "inv_scale", inv_scale)
-    try:        # one dtype, the usual case: no per-tensor Python work
-        return _run("check_norm", grads, found_inf, inv_scale)
-    except (TypeError, RuntimeError):
-        _check_list("check_norm", "grads", grads)
-        groups = defaultdict(list)  # the kernel takes one dtype: one call per dtype
-        for g in grads:
-            groups[g.dtype].append(g)
-        if len(groups) <= 1:
-            raise
-    norms = [_run("check_norm", g, found_inf, inv_scale) for g in groups.values()]
-    return torch.linalg.vector_norm(torch.stack(norms))
+    return _call("check_norm", {"grads": grads},
+                 lambda g: _run("check_norm", g, found_inf, inv_scale))
 
 
 def update_scale(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor,
@@ -205,10 +195,7 @@ def update_scale(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor,
     _check_tensor("update_scale", "scale", scale)
     _check_tensor("update_scale", "growth_tracker", growth_tracker)
     _check_tensor("update_scale", "found_inf", found_inf)
-    if hysteresis_tracker is None:
-        if hysteresis != 1:
-            raise ValueError("ampc.update_scale: hysteresis_tracker is required when "
-                             f"hysteresis > 1, got hysteresis={hysteresis}")
+    if hysteresis_tracker is None:      # the kernel says when it needs one
         hysteresis_tracker = torch.empty(0, dtype=torch.int32, device=scale.device)
     _check_tensor("update_scale", "hysteresis_tracker", hysteresis_tracker)
     _run("update_scale", scale, growth_tracker, hysteresis_tracker, found_inf,
