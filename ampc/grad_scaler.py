@@ -308,13 +308,9 @@ class GradScaler:
                              f"got {hysteresis!r}")
         lo = 0.0 if min_scale is None else min_scale
         hi = math.inf if max_scale is None else max_scale
-        try:    # the rule is the kernel's: ask it, with the bounds as update() passes them
-            ops.update_scale(torch.ones(1), torch.zeros(1, dtype=torch.int32), torch.zeros(1),
-                             2.0, 0.5, 1, min_scale=lo, max_scale=hi)
-        except RuntimeError:
+        if not ops._takes_scale_bounds(lo, hi):     # the kernel's rule, asked at construction
             raise ValueError(f"ampc.GradScaler: need 0 <= min_scale <= max_scale and "
-                             f"max_scale > 0, got min_scale={min_scale}, "
-                             f"max_scale={max_scale}") from None
+                             f"max_scale > 0, got min_scale={min_scale}, max_scale={max_scale}")
         if patience is not None and (not isinstance(patience, int) or patience < 1):
             raise ValueError(f"ampc.GradScaler: min_scale_patience must be None or an int "
                              f">= 1, got {patience!r}")

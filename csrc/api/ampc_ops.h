@@ -101,23 +101,25 @@ AMPC_OP(update_scale, NONE,
         AMPC_ARG(FLOAT, growth_factor) AMPC_ARG(FLOAT, backoff_factor)
         AMPC_ARG(INT, growth_interval) AMPC_ARG(INT, hysteresis) AMPC_ARG(FLOAT, min_scale)
         AMPC_ARG(FLOAT, max_scale))
+/* What both Adam ops take after their tensors (adam_packed adds amsgrad and master before
+ * the rounding): values on the device as lists of zero or one tensor, then the numbers. */
+#ifndef AMPC_ADAM_CONTROL
+#define AMPC_ADAM_CONTROL                                                                 \
+    AMPC_ARG(OPTION, lr_tensor) AMPC_ARG(OPTION, inv_scale) AMPC_ARG(OPTION, clip_coef)   \
+    AMPC_ARG(OPTION, found_inf) AMPC_ARG(FLOAT, lr) AMPC_ARG(FLOAT, beta1)                \
+    AMPC_ARG(FLOAT, beta2) AMPC_ARG(FLOAT, eps) AMPC_ARG(FLOAT, weight_decay)             \
+    AMPC_ARG(BOOL, decoupled) AMPC_ARG(BOOL, maximize)
+#define AMPC_ADAM_ROUNDING AMPC_ARG(BOOL, stochastic, False) AMPC_ARG(INT, seed, 0)
+#endif
 AMPC_OP(adam_master, NONE,
         AMPC_ARG(TENSORS_OUT, params) AMPC_ARG(TENSORS, grads) AMPC_ARG(TENSORS_OUT, masters)
         AMPC_ARG(TENSORS_OUT, exp_avgs) AMPC_ARG(TENSORS_OUT, exp_avg_sqs)
         AMPC_ARG(TENSORS_OUT, max_exp_avg_sqs) AMPC_ARG(TENSORS_OUT, steps)
-        AMPC_ARG(OPTION, lr_tensor) AMPC_ARG(OPTION, inv_scale) AMPC_ARG(OPTION, clip_coef)
-        AMPC_ARG(OPTION, found_inf) AMPC_ARG(FLOAT, lr) AMPC_ARG(FLOAT, beta1)
-        AMPC_ARG(FLOAT, beta2) AMPC_ARG(FLOAT, eps) AMPC_ARG(FLOAT, weight_decay)
-        AMPC_ARG(BOOL, decoupled) AMPC_ARG(BOOL, maximize) AMPC_ARG(BOOL, stochastic, False)
-        AMPC_ARG(INT, seed, 0))
+        AMPC_ADAM_CONTROL AMPC_ADAM_ROUNDING)
 AMPC_OP(adam_packed, INT,
         AMPC_ARG(TENSORS_OUT, params) AMPC_ARG(TENSORS, grads) AMPC_ARG(TENSOR_OUT, state)
-        AMPC_ARG(TENSOR_OUT, steps) AMPC_ARG(HOST_TENSOR, layout) AMPC_ARG(OPTION, lr_tensor)
-        AMPC_ARG(OPTION, inv_scale) AMPC_ARG(OPTION, clip_coef) AMPC_ARG(OPTION, found_inf)
-        AMPC_ARG(FLOAT, lr) AMPC_ARG(FLOAT, beta1) AMPC_ARG(FLOAT, beta2) AMPC_ARG(FLOAT, eps)
-        AMPC_ARG(FLOAT, weight_decay) AMPC_ARG(BOOL, decoupled) AMPC_ARG(BOOL, maximize)
-        AMPC_ARG(BOOL, amsgrad) AMPC_ARG(BOOL, master) AMPC_ARG(BOOL, stochastic, False)
-        AMPC_ARG(INT, seed, 0))
+        AMPC_ARG(TENSOR_OUT, steps) AMPC_ARG(HOST_TENSOR, layout)
+        AMPC_ADAM_CONTROL AMPC_ARG(BOOL, amsgrad) AMPC_ARG(BOOL, master) AMPC_ADAM_ROUNDING)
 AMPC_OP(fp8_gemm, INT,
         AMPC_ARG(TENSOR_OUT, out) AMPC_ARG(TENSOR, a) AMPC_ARG(TENSOR, b_t)
         AMPC_ARG(TENSOR, scale_inv_a) AMPC_ARG(TENSOR, scale_inv_b) AMPC_ARG(OPTION, bias)

@@ -141,60 +141,36 @@ struct tensor *take_tensor(struct call *c, StableIValue v, const char *name, int
 /* Once every handle is owned (so a failure frees them all): read and check them. */
 void describe_all(struct call *c);
 
-/* take_<kind>(c, value, name): one argument of AMPC_ARG's kind off the stack. */
-static inline struct list *take_TENSORS(struct call *c, StableIValue v, const char *name)
-{
-    return take_list(c, v, name, 0);
-}
-
-static inline struct list *take_TENSORS_OUT(struct call *c, StableIValue v, const char *name)
-{
-    return take_list(c, v, name, 1);
-}
-
-static inline struct list *take_OPTION(struct call *c, StableIValue v, const char *name)
-{
-    return take_option(c, v, name, 0);
-}
-
-static inline struct list *take_OPTION_OUT(struct call *c, StableIValue v, const char *name)
-{
-    return take_option(c, v, name, 1);
-}
-
-static inline struct tensor *take_TENSOR(struct call *c, StableIValue v, const char *name)
-{
-    return take_tensor(c, v, name, 0);
-}
-
-static inline struct tensor *take_TENSOR_OUT(struct call *c, StableIValue v, const char *name)
-{
-    return take_tensor(c, v, name, 1);
-}
-
-static inline struct tensor *take_HOST_TENSOR(struct call *c, StableIValue v, const char *name)
-{
-    struct tensor *t = take_tensor(c, v, name, 0);
-    t->host = 1;
-    return t;
-}
-
-static inline double take_FLOAT(struct call *c, StableIValue v, const char *name)
+static inline double take_double(StableIValue v)
 {
     double d;
     memcpy(&d, &v, sizeof(d));
     return d;
 }
 
-static inline int64_t take_INT(struct call *c, StableIValue v, const char *name)
-{
-    return (int64_t)v;
-}
-
-static inline int take_BOOL(struct call *c, StableIValue v, const char *name)
+static inline int take_bool(StableIValue v)
 {
     return (v & 0xff) != 0;
 }
+
+static inline struct tensor *take_host_tensor(struct call *c, StableIValue v, const char *name)
+{
+    struct tensor *t = take_tensor(c, v, name, 0);
+    t->host = 1;
+    return t;
+}
+
+/* take_<kind>(c, value, name): one argument of an AMPC_ARG kind off the stack (register.c). */
+#define take_TENSORS(c, v, name) take_list(c, v, name, 0)
+#define take_TENSORS_OUT(c, v, name) take_list(c, v, name, 1)
+#define take_OPTION(c, v, name) take_option(c, v, name, 0)
+#define take_OPTION_OUT(c, v, name) take_option(c, v, name, 1)
+#define take_TENSOR(c, v, name) take_tensor(c, v, name, 0)
+#define take_TENSOR_OUT(c, v, name) take_tensor(c, v, name, 1)
+#define take_HOST_TENSOR(c, v, name) take_host_tensor(c, v, name)
+#define take_FLOAT(c, v, name) take_double(v)
+#define take_INT(c, v, name) ((int64_t)(v))
+#define take_BOOL(c, v, name) take_bool(v)
 
 // ---- checks ----
 
