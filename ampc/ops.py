@@ -158,8 +158,8 @@ def check_norm(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Tensor) ->
     pass that leaves the grads as they are (what gradient clipping of scaled grads needs).
 
     Args:
-        grads (list of Tensor): float32, float16 or bfloat16 gradients, contiguous, on
-            the device of ``found_inf``.
+        grads (list of Tensor): float32, float16 or bfloat16 gradients (they may mix
+            dtypes), contiguous, on the device of ``found_inf``.
         found_inf (Tensor): 1-element float32 flag.
         inv_scale (Tensor): 1-element float32 factor.
     """
