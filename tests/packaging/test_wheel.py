@@ -231,9 +231,8 @@ def test_no_cuda_switch_leaves_the_cuda_library_out_with_nvcc_on_the_path(build,
     env = _clean_env(f"{_stand_in_nvcc(tmp_path)}{os.pathsep}{build['no_nvcc']}")
     env["AMPC_NO_CUDA"] = "1"
     dist = tmp_path / "dist"
-    out = _run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-index",
-                "--no-build-isolation", "-w", str(dist), "."], cwd=tree, env=env)
-    assert "AMPC_NO_CUDA=1, building the CPU kernels only" in out
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-index",
+          "--no-build-isolation", "-w", str(dist), "."], cwd=tree, env=env)
     wheel, = dist.glob("ampc-*.whl")
     with zipfile.ZipFile(wheel) as z:
         assert "ampc/libampc.so" in z.namelist()
