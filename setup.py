@@ -2,7 +2,8 @@
 
 ampc/libampc.so       the CPU kernels (csrc/cpu/*.c) and the torch glue (csrc/torch/*.c),
                       compiled as C11.
-ampc/libampc_cuda.so  the CUDA kernels (csrc/cuda/*.cu), only when nvcc is on the PATH.
+ampc/libampc_cuda.so  the CUDA kernels (csrc/cuda/*.cu), only when nvcc is on the PATH
+                      and AMPC_NO_CUDA=1 is not set (the CUDA build takes minutes).
 
 csrc/ is in layers, each a folder on the include path: api/ (the C API and the list of
 ops), math/ (per-element math shared by C and CUDA), cpu/, cuda/ and torch/.
@@ -21,6 +22,8 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 DEBUG = os.environ.get("DEBUG") == "1"
+# AMPC_NO_CUDA=1: the CPU library only, even with nvcc on the PATH
+NO_CUDA = os.environ.get("AMPC_NO_CUDA") == "1"
 C_SOURCES = sorted(glob.glob("csrc/cpu/*.c") + glob.glob("csrc/torch/*.c"))
 C_INCLUDES = ["csrc/api", "csrc/math", "csrc/cpu", "csrc/torch"]
 HEADERS = sorted(glob.glob("csrc/*/*.h"))
@@ -82,6 +85,9 @@ class BuildLibraries(build_ext):
         nvcc = shutil.which("nvcc")
         sources = sorted(glob.glob("csrc/cuda/*.cu"))
         if not sources:
+            return
+        if NO_CUDA:
+            print("ampc: AMPC_NO_CUDA=1, building the CPU kernels only")
             return
         if nvcc is None:
             print("ampc: nvcc not found, building the CPU kernels only")

@@ -308,7 +308,7 @@ class GradScaler:
                              f"got {hysteresis!r}")
         lo = 0.0 if min_scale is None else min_scale
         hi = math.inf if max_scale is None else max_scale
-        if not 0.0 <= lo <= hi or not hi > 0.0:
+        if not ops._takes_scale_bounds(lo, hi):     # the kernel's rule, asked at construction
             raise ValueError(f"ampc.GradScaler: need 0 <= min_scale <= max_scale and "
                              f"max_scale > 0, got min_scale={min_scale}, max_scale={max_scale}")
         if patience is not None and (not isinstance(patience, int) or patience < 1):

@@ -7,7 +7,6 @@ input raises an error that names the op and the argument.
 """
 import ctypes
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 from itertools import repeat
 from operator import attrgetter
@@ -159,24 +158,15 @@ def check_norm(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Tensor) ->
     pass that leaves the grads as they are (what gradient clipping of scaled grads needs).
 
     Args:
-        grads (list of Tensor): float32, float16 or bfloat16 gradients, contiguous, on
-            the device of ``found_inf``.
+        grads (list of Tensor): float32, float16 or bfloat16 gradients (they may mix
+            dtypes), contiguous, on the device of ``found_inf``.
         found_inf (Tensor): 1-element float32 flag.
         inv_scale (Tensor): 1-element float32 factor.
     """
     _check_tensor("check_norm", "found_inf", found_inf)
     _check_tensor("check_norm", "inv_scale", inv_scale)
-    try:        # one dtype, the usual case: no per-tensor Python work
-        return _run("check_norm", grads, found_inf, inv_scale)
-    except (TypeError, RuntimeError):
-        _check_list("check_norm", "grads", grads)
-        groups = defaultdict(list)  # the kernel takes one dtype: one call per dtype
-        for g in grads:
-            groups[g.dtype].append(g)
-        if len(groups) <= 1:
-            raise
-    norms = [_run("check_norm", g, found_inf, inv_scale) for g in groups.values()]
-    return torch.linalg.vector_norm(torch.stack(norms))
+    return _call("check_norm", {"grads": grads},
+                 lambda g: _run("check_norm", g, found_inf, inv_scale))
 
 
 def update_scale(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor,
@@ -205,15 +195,24 @@ def update_scale(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor,
     _check_tensor("update_scale", "scale", scale)
     _check_tensor("update_scale", "growth_tracker", growth_tracker)
     _check_tensor("update_scale", "found_inf", found_inf)
-    if hysteresis_tracker is None:
-        if hysteresis != 1:
-            raise ValueError("ampc.update_scale: hysteresis_tracker is required when "
-                             f"hysteresis > 1, got hysteresis={hysteresis}")
+    if hysteresis_tracker is None:      # the kernel says when it needs one
         hysteresis_tracker = torch.empty(0, dtype=torch.int32, device=scale.device)
     _check_tensor("update_scale", "hysteresis_tracker", hysteresis_tracker)
     _run("update_scale", scale, growth_tracker, hysteresis_tracker, found_inf,
          float(growth_factor), float(backoff_factor), int(growth_interval), int(hysteresis),
          float(min_scale), float(max_scale))
+
+
+def _takes_scale_bounds(min_scale, max_scale):
+    """Whether update_scale's kernel takes these bounds (the rule is its own), asked with
+    one step on throwaway CPU scalars."""
+    try:
+        _run("update_scale", torch.ones(1), torch.zeros(1, dtype=torch.int32),
+             torch.empty(0, dtype=torch.int32), torch.zeros(1), 2.0, 0.5, 1, 1,
+             float(min_scale), float(max_scale))
+    except RuntimeError:
+        return False
+    return True
 
 
 def _optional(op, name, t):
@@ -457,18 +456,12 @@ def stream_bytes() -> int:
 #   wrong (or no) gradients through the op.
 # This kernel, one dispatch key above the backends, refuses tensors that require grad
 # while grad mode is on (the ops are not differentiable), bumps the versions of the
-# tensors the op writes, and passes the call on.
-#
-# Through the dispatcher that costs about 0.1 us a tensor beyond the work itself: each
-# list is turned into Python objects and back. The wrappers above hold the lists
-# already, so in plain eager calls (_run) they do the same work on them and enter the
-# op below this kernel; under grad mode off that is the version bumps alone. Tracing,
-# inference mode, dispatch or function modes and functorch take the dispatcher's way.
+# tensors the op writes, and passes the call on. Every call takes it, the wrappers' too:
+# one guard, whatever way the op is reached (eager, torch.ops, modes, tracing).
 
 _lib = torch.library.Library("ampc", "IMPL")
-_GUARDS = {}
+_OVERLOADS = {}
 _REQUIRES_GRAD = attrgetter("requires_grad")
-_BELOW_GUARD = torch._C._AutoDispatchBelowADInplaceOrView
 
 
 def _guard_autograd(name):
@@ -493,20 +486,17 @@ def _guard_autograd(name):
                 f"ampc.{name}: {where} requires grad, and ampc's ops are not "
                 f"differentiable; call them under torch.no_grad()")
 
-    def prepare(args):
+    def kernel(keyset, *args):
         if torch.is_grad_enabled():
             refuse_grad(args)
         for i in lists:
             bump(args[i])
         if singles:
             bump([args[i] for i in singles])
-
-    def kernel(keyset, *args):
-        prepare(args)
         return overload.redispatch(keyset & below, *args)
 
     _lib.impl(name, kernel, "ADInplaceOrView", with_keyset=True)
-    _GUARDS[name] = (overload, prepare)
+    _OVERLOADS[name] = overload
 
 
 # Every op the C library registered (its list is csrc/api/ampc_ops.h) gets the guard and
@@ -521,18 +511,8 @@ for _name in _OPS:
 
 
 def _run(name, *args):
-    """torch.ops.ampc.<name>(*args), the guard's work done here in plain eager calls."""
-    overload, prepare = _GUARDS[name]
-    if (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
-            or torch._C._are_functorch_transforms_active()
-            or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()):
-        return overload(*args)
-    try:
-        prepare(args)
-    except (AttributeError, TypeError):     # not a tensor where one belongs: the op says so
-        return overload(*args)
-    with _BELOW_GUARD():
-        return overload(*args)
+    """torch.ops.ampc.<name>(*args), through the guard."""
+    return _OVERLOADS[name](*args)
 
 
 # ---- fake kernels: shapes only, for torch.compile and meta tensors ----

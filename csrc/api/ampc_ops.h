@@ -13,8 +13,14 @@
  *     launcher ampc_<name>_cuda_impl(params, void *stream) (cuda/<name>.cu), reached
  *     through slot <name> of struct ampc_cuda_api.
  * AMPC_CUDA_KERNEL(name, params...): the same without a CPU entry point.
- * AMPC_OP(name, signature): torch.ops.ampc.<name> with schema "<name><signature>", run
- *     by ampc_op_<name>(stack, on_cuda) of the torch glue (torch/ops_<area>.c).
+ * AMPC_OP(name, ret, args): torch.ops.ampc.<name>, returning ret (NONE, TENSOR or INT),
+ *     with the arguments `args`, a run of AMPC_ARG(kind, name[, default]) in schema order.
+ *     From it the glue generates the schema, struct <name>_args (one field per argument)
+ *     and the code that fills it from torch's boxed stack (torch/register.c), then runs
+ *     ampc_op_<name>(call, args) (torch/ops_<area>.c). Kinds (torch/call.h): TENSORS and
+ *     TENSORS_OUT (Tensor[], the op writes the _OUT ones), TENSOR and TENSOR_OUT, HOST_TENSOR
+ *     (a Tensor read on the host), OPTION and OPTION_OUT (a Tensor[] of zero or one
+ *     tensor, named without an index), FLOAT, INT, BOOL. A default is schema text.
  *
  * The argument structs and the conventions the kernels share are in ampc.h.
  */
@@ -25,7 +31,10 @@
 #define AMPC_CUDA_KERNEL(name, ...)
 #endif
 #ifndef AMPC_OP
-#define AMPC_OP(name, signature)
+#define AMPC_OP(name, ret, args)
+#endif
+#ifndef AMPC_ARG
+#define AMPC_ARG(kind, name, ...)
 #endif
 
 // ---- kernels ----
@@ -78,36 +87,55 @@ AMPC_CUDA_KERNEL(fp8_gemm, struct ampc_fp8_gemm_args *args)
 
 // ---- torch.ops.ampc.* ----
 
-AMPC_OP(cast, "(Tensor(a!)[] dst, Tensor[] src, Tensor[] seed_tensor, bool stochastic=False, "
-              "int seed=0) -> ()")
-AMPC_OP(unscale_check, "(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) -> ()")
-AMPC_OP(check_norm, "(Tensor[] grads, Tensor(a!) found_inf, Tensor inv_scale) -> Tensor")
-AMPC_OP(update_scale, "(Tensor(a!) scale, Tensor(b!) growth_tracker, "
-                      "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
-                      "float backoff_factor, int growth_interval, int hysteresis, "
-                      "float min_scale, float max_scale) -> ()")
-AMPC_OP(adam_master, "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, "
-                     "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, "
-                     "Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] steps, Tensor[] lr_tensor, "
-                     "Tensor[] inv_scale, Tensor[] clip_coef, Tensor[] found_inf, float lr, "
-                     "float beta1, float beta2, float eps, float weight_decay, bool decoupled, "
-                     "bool maximize, bool stochastic=False, int seed=0) -> ()")
-AMPC_OP(adam_packed, "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) state, "
-                     "Tensor(c!) steps, Tensor layout, Tensor[] lr_tensor, Tensor[] inv_scale, "
-                     "Tensor[] clip_coef, Tensor[] found_inf, float lr, float beta1, "
-                     "float beta2, float eps, float weight_decay, bool decoupled, "
-                     "bool maximize, bool amsgrad, bool master, bool stochastic=False, "
-                     "int seed=0) -> int")
-AMPC_OP(fp8_gemm, "(Tensor(a!) out, Tensor a, Tensor b_t, Tensor scale_inv_a, "
-                  "Tensor scale_inv_b, Tensor[] bias, Tensor(b!)[] amax, "
-                  "Tensor(c!) workspace) -> int")
-AMPC_OP(cast_fp8, "(Tensor(a!)[] dst, Tensor[] src, Tensor scale, Tensor(b!) amax) -> ()")
-AMPC_OP(fp8_amax, "(Tensor[] src, Tensor(a!) amax) -> ()")
-AMPC_OP(cast_from_fp8, "(Tensor(a!)[] dst, Tensor[] src, Tensor scale_inv) -> ()")
-AMPC_OP(fp8_update_scales, "(Tensor(a!) amax_history, Tensor(b!) scale, Tensor(c!) scale_inv, "
-                           "Tensor amax, float fmax, float margin=0., bool most_recent=False) "
-                           "-> ()")
+AMPC_OP(cast, NONE,
+        AMPC_ARG(TENSORS_OUT, dst) AMPC_ARG(TENSORS, src) AMPC_ARG(OPTION, seed_tensor)
+        AMPC_ARG(BOOL, stochastic, False) AMPC_ARG(INT, seed, 0))
+AMPC_OP(unscale_check, NONE,
+        AMPC_ARG(TENSORS_OUT, grads) AMPC_ARG(TENSOR_OUT, found_inf)
+        AMPC_ARG(TENSOR, inv_scale))
+AMPC_OP(check_norm, TENSOR,
+        AMPC_ARG(TENSORS, grads) AMPC_ARG(TENSOR_OUT, found_inf) AMPC_ARG(TENSOR, inv_scale))
+AMPC_OP(update_scale, NONE,
+        AMPC_ARG(TENSOR_OUT, scale) AMPC_ARG(TENSOR_OUT, growth_tracker)
+        AMPC_ARG(TENSOR_OUT, hysteresis_tracker) AMPC_ARG(TENSOR, found_inf)
+        AMPC_ARG(FLOAT, growth_factor) AMPC_ARG(FLOAT, backoff_factor)
+        AMPC_ARG(INT, growth_interval) AMPC_ARG(INT, hysteresis) AMPC_ARG(FLOAT, min_scale)
+        AMPC_ARG(FLOAT, max_scale))
+/* What both Adam ops take after their tensors (adam_packed adds amsgrad and master before
+ * the rounding): values on the device as lists of zero or one tensor, then the numbers. */
+#ifndef AMPC_ADAM_CONTROL
+#define AMPC_ADAM_CONTROL                                                                 \
+    AMPC_ARG(OPTION, lr_tensor) AMPC_ARG(OPTION, inv_scale) AMPC_ARG(OPTION, clip_coef)   \
+    AMPC_ARG(OPTION, found_inf) AMPC_ARG(FLOAT, lr) AMPC_ARG(FLOAT, beta1)                \
+    AMPC_ARG(FLOAT, beta2) AMPC_ARG(FLOAT, eps) AMPC_ARG(FLOAT, weight_decay)             \
+    AMPC_ARG(BOOL, decoupled) AMPC_ARG(BOOL, maximize)
+#define AMPC_ADAM_ROUNDING AMPC_ARG(BOOL, stochastic, False) AMPC_ARG(INT, seed, 0)
+#endif
+AMPC_OP(adam_master, NONE,
+        AMPC_ARG(TENSORS_OUT, params) AMPC_ARG(TENSORS, grads) AMPC_ARG(TENSORS_OUT, masters)
+        AMPC_ARG(TENSORS_OUT, exp_avgs) AMPC_ARG(TENSORS_OUT, exp_avg_sqs)
+        AMPC_ARG(TENSORS_OUT, max_exp_avg_sqs) AMPC_ARG(TENSORS_OUT, steps)
+        AMPC_ADAM_CONTROL AMPC_ADAM_ROUNDING)
+AMPC_OP(adam_packed, INT,
+        AMPC_ARG(TENSORS_OUT, params) AMPC_ARG(TENSORS, grads) AMPC_ARG(TENSOR_OUT, state)
+        AMPC_ARG(TENSOR_OUT, steps) AMPC_ARG(HOST_TENSOR, layout)
+        AMPC_ADAM_CONTROL AMPC_ARG(BOOL, amsgrad) AMPC_ARG(BOOL, master) AMPC_ADAM_ROUNDING)
+AMPC_OP(fp8_gemm, INT,
+        AMPC_ARG(TENSOR_OUT, out) AMPC_ARG(TENSOR, a) AMPC_ARG(TENSOR, b_t)
+        AMPC_ARG(TENSOR, scale_inv_a) AMPC_ARG(TENSOR, scale_inv_b) AMPC_ARG(OPTION, bias)
+        AMPC_ARG(OPTION_OUT, amax) AMPC_ARG(TENSOR_OUT, workspace))
+AMPC_OP(cast_fp8, NONE,
+        AMPC_ARG(TENSORS_OUT, dst) AMPC_ARG(TENSORS, src) AMPC_ARG(TENSOR, scale)
+        AMPC_ARG(TENSOR_OUT, amax))
+AMPC_OP(fp8_amax, NONE, AMPC_ARG(TENSORS, src) AMPC_ARG(TENSOR_OUT, amax))
+AMPC_OP(cast_from_fp8, NONE,
+        AMPC_ARG(TENSORS_OUT, dst) AMPC_ARG(TENSORS, src) AMPC_ARG(TENSOR, scale_inv))
+AMPC_OP(fp8_update_scales, NONE,
+        AMPC_ARG(TENSOR_OUT, amax_history) AMPC_ARG(TENSOR_OUT, scale)
+        AMPC_ARG(TENSOR_OUT, scale_inv) AMPC_ARG(TENSOR, amax) AMPC_ARG(FLOAT, fmax)
+        AMPC_ARG(FLOAT, margin, 0.) AMPC_ARG(BOOL, most_recent, False))
 
 #undef AMPC_KERNEL
 #undef AMPC_CUDA_KERNEL
 #undef AMPC_OP
+#undef AMPC_ARG

@@ -178,9 +178,9 @@ struct list *take_list(struct call *c, StableIValue v, const char *name, int wri
 
 /* A list of zero or one value that lives on the device (see option()): named without an
  * index in messages. */
-struct list *take_option(struct call *c, StableIValue v, const char *name)
+struct list *take_option(struct call *c, StableIValue v, const char *name, int written)
 {
-    struct list *ls = take_list(c, v, name, 0);
+    struct list *ls = take_list(c, v, name, written);
     for (int64_t i = 0; i < ls->count; i++)
         ls->t[i].index = -1;
     return ls;
@@ -193,6 +193,7 @@ struct tensor *take_tensor(struct call *c, StableIValue v, const char *name, int
     t->h = (AtenTensorHandle)(uintptr_t)v;
     t->name = name;
     t->index = -1;
+    t->dim = -1;
     t->written = written;
     return t;
 }

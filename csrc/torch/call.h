@@ -61,6 +61,7 @@ struct call {
     int soft;                       /* a tensor on another device or not contiguous sets */
     int unfit;                      /* unfit instead of failing the call (adam_packed) */
     void *scratch;                  /* freed with the call (the lists of dtype groups) */
+    StableIValue ret;               /* what the op returns (an int, or a tensor it owns) */
     char msg[512];
 };
 
@@ -84,9 +85,29 @@ typedef ampc_status (*cuda_fn)(void *job, void *stream);
         return g_cuda->name(__VA_ARGS__, stream);                                         \
     }
 
-// ---- the ops' entry points, one per op of ampc_ops.h (ops_<area>.c) ----
+// ---- the ops' arguments and entry points, one per op of ampc_ops.h ----
 
-#define AMPC_OP(name, signature) void ampc_op_##name(StableIValue *stack, int on_cuda);
+/* The C type each kind of AMPC_ARG is unboxed into (register.c takes them off the stack). */
+#define ARG_TYPE_TENSORS struct list *
+#define ARG_TYPE_TENSORS_OUT struct list *
+#define ARG_TYPE_OPTION struct list *
+#define ARG_TYPE_OPTION_OUT struct list *
+#define ARG_TYPE_TENSOR struct tensor *
+#define ARG_TYPE_TENSOR_OUT struct tensor *
+#define ARG_TYPE_HOST_TENSOR struct tensor *
+#define ARG_TYPE_FLOAT double
+#define ARG_TYPE_INT int64_t
+#define ARG_TYPE_BOOL int
+
+/* struct <op>_args: the op's arguments, named as in its schema, in schema order; and
+ * ampc_op_<op> (ops_<area>.c), which checks them (describe_all first, once every handle is
+ * owned), runs the kernel and leaves what the op returns in c->ret. */
+#define AMPC_ARG(kind, name, ...) ARG_TYPE_##kind name;
+#define AMPC_OP(op, ret, args)                                                            \
+    struct op##_args {                                                                    \
+        args                                                                              \
+    };                                                                                    \
+    void ampc_op_##op(struct call *c, struct op##_args *a);
 #include "ampc_ops.h"
 
 // ---- starting, failing and ending a call ----
@@ -115,7 +136,7 @@ int alloc_list(struct list *ls, int64_t n);
 struct list *take_list(struct call *c, StableIValue v, const char *name, int written);
 /* A list of zero or one value that lives on the device (see option()): named without an
  * index in messages. */
-struct list *take_option(struct call *c, StableIValue v, const char *name);
+struct list *take_option(struct call *c, StableIValue v, const char *name, int written);
 struct tensor *take_tensor(struct call *c, StableIValue v, const char *name, int written);
 /* Once every handle is owned (so a failure frees them all): read and check them. */
 void describe_all(struct call *c);
@@ -131,6 +152,25 @@ static inline int take_bool(StableIValue v)
 {
     return (v & 0xff) != 0;
 }
+
+static inline struct tensor *take_host_tensor(struct call *c, StableIValue v, const char *name)
+{
+    struct tensor *t = take_tensor(c, v, name, 0);
+    t->host = 1;
+    return t;
+}
+
+/* take_<kind>(c, value, name): one argument of an AMPC_ARG kind off the stack (register.c). */
+#define take_TENSORS(c, v, name) take_list(c, v, name, 0)
+#define take_TENSORS_OUT(c, v, name) take_list(c, v, name, 1)
+#define take_OPTION(c, v, name) take_option(c, v, name, 0)
+#define take_OPTION_OUT(c, v, name) take_option(c, v, name, 1)
+#define take_TENSOR(c, v, name) take_tensor(c, v, name, 0)
+#define take_TENSOR_OUT(c, v, name) take_tensor(c, v, name, 1)
+#define take_HOST_TENSOR(c, v, name) take_host_tensor(c, v, name)
+#define take_FLOAT(c, v, name) take_double(v)
+#define take_INT(c, v, name) ((int64_t)(v))
+#define take_BOOL(c, v, name) take_bool(v)
 
 // ---- checks ----
 

@@ -1,19 +1,14 @@
 /*
  * ops_adam.c: the optimizer's ops in the torch glue (adam_master, and adam_packed, its
- * step with the state of all params packed in one buffer): arguments taken off the stack
- * and checked, then the Adam kernel run.
+ * step with the state of all params packed in one buffer): arguments checked, then the
+ * Adam kernel run.
  */
 #include <math.h>
 #include <stdlib.h>
 
 #include "call.h"
 
-// ---- adam_master(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters,
-//                  Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs,
-//                  Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] steps, Tensor[] lr_tensor,
-//                  Tensor[] inv_scale, Tensor[] clip_coef, Tensor[] found_inf, float lr,
-//                  float beta1, float beta2, float eps, float weight_decay, bool decoupled,
-//                  bool maximize, bool stochastic, int seed) ----
+// ---- adam_master ----
 // The four device values are lists of zero or one tensor (see option()).
 
 struct adam_job {
@@ -60,68 +55,52 @@ static void check_adam_args(struct call *c, const struct ampc_adam_args *a, int 
         fail(c, "weight_decay must be a finite number >= 0, got %g", a->weight_decay);
 }
 
-/* The control values (lists lr_tensor, inv_scale, clip_coef, found_inf), the numbers
- * (lr, beta1, beta2, eps, weight_decay, decoupled, maximize at v) and the rounding
- * (stochastic, seed at r) of both Adam ops, checked. */
-static void take_adam_args(struct call *c, struct adam_job *job, struct list *const opt[4],
-                           const StableIValue *v, const StableIValue *r)
-{
-    job->control.lr = f32_option(c, opt[0], "lr_tensor");
-    job->control.inv_scale = f32_option(c, opt[1], "inv_scale");
-    job->control.clip_coef = f32_option(c, opt[2], "clip_coef");
-    job->control.found_inf = f32_option(c, opt[3], "found_inf");
-    job->args.lr = take_double(v[0]);
-    job->args.beta1 = take_double(v[1]);
-    job->args.beta2 = take_double(v[2]);
-    job->args.eps = take_double(v[3]);
-    job->args.weight_decay = take_double(v[4]);
-    job->args.decoupled = take_bool(v[5]);
-    job->args.maximize = take_bool(v[6]);
-    job->args.stochastic = take_bool(r[0]);
-    job->args.seed = (uint64_t)r[1];
-    check_adam_args(c, &job->args, job->control.lr != NULL);
-}
+/* The control values (lr_tensor, inv_scale, clip_coef, found_inf: lists of zero or one
+ * tensor), the numbers and the rounding of both Adam ops, checked. */
+#define TAKE_ADAM_ARGS(c, job, a)                                                         \
+    do {                                                                                  \
+        (job)->control.lr = f32_option(c, (a)->lr_tensor, "lr_tensor");                   \
+        (job)->control.inv_scale = f32_option(c, (a)->inv_scale, "inv_scale");            \
+        (job)->control.clip_coef = f32_option(c, (a)->clip_coef, "clip_coef");            \
+        (job)->control.found_inf = f32_option(c, (a)->found_inf, "found_inf");            \
+        (job)->args.lr = (a)->lr;                                                         \
+        (job)->args.beta1 = (a)->beta1;                                                   \
+        (job)->args.beta2 = (a)->beta2;                                                   \
+        (job)->args.eps = (a)->eps;                                                       \
+        (job)->args.weight_decay = (a)->weight_decay;                                     \
+        (job)->args.decoupled = (a)->decoupled;                                           \
+        (job)->args.maximize = (a)->maximize;                                             \
+        (job)->args.stochastic = (a)->stochastic;                                         \
+        (job)->args.seed = (uint64_t)(a)->seed;                                           \
+        check_adam_args(c, &(job)->args, (job)->control.lr != NULL);                      \
+    } while (0)
 
-void ampc_op_adam_master(StableIValue *stack, int on_cuda)
+void ampc_op_adam_master(struct call *c, struct adam_master_args *a)
 {
-    static const char *names[] = { "params", "grads", "masters", "exp_avgs", "exp_avg_sqs",
-                                   "max_exp_avg_sqs", "steps", "lr_tensor", "inv_scale",
-                                   "clip_coef", "found_inf" };
-    static const int written[] = { 1, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0 };
-    enum { N_LISTS = sizeof(names) / sizeof(names[0]), FIRST_OPTION = 7 };
-    struct call c;
-    struct list *ls[N_LISTS];
-    start(&c, "ampc.adam_master", on_cuda);
-    for (int i = 0; i < N_LISTS; i++)
-        ls[i] = i < FIRST_OPTION ? take_list(&c, stack[i], names[i], written[i])
-                                 : take_option(&c, stack[i], names[i]);
-    describe_all(&c);
+    describe_all(c);
     struct adam_job job;
     struct ampc_adam_lists *l = &job.lists;
-    l->params = float_list(&c, ls[0]);
-    l->grads = float_list(&c, ls[1]);
-    check_same_shapes(&c, ls[1], "grads", ls[0], "params");
-    l->masters = f32_list(&c, ls[2], "masters", ls[0], "params", 1);
-    l->exp_avgs = f32_list(&c, ls[3], "exp_avgs", ls[0], "params", 0);
-    l->exp_avg_sqs = f32_list(&c, ls[4], "exp_avg_sqs", ls[0], "params", 0);
-    l->max_exp_avg_sqs = f32_list(&c, ls[5], "max_exp_avg_sqs", ls[0], "params", 1);
-    l->steps = (struct ampc_list){ ls[6]->ptr, ls[6]->numel, ls[6]->count, AMPC_F32 };
-    if (ls[6]->count != ls[0]->count)
-        fail(&c, "steps must have as many tensors as params (%lld), got %lld",
-             (long long)ls[0]->count, (long long)ls[6]->count);
-    for (int64_t i = 0; i < ls[6]->count; i++)
-        check_scalar(&c, &ls[6]->t[i], aoti_torch_dtype_float32(), 0);
-    take_adam_args(&c, &job, ls + 7, stack + 11, stack + 18);
-    check_overlap(&c);
-    run(&c, adam_on_cpu, adam_on_cuda, &job);
-    call_free(&c);
+    l->params = float_list(c, a->params);
+    l->grads = float_list(c, a->grads);
+    check_same_shapes(c, a->grads, "grads", a->params, "params");
+    l->masters = f32_list(c, a->masters, "masters", a->params, "params", 1);
+    l->exp_avgs = f32_list(c, a->exp_avgs, "exp_avgs", a->params, "params", 0);
+    l->exp_avg_sqs = f32_list(c, a->exp_avg_sqs, "exp_avg_sqs", a->params, "params", 0);
+    l->max_exp_avg_sqs = f32_list(c, a->max_exp_avg_sqs, "max_exp_avg_sqs", a->params,
+                                  "params", 1);
+    struct list *steps = a->steps;
+    l->steps = (struct ampc_list){ steps->ptr, steps->numel, steps->count, AMPC_F32 };
+    if (steps->count != a->params->count)
+        fail(c, "steps must have as many tensors as params (%lld), got %lld",
+             (long long)a->params->count, (long long)steps->count);
+    for (int64_t i = 0; i < steps->count; i++)
+        check_scalar(c, &steps->t[i], aoti_torch_dtype_float32(), 0);
+    TAKE_ADAM_ARGS(c, &job, a);
+    check_overlap(c);
+    run(c, adam_on_cpu, adam_on_cuda, &job);
 }
 
-// ---- adam_packed(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) state, Tensor(c!) steps,
-//                  Tensor layout, Tensor[] lr_tensor, Tensor[] inv_scale, Tensor[] clip_coef,
-//                  Tensor[] found_inf, float lr, float beta1, float beta2, float eps,
-//                  float weight_decay, bool decoupled, bool maximize, bool amsgrad,
-//                  bool master, bool stochastic, int seed) -> int ----
+// ---- adam_packed ----
 // adam_master's step with the state of all params packed: `state` is fp32, its sections
 // (exp_avg, exp_avg_sq, then max_exp_avg_sq with amsgrad, then master with master
 // weights) of equal size one after the other; `steps` holds fp32 step counts; `layout`
@@ -193,44 +172,23 @@ static int packed_lists(struct call *c, struct adam_job *job, const struct list 
     return 1;
 }
 
-void ampc_op_adam_packed(StableIValue *stack, int on_cuda)
+void ampc_op_adam_packed(struct call *c, struct adam_packed_args *a)
 {
-    static const char *options[] = { "lr_tensor", "inv_scale", "clip_coef", "found_inf" };
-    struct call c;
-    struct list *opt[4];
-    start(&c, "ampc.adam_packed", on_cuda);
-    struct list *params = take_list(&c, stack[0], "params", 1);
-    struct list *grads = take_list(&c, stack[1], "grads", 0);
-    struct tensor *state = take_tensor(&c, stack[2], "state", 1);
-    struct tensor *steps = take_tensor(&c, stack[3], "steps", 1);
-    struct tensor *layout = take_tensor(&c, stack[4], "layout", 0);
-    for (int i = 0; i < 4; i++)
-        opt[i] = take_option(&c, stack[5 + i], options[i]);
-    layout->host = 1;
-    c.soft = 1;
-    describe_all(&c);
+    c->soft = 1;
+    describe_all(c);
     struct adam_job job;
     int mixed = 0;
     memset(&job, 0, sizeof(job));
-    job.lists.params = float_list_mixed(&c, params, &mixed);
-    job.lists.grads = float_list_mixed(&c, grads, &mixed);
-    int amsgrad = take_bool(stack[16]);
-    int master = take_bool(stack[17]);
-    if (c.unfit || mixed) {
-        call_free(&c);
-        stack[0] = 1;
+    job.lists.params = float_list_mixed(c, a->params, &mixed);
+    job.lists.grads = float_list_mixed(c, a->grads, &mixed);
+    c->ret = 1;             /* unfit until the step has run */
+    if (c->unfit || mixed)
         return;
-    }
-    check_same_shapes(&c, grads, "grads", params, "params");
-    if (!packed_lists(&c, &job, params, state, steps, layout, amsgrad, master)) {
-        call_free(&c);
-        stack[0] = 1;
+    check_same_shapes(c, a->grads, "grads", a->params, "params");
+    if (!packed_lists(c, &job, a->params, a->state, a->steps, a->layout, a->amsgrad, a->master))
         return;
-    }
-    take_adam_args(&c, &job, opt, stack + 9, stack + 18);
-    check_overlap(&c);
-    run(&c, adam_on_cpu, adam_on_cuda, &job);
-    call_free(&c);
-    stack[0] = 0;
+    TAKE_ADAM_ARGS(c, &job, a);
+    check_overlap(c);
+    run(c, adam_on_cpu, adam_on_cuda, &job);
+    c->ret = 0;
 }
-

@@ -1,12 +1,12 @@
 /*
  * ops_scaler.c: the loss scaler's ops in the torch glue (unscale_check, check_norm,
- * update_scale): arguments taken off the stack and checked, then the kernels run.
+ * update_scale): arguments checked, then the kernels run.
  */
 #include <math.h>
 
 #include "call.h"
 
-// ---- unscale_check(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) ----
+// ---- unscale_check and check_norm ----
 
 struct unscale_check_job {
     struct ampc_list grads;
@@ -16,73 +16,113 @@ struct unscale_check_job {
 
 ON_DEVICES(unscale_check, unscale_check_job, &job->grads, job->found_inf, job->inv_scale)
 
-/* grads (written when `written`), found_inf and inv_scale, taken and checked; grads may
- * mix dtypes when `mixed` is not NULL (it is set when they do). */
-static struct list *take_grads(struct call *c, StableIValue *stack, int written,
-                               struct ampc_list *out, int *mixed, float **found_inf,
-                               const float **inv_scale)
+/* grads (of one dtype or mixed: *mixed is set when they mix), found_inf and inv_scale,
+ * checked. */
+static void check_grads(struct call *c, struct list *grads, struct tensor *found_inf,
+                        struct tensor *inv_scale, struct ampc_list *out, int *mixed)
 {
-    struct list *grads = take_list(c, stack[0], "grads", written);
-    struct tensor *found = take_tensor(c, stack[1], "found_inf", 1);
-    struct tensor *inv = take_tensor(c, stack[2], "inv_scale", 0);
     describe_all(c);
-    *out = mixed ? float_list_mixed(c, grads, mixed) : float_list(c, grads);
-    check_scalar(c, found, aoti_torch_dtype_float32(), 0);
-    check_scalar(c, inv, aoti_torch_dtype_float32(), 0);
+    *out = float_list_mixed(c, grads, mixed);
+    check_scalar(c, found_inf, aoti_torch_dtype_float32(), 0);
+    check_scalar(c, inv_scale, aoti_torch_dtype_float32(), 0);
     check_overlap(c);
-    *found_inf = found->data;
-    *inv_scale = inv->data;
-    return grads;
 }
 
-void ampc_op_unscale_check(StableIValue *stack, int on_cuda)
+void ampc_op_unscale_check(struct call *c, struct unscale_check_args *a)
 {
-    struct call c;
     struct unscale_check_job job;
     int mixed = 0;
-    start(&c, "ampc.unscale_check", on_cuda);
-    struct list *grads = take_grads(&c, stack, 1, &job.grads, &mixed, &job.found_inf,
-                                    &job.inv_scale);
+    check_grads(c, a->grads, a->found_inf, a->inv_scale, &job.grads, &mixed);
+    job.found_inf = a->found_inf->data;
+    job.inv_scale = a->inv_scale->data;
     struct ampc_list *out = &job.grads;
-    run_groups(&c, mixed, &grads, &out, 1, unscale_check_on_cpu, unscale_check_on_cuda, &job);
-    call_free(&c);
+    run_groups(c, mixed, &a->grads, &out, 1, unscale_check_on_cpu, unscale_check_on_cuda, &job);
 }
-
-// ---- check_norm(Tensor[] grads, Tensor(a!) found_inf, Tensor inv_scale) -> Tensor ----
 
 struct check_norm_job {
     struct ampc_list grads;
     float *found_inf;
     const float *inv_scale;
-    float *norm;
+    float *norm;            /* where the next run writes its norm */
 };
 
-ON_DEVICES(check_norm, check_norm_job, &job->grads, job->found_inf, job->norm, job->inv_scale)
+/* each run moves job->norm on: the dtype groups of mixed grads write one norm each */
+ON_DEVICES(check_norm, check_norm_job, &job->grads, job->found_inf, job->norm++,
+           job->inv_scale)
 
-void ampc_op_check_norm(StableIValue *stack, int on_cuda)
+/* A new fp32 tensor of `n` elements (0-dim for 0) on the device of the call, owned by the
+ * call until the caller takes it back; its data into *data. */
+static AtenTensorHandle new_f32(struct call *c, int64_t n, float **data)
 {
-    struct call c;
-    struct check_norm_job job;
-    AtenTensorHandle norm = NULL;
-    start(&c, "ampc.check_norm", on_cuda);
-    take_grads(&c, stack, 0, &job.grads, NULL, &job.found_inf, &job.inv_scale);
-    /* a 0-dim fp32 tensor on the grads' device, named by the tensor that fixed it */
-    shim(&c, aoti_torch_empty_strided(0, NULL, NULL, aoti_torch_dtype_float32(),
-                                      c.first->device_type, c.first->device_index, &norm),
+    AtenTensorHandle h = NULL;
+    int64_t stride = 1;
+    shim(c, aoti_torch_empty_strided(n > 0, &n, &stride, aoti_torch_dtype_float32(),
+                                     c->first->device_type, c->first->device_index, &h),
          "empty_strided");
-    /* owned by the call until the kernel succeeds, so a failure frees it */
-    c.singles[c.n_singles++] = (struct tensor){ .h = norm, .name = "norm" };
-    shim(&c, torch_get_mutable_data_ptr(norm, (void **)&job.norm), "get_data_ptr");
-    run(&c, check_norm_on_cpu, check_norm_on_cuda, &job);
-    c.n_singles--;          /* the norm goes to the caller */
-    call_free(&c);
-    stack[0] = (StableIValue)(uintptr_t)norm;
+    c->singles[c->n_singles++] = (struct tensor){ .h = h, .name = "norm" };
+    shim(c, torch_get_mutable_data_ptr(h, (void **)data), "get_data_ptr");
+    return h;
 }
 
-// ---- update_scale(Tensor(a!) scale, Tensor(b!) growth_tracker,
-//                   Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor,
-//                   float backoff_factor, int growth_interval, int hysteresis,
-//                   float min_scale, float max_scale) ----
+/* The number of dtypes among the tensors of ls. */
+static int count_dtypes(const struct list *ls)
+{
+    int seen[3] = { 0, 0, 0 };
+    for (int64_t i = 0; i < ls->count; i++) {
+        ampc_dtype d = AMPC_F32;
+        to_ampc_dtype(ls->t[i].dtype, &d);
+        seen[d] = 1;
+    }
+    return seen[0] + seen[1] + seen[2];
+}
+
+/*
+ * The norm of grads of several dtypes: each dtype group writes its norm (inv_scale
+ * applied) to parts[g], then check_norm of the list [parts[0..groups)] with a factor of 1
+ * is the norm of them all. parts[groups] holds that 1 (filled on the device: no host
+ * sync) and parts[groups + 1] takes the found_inf of that last run, which is not the
+ * grads'.
+ */
+static void check_norm_groups(struct call *c, struct check_norm_job *job, struct list *grads,
+                              float *norm)
+{
+    int64_t groups = count_dtypes(grads);
+    float *parts = NULL;
+    AtenTensorHandle h = new_f32(c, groups + 2, &parts);
+    shim(c, aoti_torch_aten_fill__Scalar(h, 1.0), "fill_");
+    struct ampc_list *out = &job->grads;
+    job->norm = parts;
+    run_groups(c, 1, &grads, &out, 1, check_norm_on_cpu, check_norm_on_cuda, job);
+    void *ptr = parts;
+    job->grads = (struct ampc_list){ &ptr, &groups, 1, AMPC_F32 };
+    job->inv_scale = parts + groups;
+    job->found_inf = parts + groups + 1;
+    job->norm = norm;
+    run(c, check_norm_on_cpu, check_norm_on_cuda, job);
+}
+
+void ampc_op_check_norm(struct call *c, struct check_norm_args *a)
+{
+    struct check_norm_job job;
+    int mixed = 0;
+    float *norm = NULL;
+    check_grads(c, a->grads, a->found_inf, a->inv_scale, &job.grads, &mixed);
+    job.found_inf = a->found_inf->data;
+    job.inv_scale = a->inv_scale->data;
+    /* a 0-dim fp32 tensor on the grads' device, named by the tensor that fixed it */
+    AtenTensorHandle h = new_f32(c, 0, &norm);
+    int mine = c->n_singles - 1;
+    job.norm = norm;
+    if (mixed)
+        check_norm_groups(c, &job, a->grads, norm);
+    else
+        run(c, check_norm_on_cpu, check_norm_on_cuda, &job);
+    /* the norm goes to the caller: the call no longer frees it */
+    c->singles[mine] = c->singles[--c->n_singles];
+    c->ret = (StableIValue)(uintptr_t)h;
+}
+
+// ---- update_scale ----
 
 struct update_scale_job {
     float *scale;
@@ -96,6 +136,7 @@ ON_DEVICES(update_scale, update_scale_job,
            job->scale, job->growth_tracker, job->hysteresis_tracker, job->found_inf,
            &job->args)
 
+/* The rules of the update's numbers; ampc.GradScaler asks them too, at construction. */
 static void check_update_scale_args(struct call *c, const struct ampc_scale_args *a)
 {
     if (!(a->growth_factor > 0 && isfinite(a->growth_factor)))
@@ -109,35 +150,30 @@ static void check_update_scale_args(struct call *c, const struct ampc_scale_args
     if (!(a->min_scale >= 0 && a->min_scale <= a->max_scale))
         fail(c, "min_scale and max_scale must satisfy 0 <= min_scale <= max_scale, got %g "
                 "and %g", a->min_scale, a->max_scale);
+    if (!(a->max_scale > 0))
+        fail(c, "max_scale must be > 0, got %g", a->max_scale);
 }
 
-void ampc_op_update_scale(StableIValue *stack, int on_cuda)
+void ampc_op_update_scale(struct call *c, struct update_scale_args *a)
 {
-    struct call c;
-    start(&c, "ampc.update_scale", on_cuda);
-    struct tensor *scale = take_tensor(&c, stack[0], "scale", 1);
-    struct tensor *growth = take_tensor(&c, stack[1], "growth_tracker", 1);
-    struct tensor *hyst = take_tensor(&c, stack[2], "hysteresis_tracker", 1);
-    struct tensor *found_inf = take_tensor(&c, stack[3], "found_inf", 0);
-    describe_all(&c);
+    describe_all(c);
     struct update_scale_job job;
-    job.args.growth_factor = take_double(stack[4]);
-    job.args.backoff_factor = take_double(stack[5]);
-    job.args.growth_interval = (int64_t)stack[6];
-    job.args.hysteresis = (int64_t)stack[7];
-    job.args.min_scale = take_double(stack[8]);
-    job.args.max_scale = take_double(stack[9]);
-    check_scalar(&c, scale, aoti_torch_dtype_float32(), 0);
-    check_scalar(&c, growth, aoti_torch_dtype_int32(), 0);
-    check_scalar(&c, hyst, aoti_torch_dtype_int32(), job.args.hysteresis == 1);
-    check_scalar(&c, found_inf, aoti_torch_dtype_float32(), 0);
-    check_update_scale_args(&c, &job.args);
-    check_overlap(&c);
-    job.scale = scale->data;
-    job.growth_tracker = growth->data;
-    job.hysteresis_tracker = hyst->data;
-    job.found_inf = found_inf->data;
-    run(&c, update_scale_on_cpu, update_scale_on_cuda, &job);
-    call_free(&c);
+    job.args = (struct ampc_scale_args){ a->growth_factor, a->backoff_factor,
+                                         a->growth_interval, a->hysteresis, a->min_scale,
+                                         a->max_scale };
+    check_update_scale_args(c, &job.args);
+    check_scalar(c, a->scale, aoti_torch_dtype_float32(), 0);
+    check_scalar(c, a->growth_tracker, aoti_torch_dtype_int32(), 0);
+    /* the tracker is read only with hysteresis > 1; ampc.ops passes an empty one without */
+    if (a->hysteresis > 1 && a->hysteresis_tracker->numel == 0)
+        fail(c, "hysteresis_tracker is required when hysteresis > 1, got hysteresis=%lld",
+             (long long)a->hysteresis);
+    check_scalar(c, a->hysteresis_tracker, aoti_torch_dtype_int32(), a->hysteresis == 1);
+    check_scalar(c, a->found_inf, aoti_torch_dtype_float32(), 0);
+    check_overlap(c);
+    job.scale = a->scale->data;
+    job.growth_tracker = a->growth_tracker->data;
+    job.hysteresis_tracker = a->hysteresis_tracker->data;
+    job.found_inf = a->found_inf->data;
+    run(c, update_scale_on_cpu, update_scale_on_cuda, &job);
 }
-

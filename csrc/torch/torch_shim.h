@@ -66,6 +66,8 @@ AOTITorchError aoti_torch_empty_strided(int64_t ndim, const int64_t *sizes_ptr,
                                         const int64_t *strides_ptr, int32_t dtype,
                                         int32_t device_type, int32_t device_index,
                                         AtenTensorHandle *ret_new_tensor);
+/* generated/c_shim_aten.h (2.9): torch's fill_ on the tensor's device and current stream */
+AOTITorchError aoti_torch_aten_fill__Scalar(AtenTensorHandle self, double value);
 int32_t aoti_torch_dtype_float16(void);
 int32_t aoti_torch_dtype_bfloat16(void);
 int32_t aoti_torch_dtype_float32(void);

@@ -98,6 +98,66 @@ def test_ops_registered_for_cpu_and_cuda():
             assert torch._C._dispatch_has_kernel_for_dispatch_key(packet.default.name(), key), (op, key)
 
 
+# what each AMPC_ARG kind is in a schema: (type, list, written)
+KINDS = {"TENSORS": ("Tensor", True, False), "TENSORS_OUT": ("Tensor", True, True),
+         "OPTION": ("Tensor", True, False), "OPTION_OUT": ("Tensor", True, True),
+         "TENSOR": ("Tensor", False, False), "TENSOR_OUT": ("Tensor", False, True),
+         "HOST_TENSOR": ("Tensor", False, False), "FLOAT": ("float", False, False),
+         "INT": ("int", False, False), "BOOL": ("bool", False, False)}
+RETURNS = {"NONE": [], "TENSOR": ["Tensor"], "INT": ["int"]}
+
+
+@pytest.fixture(scope="module")
+def generated_readers(tmp_path_factory):
+    """Each op of the list as the C preprocessor expands it for the glue: its return and its
+    arguments, in the order the generated reader takes them off the stack, with the size
+    of the struct it fills (a C program built against csrc/torch/call.h)."""
+    src = tmp_path_factory.mktemp("readers") / "readers.c"
+    src.write_text(
+        '#include <stdio.h>\n#include "call.h"\n'
+        "#define AMPC_ARG(kind, name, ...) "
+        'printf(" %s %s %s;", #kind, #name, #__VA_ARGS__[0] ? #__VA_ARGS__ : "-");\n'
+        "#define AMPC_OP(op, ret, args) "
+        'printf("%s %s %zu:", #op, #ret, sizeof(struct op##_args)); args printf("\\n");\n'
+        "int main(void)\n{\n#include \"ampc_ops.h\"\n    return 0;\n}\n")
+    exe = src.with_suffix("")
+    subprocess.run(["gcc", "-std=c11", *(f"-I{os.path.join(ROOT, 'csrc', d)}"
+                                        for d in ("api", "math", "cpu", "torch")),
+                    str(src), "-o", str(exe)], check=True, capture_output=True, text=True)
+    ops = {}
+    for line in subprocess.run([str(exe)], check=True, capture_output=True,
+                               text=True).stdout.splitlines():
+        head, args = line.split(":", 1)
+        name, ret, size = head.split()
+        ops[name] = (ret, int(size), [a.split() for a in args.split(";") if a.strip()])
+    return ops
+
+
+@pytest.mark.needs("gcc")
+def test_generated_readers_take_each_schema_argument_in_order(generated_readers):
+    # the reader of each op takes exactly the arguments of the schema torch holds, in
+    # its order, each as its kind's C type, so no argument can be read from another slot
+    assert sorted(generated_readers) == sorted(listed("AMPC_OP"))
+    for op, (ret, size, args) in generated_readers.items():
+        schema = getattr(torch.ops.ampc, op).default._schema
+        assert len(args) == len(schema.arguments), op
+        assert [str(r.type) for r in schema.returns] == RETURNS[ret], op
+        for (kind, name, default), arg in zip(args, schema.arguments):
+            kind_type, is_list, written = KINDS[kind]
+            assert arg.name == name, (op, name)
+            expected = f"List[{kind_type}]" if is_list else kind_type
+            assert str(arg.type) == expected, (op, name, str(arg.type))
+            assert (arg.alias_info is not None and arg.alias_info.is_write) == written, (op, name)
+            assert (default != "-") == arg.has_default_value(), (op, name)
+        assert size > 0, op
+
+
+def test_op_bodies_read_no_stack_position_by_hand():
+    for path in glob.glob(os.path.join(ROOT, "csrc", "torch", "ops_*.c")):
+        with open(path) as f:
+            assert "stack" not in f.read(), path
+
+
 @pytest.mark.skipif(not ampc._lib.HAS_CUDA_KERNELS, reason="no CUDA library loaded")
 def test_cuda_table_fills_every_slot_of_the_list():
     # probe, begin, end and last_error, then one launcher per kernel of the list

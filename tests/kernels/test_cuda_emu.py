@@ -252,14 +252,9 @@ def f64_norm(grads, inv):
     return abs(inv) * math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
 
 
-@pytest.mark.parametrize("huge", [False, True], ids=["fp32 squares", "fp64 squares"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=name)
-def test_check_norm_across_blocks(dtype, huge):
-    """Many blocks, every block's partial sum, the finishing block; values past 2^58 take
-    the double re-read of the threads that met them."""
-    grads = [copy_at(finite(n, dtype, i), i % 8) for i, n in enumerate(SIZES)]
-    if huge and dtype != f16:
-        grads[12][5] = 2.0**100
+def assert_norm_both_ways(grads):
+    """check_norm emulated leaves the grads as they are and agrees with the CPU path and a
+    float64 reference."""
     want, want_found = run_norm(copy(grads))
     before = copy(grads)
     with emulated():
@@ -270,6 +265,24 @@ def test_check_norm_across_blocks(dtype, huge):
     ref = f64_norm(grads, 1 / 512)
     assert math.isclose(float(got), ref, rel_tol=1e-6), (float(got), ref)
     assert math.isclose(float(got), float(want), rel_tol=1e-6), (float(got), float(want))
+
+
+@pytest.mark.parametrize("huge", [False, True], ids=["fp32 squares", "fp64 squares"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=name)
+def test_check_norm_across_blocks(dtype, huge):
+    """Many blocks, every block's partial sum, the finishing block; values past 2^58 take
+    the double re-read of the threads that met them."""
+    grads = [copy_at(finite(n, dtype, i), i % 8) for i, n in enumerate(SIZES)]
+    if huge and dtype != f16:
+        grads[12][5] = 2.0**100
+    assert_norm_both_ways(grads)
+
+
+def test_check_norm_mixed_dtypes_in_one_list():
+    """Grads of three dtypes: a norm per dtype group into a scratch tensor on the device,
+    then the norm of those, still on the device."""
+    assert_norm_both_ways([copy_at(finite(n, DTYPES[i % 3], i), i % 8)
+                           for i, n in enumerate(SIZES)])
 
 
 @pytest.mark.parametrize("where", ["first", "last"])

@@ -127,12 +127,6 @@ def case_unscale_mixed_alias_across_groups():
     return raw_unscale(grads), [base], RuntimeError, r"^ampc\.unscale_check: (grads\[1\] overlaps grads\[0\]|grads\[0\] overlaps grads\[1\]) in memory"
 
 
-def case_norm_mixed_raw():
-    # check_norm's raw op takes one dtype (the wrapper splits and combines the norms)
-    grads = [torch.randn(5), torch.randn(5).half()]
-    return raw_norm(grads, scalar(), scalar(1.0)), grads, RuntimeError, r"^ampc\.check_norm: grads\[1\] must be torch\.float32 like grads\[0\], got torch\.float16"
-
-
 def case_unscale_found_inf_dtype():
     grads = [torch.randn(5)]
     found_inf = torch.zeros(1, dtype=torch.float64)
@@ -195,9 +189,16 @@ def case_scale_tracker_dtype():
 
 
 def case_scale_hysteresis_tracker_missing():
+    # the wrappers pass an empty tracker for none: the kernel says it needs one
     scale = scalar(8.0)
     hyst = torch.empty(0, dtype=torch.int32)
-    return raw_scale(scale=scale, hyst=hyst, hysteresis=2), [scale], RuntimeError, r"^ampc\.update_scale: hysteresis_tracker must be a 1-element torch\.int32 tensor, got torch\.int32 with 0 elements"
+    return raw_scale(scale=scale, hyst=hyst, hysteresis=2), [scale], RuntimeError, r"^ampc\.update_scale: hysteresis_tracker is required when hysteresis > 1, got hysteresis=2$"
+
+
+def case_scale_hysteresis_tracker_shape():
+    scale = scalar(8.0)
+    hyst = torch.ones(2, dtype=torch.int32)
+    return raw_scale(scale=scale, hyst=hyst, hysteresis=2), [scale, hyst], RuntimeError, r"^ampc\.update_scale: hysteresis_tracker must be a 1-element torch\.int32 tensor, got torch\.int32 with 2 elements"
 
 
 def case_scale_interval():
@@ -215,6 +216,11 @@ def case_scale_bounds():
     return raw_scale(scale=scale, min_scale=4.0, max_scale=2.0), [scale], RuntimeError, r"^ampc\.update_scale: min_scale and max_scale must satisfy 0 <= min_scale <= max_scale, got 4 and 2"
 
 
+def case_scale_max_zero():
+    scale = scalar(8.0)
+    return raw_scale(scale=scale, min_scale=0.0, max_scale=0.0), [scale], RuntimeError, r"^ampc\.update_scale: max_scale must be > 0, got 0$"
+
+
 def case_scale_alias():
     scale = scalar(8.0)
     return raw_scale(scale=scale, found_inf=scale), [scale], RuntimeError, r"^ampc\.update_scale: (scale overlaps found_inf|found_inf overlaps scale) in memory"
@@ -224,7 +230,7 @@ def case_scale_hysteresis_needs_tracker():
     scale = scalar(8.0)
     growth = torch.zeros(1, dtype=torch.int32)
     call = lambda: ampc.ops.update_scale(scale, growth, scalar(1.0), 2.0, 0.5, 10, hysteresis=3)
-    return call, [scale, growth], ValueError, r"^ampc\.update_scale: hysteresis_tracker is required when hysteresis > 1"
+    return call, [scale, growth], RuntimeError, r"^ampc\.update_scale: hysteresis_tracker is required when hysteresis > 1, got hysteresis=3$"
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
@@ -446,7 +452,8 @@ def test_freed_storage_refused_through_the_wrappers():
 
 
 def test_mixed_dtype_lists_run_in_one_call():
-    # the raw ops take lists that mix dtypes: one group of positions per dtype pair
+    # the raw list ops take lists that mix dtypes: one group of positions per dtype pair
+    # (check_norm's norms of the groups then make one norm, on the device)
     src = [torch.randn(7), torch.randn(9).half(), torch.randn(3), torch.randn(4).to(bf16)]
     dst = [torch.empty(7, dtype=bf16), torch.empty(9), torch.empty(3, dtype=f16),
            torch.empty(4, dtype=bf16)]
@@ -454,9 +461,17 @@ def test_mixed_dtype_lists_run_in_one_call():
     for d, s in zip(dst, src):
         assert torch.equal(d, s.to(d.dtype))
     grads = [torch.randn(7), torch.randn(9).half(), torch.randn(3).to(bf16), torch.randn(2)]
+    found = torch.zeros(1)
+    norm = torch.ops.ampc.check_norm(grads, found, scalar(0.5))
+    expected = 0.5 * torch.cat([g.double() for g in grads]).norm()
+    assert found.item() == 0.0 and norm.shape == () and norm.dtype == f32
+    assert abs(norm.item() - expected.item()) <= 1e-6 * expected.item()
     grads[2][1] = float("inf")
     ref = [g.clone() for g in grads]
     found = torch.zeros(1)
+    assert torch.ops.ampc.check_norm(grads, found, scalar(0.5)).isinf()
+    assert found.item() == 1.0
+    found.zero_()
     torch.ops.ampc.unscale_check(grads, found, scalar(0.5))
     assert found.item() == 1.0
     for g, r in zip(grads, ref):

@@ -22,6 +22,7 @@ def compile_against_torch(tmp_path, extra=""):
     src.write_text(
         "#include <torch/csrc/inductor/aoti_torch/c/shim.h>\n"
         "#include <torch/csrc/stable/c/shim.h>\n"
+        "#include <torch/csrc/inductor/aoti_torch/generated/c_shim_aten.h>\n"
         '#include "torch_shim.h"\n' + extra)
     return subprocess.run(
         ["g++", "-std=c++17", "-fsyntax-only", "-DUSE_CUDA", "-I", TORCH_INCLUDE,

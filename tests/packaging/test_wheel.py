@@ -200,14 +200,20 @@ elif "-o" in args:
 """
 
 
-def test_a_cuda_library_nvcc_builds_goes_into_the_wheel(build, tmp_path):
-    # the tree of the first build is reused: its C library is up to date, so only the
-    # CUDA step runs, with the stand-in nvcc
+def _stand_in_nvcc(tmp_path):
+    """A folder holding the stand-in nvcc."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     nvcc = bin_dir / "nvcc"
     nvcc.write_text(FAKE_NVCC.format(python=sys.executable))
     nvcc.chmod(0o755)
+    return bin_dir
+
+
+def test_a_cuda_library_nvcc_builds_goes_into_the_wheel(build, tmp_path):
+    # the tree of the first build is reused: its C library is up to date, so only the
+    # CUDA step runs, with the stand-in nvcc
+    bin_dir = _stand_in_nvcc(tmp_path)
     dist = tmp_path / "dist"
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-index",
           "--no-build-isolation", "-w", str(dist), "."], cwd=build["tree"],
@@ -216,3 +222,18 @@ def test_a_cuda_library_nvcc_builds_goes_into_the_wheel(build, tmp_path):
     with zipfile.ZipFile(wheel) as z:
         assert z.read("ampc/libampc_cuda.so") == b"not a library"
         assert "ampc/libampc.so" in z.namelist()
+
+
+def test_no_cuda_switch_leaves_the_cuda_library_out_with_nvcc_on_the_path(build, tmp_path):
+    # a tree of its own: the one of the first build holds a CUDA library from the test above
+    tree = tmp_path / "tree"
+    shutil.copytree(build["tree"], tree, ignore=shutil.ignore_patterns("build"))
+    env = _clean_env(f"{_stand_in_nvcc(tmp_path)}{os.pathsep}{build['no_nvcc']}")
+    env["AMPC_NO_CUDA"] = "1"
+    dist = tmp_path / "dist"
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-index",
+          "--no-build-isolation", "-w", str(dist), "."], cwd=tree, env=env)
+    wheel, = dist.glob("ampc-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        assert "ampc/libampc.so" in z.namelist()
+        assert "ampc/libampc_cuda.so" not in z.namelist()
