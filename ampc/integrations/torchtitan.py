@@ -25,18 +25,15 @@ except ImportError as e:
 
 import ampc
 
+from ._settings import Recipe, recipe_named
+
 __all__ = ["AmpcFloat8Converter", "AmpcOptimizersContainer", "Float8Linear", "ampc_optimizers"]
 
 _MULTIPLE = 16      # ampc.fp8's GEMMs take dimensions that are multiples of 16
 
 
-def _recipe(name):
-    if name == "delayed":
-        return ampc.fp8.DelayedScaling()
-    if name == "current":
-        return ampc.fp8.Float8CurrentScaling()
-    raise ValueError(f"ampc.integrations.torchtitan: recipe must be 'delayed' or 'current', "
-                     f"got {name!r}")
+def _recipe(name: str) -> Recipe:
+    return recipe_named("ampc.integrations.torchtitan", name)
 
 
 class Float8Linear(ampc.fp8.Linear, Linear):
