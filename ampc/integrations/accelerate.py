@@ -25,8 +25,12 @@ class becomes a subclass of its own class that
   ``prepare()`` and the model that holds its parameters: low-precision weights, fp32
   masters in the optimizer.
 """
+from __future__ import annotations
+
 import functools
+import weakref
 from types import MethodType
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,27 +45,20 @@ except ImportError as e:
 
 import ampc
 
-from ._region import fp8_recipe, region
+from ._settings import Recipe, check
 
 __all__ = ["use_ampc"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+_NAME = "ampc.integrations.accelerate.use_ampc"
 
 
-class _Settings:
-    def __init__(self, device, dtype, policy, fp8, fp8_modules, master_weights, cache_enabled):
-        self.device, self.dtype = device, dtype
-        self.policy, self.fp8, self.fp8_modules = policy, fp8, fp8_modules
-        self.master_weights, self.cache_enabled = master_weights, cache_enabled
-
-    def region(self):
-        return region(self.device, self.dtype, self.cache_enabled, self.policy, self.fp8,
-                      self.fp8_modules)
-
-
-def use_ampc(accelerator, *, dtype=None, scaler=None, master_weights=False, policy=None,
-             fp8=None, fp8_modules=(nn.Linear,), cache_enabled=None):
+def use_ampc(accelerator: Accelerator, *, dtype: torch.dtype | None = None,
+             scaler: ampc.GradScaler | None = None, master_weights: bool = False,
+             policy: dict[str, str] | None = None, fp8: bool | Recipe | None = None,
+             fp8_modules: tuple[type[nn.Module], ...] = (nn.Linear,),
+             cache_enabled: bool | None = None) -> Accelerator:
     """Makes ``accelerator`` train with ampc's autocast and scaler; call it before
     ``prepare()``. Returns the accelerator.
 
@@ -78,112 +75,115 @@ def use_ampc(accelerator, *, dtype=None, scaler=None, master_weights=False, poli
             modules are converted to ``ampc.fp8.Linear`` when the model is prepared.
         cache_enabled (bool): autocast's weight cache. Default: ampc's default.
     """
-    name = "ampc.integrations.accelerate.use_ampc"
     if not isinstance(accelerator, Accelerator):
-        raise TypeError(f"{name}: accelerator must be an accelerate.Accelerator, "
+        raise TypeError(f"{_NAME}: accelerator must be an accelerate.Accelerator, "
                         f"got {type(accelerator).__name__}")
+    # Accelerate lists what it prepared only in these two private lists
     if accelerator._models or accelerator._optimizers:
-        raise RuntimeError(f"{name}: call it before accelerator.prepare(); this accelerator "
+        raise RuntimeError(f"{_NAME}: call it before accelerator.prepare(); this accelerator "
                            "has prepared models or optimizers already")
     if isinstance(accelerator, _AmpcAccelerator):
-        raise RuntimeError(f"{name}: this accelerator uses ampc already")
+        raise RuntimeError(f"{_NAME}: this accelerator uses ampc already")
     if accelerator.distributed_type not in _SUPPORTED:
-        raise NotImplementedError(f"{name}: supports single-process, DDP (multi-CPU/GPU) "
+        raise NotImplementedError(f"{_NAME}: supports single-process, DDP (multi-CPU/GPU) "
                                   f"accelerators; got {accelerator.distributed_type}")
     if dtype is None:
         dtype = _DTYPES.get(accelerator.mixed_precision)
         if dtype is None:
-            raise ValueError(f"{name}: the accelerator's mixed_precision is "
+            raise ValueError(f"{_NAME}: the accelerator's mixed_precision is "
                              f"{accelerator.mixed_precision!r}; make it with 'bf16' or 'fp16', "
                              "or pass dtype")
-    if dtype not in _DTYPES.values():
-        raise ValueError(f"{name}: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
-    device = accelerator.device.type
-    if scaler is not None and dtype != torch.float16:
-        raise ValueError(f"{name}: bf16 needs no loss scaling; got scaler={scaler!r}")
-    if scaler is None and dtype == torch.float16:
-        scaler = ampc.GradScaler(device)
-    if scaler is not None and not isinstance(scaler, ampc.GradScaler):
-        raise TypeError(f"{name}: scaler must be an ampc.GradScaler, got {type(scaler).__name__}")
-    accelerator._ampc = _Settings(device, dtype, dict(policy or {}), fp8_recipe(name, fp8),
-                                  tuple(fp8_modules), bool(master_weights), cache_enabled)
-    accelerator.scaler = scaler
-    accelerator.native_amp = False      # Accelerate's torch.autocast stays out
+    accelerator._ampc = check(_NAME, accelerator.device.type, dtype, scaler=scaler,
+                              policy=policy, fp8=fp8, fp8_modules=fp8_modules,
+                              cache_enabled=cache_enabled, master_weights=master_weights)
+    accelerator._ampc_models = weakref.WeakSet()     # the models whose forward is in ampc's region
+    # Accelerate's public attributes: backward, the optimizers' step, save_state/load_state
+    # and the Trainer's checkpoints use this scaler; no torch.autocast around the forward
+    accelerator.scaler = accelerator._ampc.scaler
+    accelerator.native_amp = False
+    # Accelerate has no hook for another autocast or scaler (its kwargs handlers match classes
+    # exactly) and the Trainer makes its own accelerator: this instance becomes a subclass of
+    # its own class
     accelerator.__class__ = _subclass(_AmpcAccelerator, type(accelerator))
     return accelerator
 
 
 @functools.lru_cache(maxsize=None)
-def _subclass(mixin, base):
+def _subclass(mixin: type, base: type) -> type:
     return type(f"Ampc{base.__name__}", (mixin, base), {})
 
 
-def _inner(optimizer):
+def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     while isinstance(optimizer, AcceleratedOptimizer):
         optimizer = optimizer.optimizer
     return optimizer
 
 
+def _in_region(forward, settings):
+    @functools.wraps(forward)
+    def forward_in_ampc(*a, **kw):
+        with settings.region():
+            return forward(*a, **kw)
+    return forward_in_ampc
+
+
 class _AmpcAccelerator:
     """The methods ``use_ampc`` changes; everything else is the accelerator's own."""
 
-    def prepare(self, *args, device_placement=None):
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         if self._ampc.master_weights:
             self._make_master_weights(args)
         return super().prepare(*args, device_placement=device_placement)
 
     def _make_master_weights(self, args):
+        # a model prepared by an earlier prepare() is only in Accelerate's private list
         models = [a for a in args if isinstance(a, nn.Module)] + list(self._models)
         for opt in args:
             if not isinstance(opt, torch.optim.Optimizer):
                 continue
-            if not isinstance(opt, ampc.optim.Adam):
-                raise TypeError(f"use_ampc(master_weights=True): the optimizer is "
-                                f"{type(opt).__name__}; use ampc.optim.Adam or AdamW")
             first = opt.param_groups[0]["params"][0]
             model = next((m for m in models if any(p is first for p in m.parameters())), None)
-            if model is None:
-                raise ValueError("use_ampc(master_weights=True): pass the optimizer to "
-                                 "prepare() together with the model it trains")
-            if first.dtype == torch.float32:        # not prepared yet
-                ampc.prepare(model, opt, self._ampc.dtype)
+            if isinstance(opt, ampc.optim.Adam):
+                if model is None:
+                    raise ValueError(f"{_NAME}(master_weights=True): pass the optimizer to "
+                                     "prepare() together with the model it trains")
+                if first.dtype != torch.float32:        # prepared already
+                    continue
+            self._ampc.make_master_weights(_NAME, "the optimizer", model, opt)
 
-    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
-        if getattr(model, "_is_accelerate_prepared", False):
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        if model in self._ampc_models:
             return super().prepare_model(model, device_placement, evaluation_mode)
         settings = self._ampc
-        if settings.fp8 is not None:
-            ampc.fp8.convert(model, settings.fp8_modules)
+        settings.convert_fp8(model)
         model = super().prepare_model(model, device_placement, evaluation_mode)
         # as Accelerate wraps torch.autocast around the forward: unwrap_model() undoes it
+        # through _original_forward, Accelerate's name for the forward before its wrapper
         inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         inner._original_forward = inner.forward
         func = getattr(inner.forward, "__func__", None)
-
-        def in_region(forward):
-            @functools.wraps(forward)
-            def forward_in_ampc(*a, **kw):
-                with settings.region():
-                    return forward(*a, **kw)
-            return forward_in_ampc
-
         if func is None:
-            inner.forward = convert_outputs_to_fp32(in_region(inner.forward))
+            inner.forward = convert_outputs_to_fp32(_in_region(inner.forward, settings))
         else:
-            inner.forward = MethodType(convert_outputs_to_fp32(in_region(func)), inner)
+            inner.forward = MethodType(convert_outputs_to_fp32(_in_region(func, settings)), inner)
+        self._ampc_models.update((model, inner))
         return model
 
-    def prepare_optimizer(self, optimizer, device_placement=None):
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          device_placement: bool | None = None) -> AcceleratedOptimizer:
         optimizer = super().prepare_optimizer(optimizer, device_placement)
         if isinstance(optimizer, AcceleratedOptimizer) and \
                 not isinstance(optimizer, _AmpcAcceleratedOptimizer):
             optimizer.__class__ = _subclass(_AmpcAcceleratedOptimizer, type(optimizer))
         return optimizer
 
-    def autocast(self, autocast_handler=None):
+    def autocast(self, autocast_handler: Any = None) -> Any:
         return self._ampc.region()
 
-    def unscale_gradients(self, optimizer=None):
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer |
+                          list[torch.optim.Optimizer] | None = None) -> None:
+        # Accelerate's own unscales only with its torch.autocast on (native_amp)
         if self.scaler is None:
             return
         optimizers = self._optimizers if optimizer is None else (
@@ -191,7 +191,8 @@ class _AmpcAccelerator:
         for opt in optimizers:
             self.scaler.unscale_(_inner(opt))
 
-    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+    def clip_grad_norm_(self, parameters: Any, max_norm: float,
+                        norm_type: float = 2) -> torch.Tensor:
         """With the scaler, clips through ``scaler.clip_grad_norm_`` the optimizer(s) that
         hold exactly ``parameters``: one read of the scaled gradients, the factor applied in
         ampc's optimizers' step."""
@@ -211,8 +212,10 @@ class _AmpcAccelerator:
 
 class _AmpcAcceleratedOptimizer:
     @property
-    def step_was_skipped(self):
-        """Whether the last step was skipped: read from the scaler (waits for the device)."""
-        if isinstance(self.scaler, ampc.GradScaler):
+    def step_was_skipped(self) -> bool:
+        """Whether the last step was skipped: read from the scaler (waits for the device).
+        Accelerate's own reading (whether ``optimizer.step`` ran) misses a step that ampc's
+        optimizers skip on the device."""
+        if self.scaler is not None:
             return bool(self.scaler.last_step_skipped())
-        return self._is_overflow
+        return super().step_was_skipped

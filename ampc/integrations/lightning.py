@@ -17,82 +17,66 @@ Lightning's FSDP strategy accepts only its own ``FSDPPrecision``; shard with FSD
 ``ModelParallelStrategy`` (``fully_shard`` in ``configure_model``) instead, which takes this
 plugin.
 """
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
 import torch
 from torch import nn
 
 try:
-    from lightning.fabric.plugins.precision import Precision as _FabricPrecision
+    from lightning.fabric.plugins.precision import MixedPrecision as _FabricMixedPrecision
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.plugins.precision import MixedPrecision as _MixedPrecision
     from lightning.pytorch.plugins.precision import Precision as _Precision
     from lightning.pytorch.utilities import GradClipAlgorithmType
-    from lightning_utilities.core.apply_func import apply_to_collection
 except ImportError as e:
     raise ImportError("ampc.integrations.lightning needs Lightning (pip install lightning)") from e
 
 import ampc
 
-from ._region import fp8_recipe, region
+from ._settings import Recipe, Settings, check
 
 __all__ = ["AmpcPrecision", "AmpcFabricPrecision"]
 
 _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
-
 _FP8_STATE = "AmpcPrecision.fp8_state"     # checkpoint key of the FP8 layers' scaling state
 
 
-def _unwrapped(optimizer):
-    """The optimizer a LightningOptimizer wraps (manual optimization hands the wrapper to
-    clip_gradients, the step the optimizer itself): the scaler keys its state by it."""
-    return getattr(optimizer, "_optimizer", optimizer)
+def _setting(field: str) -> property:
+    return property(lambda self: getattr(self.settings, field), doc=f"``settings.{field}``")
 
 
-def _to_floating(t, dtype):
-    return t.to(dtype) if torch.is_floating_point(t) else t
+class _Ampc:
+    """What both plugins add to the framework's ``MixedPrecision``: ampc's checked settings
+    (the scaler is an ``ampc.GradScaler``) and the FP8 layers."""
 
-
-class _Config:
-    """What both plugins share: the settings, the scaler and the forward context."""
-
-    def _configure(self, name, precision, device, scaler, dynamic, init_scale, policy, fp8,
-                   fp8_modules, cache_enabled):
+    def __init__(self, name: str, precision: str, device: str | None, **settings: Any) -> None:
         if precision not in _DTYPES:
             raise ValueError(f"{name}: precision must be '16-mixed' or 'bf16-mixed', "
                              f"got {precision!r}")
-        self.precision = precision
-        self.dtype = _DTYPES[precision]
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if scaler is not None and precision == "bf16-mixed":
-            raise ValueError(f"{name}: precision='bf16-mixed' needs no loss scaling; "
-                             f"got scaler={scaler!r}")
-        if scaler is None and precision == "16-mixed":
-            scaler = ampc.GradScaler(self.device, init_scale=init_scale, dynamic=dynamic)
-        self.scaler = scaler
-        self.policy = dict(policy or {})
-        self.fp8 = fp8_recipe(name, fp8)
-        self.fp8_modules = tuple(fp8_modules)
-        self.cache_enabled = cache_enabled
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.settings: Settings = check(name, device, _DTYPES[precision], **settings)
+        super().__init__(precision, device, self.settings.scaler)
 
-    def _convert_fp8(self, module):
+    dtype = _setting("dtype")
+    policy = _setting("policy")
+    fp8 = _setting("fp8")
+    fp8_modules = _setting("fp8_modules")
+    cache_enabled = _setting("cache_enabled")
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
         # as Lightning's TransformerEngine plugin swaps its layers: before the optimizers
         # exist, so they see the FP8 layers' parameters (the same tensors)
-        if self.fp8 is not None:
-            ampc.fp8.convert(module, self.fp8_modules)
-        return module
-
-    def forward_context(self):
-        return region(self.device, self.dtype, self.cache_enabled, self.policy, self.fp8,
-                      self.fp8_modules)
-
-    def state_dict(self):
-        return self.scaler.state_dict() if self.scaler is not None else {}
-
-    def load_state_dict(self, state_dict):
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state_dict)
+        return self.settings.convert_fp8(module)
 
 
-class AmpcPrecision(_Config, _Precision):
-    """Mixed precision with ampc for ``lightning.pytorch.Trainer(plugins=[...])``.
+class AmpcPrecision(_Ampc, _MixedPrecision):
+    """Mixed precision with ampc for ``lightning.pytorch.Trainer(plugins=[...])``: Lightning's
+    ``MixedPrecision`` (loss scaling, the closure, the LBFGS refusal, the skipped step, the
+    scaler in the checkpoint) with ampc's autocast and scaler.
 
     Args:
         precision (str): ``"bf16-mixed"`` (default) or ``"16-mixed"``.
@@ -122,23 +106,31 @@ class AmpcPrecision(_Config, _Precision):
     as with any optimizer that unscales in its own step.
     """
 
-    def __init__(self, precision="bf16-mixed", device=None, *, scaler=None, dynamic=True,
-                 init_scale=2.0 ** 16, master_weights=False, policy=None, fp8=None,
-                 fp8_modules=(nn.Linear,), cache_enabled=False):
-        self._configure("AmpcPrecision", precision, device, scaler, dynamic, init_scale, policy,
-                        fp8, fp8_modules, cache_enabled)
-        self.master_weights = bool(master_weights)
-        self._unscaled = set()      # optimizers unscaled before clipping in this step
-        self._module = None
+    def __init__(self, precision: str = "bf16-mixed", device: str | None = None, *,
+                 scaler: ampc.GradScaler | None = None, dynamic: bool = True,
+                 init_scale: float = 2.0 ** 16, master_weights: bool = False,
+                 policy: dict[str, str] | None = None, fp8: bool | Recipe | None = None,
+                 fp8_modules: tuple[type[nn.Module], ...] = (nn.Linear,),
+                 cache_enabled: bool = False) -> None:
+        super().__init__("AmpcPrecision", precision, device, scaler=scaler, dynamic=dynamic,
+                         init_scale=init_scale, policy=policy, fp8=fp8, fp8_modules=fp8_modules,
+                         cache_enabled=cache_enabled, master_weights=master_weights)
+        self._module: nn.Module | None = None
 
-    def convert_module(self, module):
+    master_weights = _setting("master_weights")
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
         self._module = module
-        return self._convert_fp8(module)
+        return super().convert_module(module)
+
+    def autocast_context_manager(self) -> AbstractContextManager[None]:
+        # Lightning's forward_context enters this
+        return self.settings.region()
 
     # The FP8 scaling state travels in the checkpoint under a key of its own, out of the
     # model's state_dict: Lightning loads the model's weights before convert_module on a
     # fresh run, and a plain model (load_from_checkpoint too) takes no FP8 buffers.
-    def on_save_checkpoint(self, checkpoint):
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.fp8 is None or "state_dict" not in checkpoint:
             return
         weights = checkpoint["state_dict"]
@@ -146,102 +138,68 @@ class AmpcPrecision(_Config, _Precision):
                 if isinstance(m, ampc.fp8.Linear) for b in ampc.fp8.scaling.PERSISTENT]
         checkpoint[_FP8_STATE] = {k: weights.pop(k) for k in keys if k in weights}
 
-    def on_load_checkpoint(self, checkpoint):
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get(_FP8_STATE)
         if self.fp8 is not None and state:
             self._module.load_state_dict(state, strict=False)
 
-    def connect(self, model, optimizers, lr_schedulers):
+    def connect(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                lr_schedulers: list[Any]) -> tuple[nn.Module, list[torch.optim.Optimizer],
+                                                   list[Any]]:
         if self.master_weights:
             for i, opt in enumerate(optimizers):
-                if not isinstance(opt, ampc.optim.Adam):
-                    raise TypeError(f"AmpcPrecision(master_weights=True): optimizer {i} is "
-                                    f"{type(opt).__name__}; configure_optimizers must return "
-                                    "ampc.optim.Adam or ampc.optim.AdamW")
                 # the fp32 weights become the masters, the model's weights low precision
-                ampc.prepare(model, opt, self.dtype)
+                self.settings.make_master_weights("AmpcPrecision", f"optimizer {i}", model, opt)
         return model, optimizers, lr_schedulers
 
-    def pre_backward(self, tensor, module):
-        if self.scaler is not None:
-            tensor = self.scaler.scale(tensor)
-        return super().pre_backward(tensor, module)
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: float = 0.0,
+                       gradient_clip_algorithm: GradClipAlgorithmType =
+                       GradClipAlgorithmType.NORM) -> None:
+        # Lightning's MixedPrecision refuses an optimizer that unscales in its step; ampc
+        # folds the clip into that step. Manual optimization hands over Lightning's wrapper:
+        # the scaler keys its state by the optimizer itself.
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        _Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 
-    def optimizer_step(self, optimizer, model, closure, **kwargs):
-        optimizer = _unwrapped(optimizer)
+    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         if self.scaler is None:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise TypeError("AmpcPrecision: loss scaling ('16-mixed') does not work with LBFGS, "
-                            "whose step re-evaluates the closure")
-        closure_result = closure()
-        skip = closure_result is None and model.automatic_optimization
-        if not skip and not getattr(optimizer, "_step_supports_amp_scaling", False):
-            # an optimizer that cannot unscale in its step gets true gradients before the
-            # hooks, as with Lightning's own plugin
+            return super().clip_grad_by_norm(optimizer, clip_val)
+        self.scaler.clip_grad_norm_(optimizer, clip_val)
+
+    def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        # MixedPrecision's step unscaled an optimizer that cannot unscale in its own step
+        # before the hooks; the gradients are still scaled for the others, and for every
+        # optimizer when manual optimization clips before its step
+        scaled = (getattr(optimizer, "_step_supports_amp_scaling", False)
+                  or not self._module.automatic_optimization)
+        if self.scaler is not None and scaled:
             self.scaler.unscale_(optimizer)
-            self._unscaled.add(id(optimizer))
-        try:
-            self._after_closure(model, optimizer)     # hooks, then clip_gradients
-            if skip:
-                return closure_result
-            out = self.scaler.step(optimizer, **kwargs)
-            self.scaler.update()
-            return out
-        finally:
-            self._unscaled.discard(id(optimizer))
-
-    def clip_gradients(self, optimizer, clip_val=0.0,
-                       gradient_clip_algorithm=GradClipAlgorithmType.NORM):
-        if clip_val <= 0 or self.scaler is None:
-            return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
-        optimizer = _unwrapped(optimizer)
-        if gradient_clip_algorithm == GradClipAlgorithmType.NORM:
-            self.scaler.clip_grad_norm_(optimizer, clip_val)
-            return
-        if id(optimizer) not in self._unscaled:
-            self.scaler.unscale_(optimizer)
-            self._unscaled.add(id(optimizer))
-        torch.nn.utils.clip_grad_value_(list(self.main_params(optimizer)), clip_val)
+        super().clip_grad_by_value(optimizer, clip_val)
 
 
-class AmpcFabricPrecision(_Config, _FabricPrecision):
-    """Mixed precision with ampc for ``lightning.fabric.Fabric(plugins=[...])``: the
+class AmpcFabricPrecision(_Ampc, _FabricMixedPrecision):
+    """Mixed precision with ampc for ``lightning.fabric.Fabric(plugins=[...])``: Fabric's
+    ``MixedPrecision`` (floating inputs cast to the low dtype, loss scaling in ``backward``,
+    the LBFGS refusal, the scaler in the checkpoint) with ampc's autocast and scaler; the
     arguments of :class:`AmpcPrecision` but ``master_weights`` (call ``ampc.prepare`` on the
-    model and optimizer before ``fabric.setup``). As Fabric's own ``MixedPrecision`` it casts
-    floating inputs to the low dtype, and keeps autocast's weight cache on by default.
+    model and optimizer before ``fabric.setup``). Autocast's weight cache stays on by default.
     ``fabric.clip_gradients`` unscales through :meth:`unscale_gradients`, which works with
     optimizers that unscale in their step too (Fabric's own plugin refuses them)."""
 
-    def __init__(self, precision="bf16-mixed", device=None, *, scaler=None, dynamic=True,
-                 init_scale=2.0 ** 16, policy=None, fp8=None, fp8_modules=(nn.Linear,),
-                 cache_enabled=None):
-        self._configure("AmpcFabricPrecision", precision, device, scaler, dynamic, init_scale,
-                        policy, fp8, fp8_modules, cache_enabled)
+    def __init__(self, precision: str = "bf16-mixed", device: str | None = None, *,
+                 scaler: ampc.GradScaler | None = None, dynamic: bool = True,
+                 init_scale: float = 2.0 ** 16, policy: dict[str, str] | None = None,
+                 fp8: bool | Recipe | None = None,
+                 fp8_modules: tuple[type[nn.Module], ...] = (nn.Linear,),
+                 cache_enabled: bool | None = None) -> None:
+        super().__init__("AmpcFabricPrecision", precision, device, scaler=scaler,
+                         dynamic=dynamic, init_scale=init_scale, policy=policy, fp8=fp8,
+                         fp8_modules=fp8_modules, cache_enabled=cache_enabled)
 
-    def convert_module(self, module):
-        return self._convert_fp8(module)
+    def forward_context(self) -> AbstractContextManager[None]:
+        return self.settings.region()
 
-    # as Fabric's own MixedPrecision: floating inputs in the low dtype, outputs back
-    def convert_input(self, data):
-        return apply_to_collection(data, torch.Tensor, _to_floating, self.dtype)
-
-    def convert_output(self, data):
-        return apply_to_collection(data, torch.Tensor, _to_floating, torch.get_default_dtype())
-
-    def backward(self, tensor, model, *args, **kwargs):
-        # Fabric drops what pre_backward returns: the loss is scaled here
-        if self.scaler is not None:
-            tensor = self.scaler.scale(tensor)
-        super().backward(tensor, model, *args, **kwargs)
-
-    def optimizer_step(self, optimizer, **kwargs):
-        if self.scaler is None:
-            return super().optimizer_step(optimizer, **kwargs)
-        out = self.scaler.step(optimizer, **kwargs)
-        self.scaler.update()
-        return out
-
-    def unscale_gradients(self, optimizer):
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)

@@ -11,6 +11,8 @@ Adam's moments in bf16, no fp32 copy. With ``AmpcOptimizersContainer`` the optim
 parameters and write the bf16 weights from the masters in the same fused step: the model
 stays bf16, the updates no longer round away.
 """
+from __future__ import annotations
+
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -18,6 +20,7 @@ import torch
 try:
     from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.components.quantization import QuantizationConverter
+    from torchtitan.config.configurable import Configurable
     from torchtitan.models.common.linear import Linear
 except ImportError as e:
     raise ImportError("ampc.integrations.torchtitan needs torchtitan 0.3 "
@@ -25,18 +28,15 @@ except ImportError as e:
 
 import ampc
 
+from ._settings import Recipe, recipe_named
+
 __all__ = ["AmpcFloat8Converter", "AmpcOptimizersContainer", "Float8Linear", "ampc_optimizers"]
 
 _MULTIPLE = 16      # ampc.fp8's GEMMs take dimensions that are multiples of 16
 
 
-def _recipe(name):
-    if name == "delayed":
-        return ampc.fp8.DelayedScaling()
-    if name == "current":
-        return ampc.fp8.Float8CurrentScaling()
-    raise ValueError(f"ampc.integrations.torchtitan: recipe must be 'delayed' or 'current', "
-                     f"got {name!r}")
+def _recipe(name: str) -> Recipe:
+    return recipe_named("ampc.integrations.torchtitan", name)
 
 
 class Float8Linear(ampc.fp8.Linear, Linear):
@@ -48,7 +48,7 @@ class Float8Linear(ampc.fp8.Linear, Linear):
     class Config(Linear.Config):
         recipe: str = "delayed"
 
-    def __init__(self, config):
+    def __init__(self, config: Float8Linear.Config) -> None:
         Linear.__init__(self, config)
         self.recipe = _recipe(config.recipe)
         self._init_fp8_state(self.weight.device)
@@ -66,7 +66,7 @@ class Float8Linear(ampc.fp8.Linear, Linear):
         # torchtitan builds on the meta device, then re-creates the buffers here
         self._init_fp8_state(buffer_device or self.weight.device)
 
-    def forward(self, input):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         with ampc.fp8.autocast(recipe=self.recipe):
             return ampc.fp8.Linear.forward(self, input)
 
@@ -87,7 +87,7 @@ class AmpcFloat8Converter(QuantizationConverter):
         recipe: str = "delayed"
         filter_fqns: list[str] = field(default_factory=list)
 
-    def __init__(self, config):
+    def __init__(self, config: AmpcFloat8Converter.Config) -> None:
         _recipe(config.recipe)      # a bad name fails here, before the model is built
         self.config = config
 
@@ -95,7 +95,7 @@ class AmpcFloat8Converter(QuantizationConverter):
         return (any(f in fqn for f in self.config.filter_fqns)
                 or cfg.in_features % _MULTIPLE or cfg.out_features % _MULTIPLE)
 
-    def convert(self, model_config):
+    def convert(self, model_config: Configurable.Config) -> Configurable.Config:
         for fqn, cfg, parent, attr in list(model_config.traverse(Linear.Config)):
             if type(cfg) is not Linear.Config or self._keep(fqn, cfg):
                 continue
@@ -121,7 +121,8 @@ class AmpcOptimizersContainer(OptimizersContainer):
     class Config(OptimizersContainer.Config):
         pass
 
-    def __init__(self, config, *, model_parts):
+    def __init__(self, config: AmpcOptimizersContainer.Config, *,
+                 model_parts: list[torch.nn.Module]) -> None:
         if config.implementation == "fused_opt_states_bf16":
             raise ValueError("AmpcOptimizersContainer: implementation='fused_opt_states_bf16' "
                              "keeps bf16 moments; ampc's optimizers keep fp32 ones (use 'fused')")
@@ -135,8 +136,7 @@ class AmpcOptimizersContainer(OptimizersContainer):
         return OptimizersContainer._resolve_optimizer_factory(name)
 
 
-
-def ampc_optimizers(config):
+def ampc_optimizers(config: OptimizersContainer.Config) -> AmpcOptimizersContainer.Config:
     """``config`` (an ``OptimizersContainer.Config``, e.g. ``default_adamw(...)``) as an
     :class:`AmpcOptimizersContainer` config with the same param groups and settings."""
     if not isinstance(config, OptimizersContainer.Config):

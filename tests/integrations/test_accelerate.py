@@ -305,3 +305,27 @@ def test_gradient_accumulation_as_accelerate():
     assert torch.equal(ours, theirs), (ours, theirs)
     for a, b in zip(w_ours, w_theirs):
         assert torch.equal(a, b)
+
+
+def test_a_model_prepared_twice_is_wrapped_once_and_unwraps():
+    acc = use_ampc(_fresh_accelerator("bf16"))
+    net = _net()
+    plain_forward = net.forward
+    prepared = acc.prepare(net)
+    wrapped = prepared.forward
+    assert acc.prepare(prepared) is prepared and prepared.forward is wrapped
+    x = torch.randn(4, 16)
+    assert prepared(x).dtype == torch.float32
+    with ampc.autocast("cpu", dtype=torch.bfloat16):
+        expected = net._original_forward(x).float()
+    assert torch.equal(prepared(x), expected)
+    # Accelerate's unwrap_model takes ampc's region off as it takes its own autocast off
+    unwrapped = acc.unwrap_model(prepared, keep_fp32_wrapper=False)
+    assert unwrapped.forward == plain_forward
+    assert unwrapped(x).dtype == torch.float32 and not torch.equal(unwrapped(x), expected)
+
+
+def test_bf16_optimizer_reports_no_skip():
+    acc = use_ampc(_fresh_accelerator("bf16"))
+    _, skipped, _, opt = _train(acc)
+    assert skipped == [False] * 6 and opt.step_was_skipped is False

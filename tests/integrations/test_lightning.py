@@ -365,3 +365,80 @@ def test_fabric_bf16_and_fp16_with_clipping():
                          plant_inf=True)
     assert torch.isinf(ours[INF_BATCH]) and int(plugin.scaler.skipped_steps()) == 1
     assert torch.equal(ours, theirs), (ours, theirs)
+
+
+def test_plugins_are_the_frameworks_mixed_precision():
+    # Lightning's code that asks for MixedPrecision (the throughput monitor's dtype, old
+    # checkpoints' scaler key) sees ampc's plugins as what they are
+    plugin = AmpcPrecision("16-mixed", "cpu")
+    assert isinstance(plugin, L.plugins.MixedPrecision)
+    assert isinstance(AmpcFabricPrecision("16-mixed", "cpu"), FabricMixedPrecision)
+    from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+    assert _plugin_to_compute_dtype(plugin) == torch.float16
+
+
+class LBFGSModel(Model):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+def test_fp16_refuses_lbfgs_as_lightning():
+    # the refusal is Lightning's own (LBFGS re-evaluates the closure)
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    with pytest.raises(MisconfigurationException, match="LBFGS optimizer are not compatible"):
+        _fit(LBFGSModel(), plugins=[AmpcPrecision("16-mixed", "cpu")])
+
+
+class ManualValueClipModel(ManualModel):
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = Model.training_step(self, batch, batch_idx)
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+        opt.step()
+
+
+def test_fp16_clip_by_value_under_manual_optimization_as_by_hand():
+    # manual optimization clips before the step: the gradients are unscaled there first
+    ours, trainer = _fit(ManualValueClipModel(), plugins=[AmpcPrecision("16-mixed", "cpu")])
+    torch.manual_seed(0)
+    net = _net()
+    opt = ampc.optim.AdamW(net.parameters(), lr=1e-2)
+    scaler = ampc.GradScaler("cpu")
+    ref = []
+    for x, y in _loader():
+        opt.zero_grad()
+        with ampc.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            loss = nn.functional.mse_loss(net(x).float(), y)
+        ref.append(loss.detach())
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_value_(net.parameters(), 0.01)
+        scaler.step(opt)
+        scaler.update()
+    assert torch.equal(ours, torch.stack(ref)), (ours, ref)
+    for a, b in zip(trainer.lightning_module.net.parameters(), net.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_fabric_fp16_refuses_lbfgs_as_fabric():
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[AmpcFabricPrecision("16-mixed", "cpu")])
+    net = _net()
+    net, opt = fabric.setup(net, torch.optim.LBFGS(net.parameters()))
+    with pytest.raises(TypeError, match="LBFGS optimizer are not compatible"):
+        opt.step(lambda: 0.0)
+
+
+class ManualValueClipPlainModel(ManualValueClipModel):
+    def __init__(self):
+        super().__init__()
+        self.optimizer = "plain"
+
+
+def test_fp16_clip_by_value_under_manual_optimization_never_clips_scaled_gradients():
+    # an optimizer that cannot unscale in its step is unscaled for the clip, and Lightning's
+    # step would unscale it again: refused, not a clip of the scaled gradients (which
+    # Lightning's own MixedPrecision does silently)
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+        _fit(ManualValueClipPlainModel(), plugins=[AmpcPrecision("16-mixed", "cpu")])

@@ -1,0 +1,97 @@
+"""The settings every integration takes, checked here once (the low dtype, the scaler, the
+forward's cast policy, FP8, autocast's weight cache, master weights) with the same messages in
+every framework, and the forward's region they describe."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import ampc
+
+Recipe = ampc.fp8.DelayedScaling | ampc.fp8.Float8CurrentScaling
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What an integration does differently from the framework's own mixed precision."""
+    device: str
+    dtype: torch.dtype
+    scaler: ampc.GradScaler | None
+    policy: dict[str, str]
+    fp8: Recipe | None
+    fp8_modules: tuple[type[nn.Module], ...]
+    cache_enabled: bool | None
+    master_weights: bool
+
+    @contextlib.contextmanager
+    def region(self) -> Iterator[None]:
+        """ampc.autocast, inside it ampc.policy.scope(ops=policy) and ampc.fp8.autocast if asked."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(ampc.autocast(self.device, dtype=self.dtype,
+                                              cache_enabled=self.cache_enabled))
+            if self.policy:
+                stack.enter_context(ampc.policy.scope(ops=self.policy))
+            if self.fp8 is not None:
+                stack.enter_context(ampc.fp8.autocast(recipe=self.fp8, modules=self.fp8_modules))
+            yield
+
+    def convert_fp8(self, module: nn.Module) -> nn.Module:
+        """``module`` with its ``fp8_modules`` as ``ampc.fp8.Linear`` when FP8 is asked."""
+        if self.fp8 is not None:
+            ampc.fp8.convert(module, self.fp8_modules)
+        return module
+
+    def make_master_weights(self, name: str, which: str, model: nn.Module,
+                            optimizer: torch.optim.Optimizer) -> None:
+        """``ampc.prepare``: ``model``'s weights in ``dtype``, fp32 masters in ``optimizer``."""
+        if not isinstance(optimizer, ampc.optim.Adam):
+            raise TypeError(f"{name}(master_weights=True): {which} is "
+                            f"{type(optimizer).__name__}; master weights need ampc.optim.Adam "
+                            "or ampc.optim.AdamW")
+        ampc.prepare(model, optimizer, self.dtype)
+
+
+def check(name: str, device: str, dtype: torch.dtype, *, scaler: ampc.GradScaler | None = None,
+          dynamic: bool = True, init_scale: float = 2.0 ** 16,
+          policy: Mapping[str, str] | None = None, fp8: bool | Recipe | None = None,
+          fp8_modules: tuple[type[nn.Module], ...] = (nn.Linear,),
+          cache_enabled: bool | None = None, master_weights: bool = False) -> Settings:
+    """The integration ``name``'s settings, checked before anything is changed; fp16 gets a new
+    ``ampc.GradScaler(device, init_scale=init_scale, dynamic=dynamic)`` unless given one."""
+    if dtype not in _LOW:
+        raise ValueError(f"{name}: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    if scaler is not None and dtype != torch.float16:
+        raise ValueError(f"{name}: bfloat16 needs no loss scaling; got scaler={scaler!r}")
+    if scaler is not None and not isinstance(scaler, ampc.GradScaler):
+        raise TypeError(f"{name}: scaler must be an ampc.GradScaler, got {type(scaler).__name__}")
+    if scaler is None and dtype == torch.float16:
+        scaler = ampc.GradScaler(device, init_scale=init_scale, dynamic=dynamic)
+    return Settings(device, dtype, scaler, dict(policy or {}), fp8_recipe(name, fp8),
+                    tuple(fp8_modules), cache_enabled, bool(master_weights))
+
+
+def fp8_recipe(name: str, fp8: bool | Recipe | None) -> Recipe | None:
+    """The recipe an ``fp8=`` argument asks for: None, True (``DelayedScaling()``) or a recipe."""
+    if fp8 is None or fp8 is False:
+        return None
+    if fp8 is True:
+        return ampc.fp8.DelayedScaling()
+    if not isinstance(fp8, (ampc.fp8.DelayedScaling, ampc.fp8.Float8CurrentScaling)):
+        raise TypeError(f"{name}: fp8 must be a bool or an ampc.fp8 recipe, "
+                        f"got {type(fp8).__name__}")
+    return fp8
+
+
+def recipe_named(name: str, recipe: str) -> Recipe:
+    """The recipe a configuration names: ``"delayed"`` or ``"current"``."""
+    if recipe == "delayed":
+        return ampc.fp8.DelayedScaling()
+    if recipe == "current":
+        return ampc.fp8.Float8CurrentScaling()
+    raise ValueError(f"{name}: recipe must be 'delayed' or 'current', got {recipe!r}")
