@@ -49,7 +49,7 @@ def checked(run, func, name, args, kwargs, st):
     if outs and not _finite(outs) and _finite(ins):
         bad = next(t for t in outs if not _finite([t]))
         if rec is not None:
-            rec.note("forward", label, module_path(st.modules),
+            rec.note("forward", _short(func, name), module_path(st.modules),
                      f"its inputs were finite (largest magnitude {_largest(ins):.3g}) and its "
                      f"{bad.dtype} output holds {_kinds(bad)}{_range_note(bad.dtype)}")
             return out
@@ -59,8 +59,13 @@ def checked(run, func, name, args, kwargs, st):
             "usually an overflow past 65504: keep this op or module in float32 "
             "(ampc.policy.set_policy / module_scope) or switch to bfloat16.")
     if rec is not None:
-        rec.watch_backward(outs, label, module_path(st.modules))
+        rec.watch_backward(outs, _short(func, name), module_path(st.modules))
     return out
+
+
+def _short(func, name):
+    """'sqrt' rather than '_VariableFunctionsClass.sqrt', for the scaler's report."""
+    return name or getattr(func, "__name__", None) or repr(func)
 
 
 def _largest(ts):

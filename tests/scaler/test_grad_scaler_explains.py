@@ -97,7 +97,7 @@ def test_backward_overflow_is_named_too():
     scaler = ampc.GradScaler("cpu", explain_skips=3)
     got = _train(model, OPTS["sgd"](model), scaler, 6)
     assert len(got) == 1, got
-    assert "sqrt in module Planted.root, in the backward pass" in got[0]
+    assert "was sqrt in module Planted.root, in the backward pass" in got[0]
     assert "the gradient it received was finite" in got[0]
     assert "model.root" in got[0]
 
