@@ -189,10 +189,10 @@ class GradScaler:
     - Optional ``hysteresis``, ``min_scale`` and ``max_scale``; with ``min_scale`` set, a
       scale stuck at the minimum with overflowing gradients raises instead of skipping
       every step forever.
-    - After ``explain_skips`` skipped steps in a row (or an overflow at ``min_scale``) it
-      names, once, the first module and op that produced inf/nan in the next step
-      (forward or backward) and the values it saw, as a warning with the fixes to try
-      (or an error, ``raise_on_skips=True``). Watching costs no host sync: see
+    - After ``explain_skips`` skipped steps in a row (or two overflows in a row at
+      ``min_scale``) it names, once, the first module and op that produced inf/nan in the
+      next step (forward or backward) and the values it saw, as a warning with the fixes
+      to try (or an error, ``raise_on_skips=True``). Watching costs no host sync: see
       ``ampc/_skip_watch.py``.
     - ``state_dict`` holds the whole state (the extras' settings and counters under keys
       of their own), so a resumed run reports and decides as the uninterrupted one.
