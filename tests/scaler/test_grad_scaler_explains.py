@@ -156,3 +156,28 @@ def test_watching_adds_no_host_sync(monkeypatch, opt):
         scaler.step(optimizer)
         scaler.update()
     assert counter.calls == [], counter.calls
+
+
+@pytest.mark.cuda
+def test_collapse_on_cuda_is_named_without_a_host_sync_before_it(monkeypatch):
+    # the pinned copy and its event: healthy steps read nothing, the collapse is still seen
+    model = Planted().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = ampc.GradScaler("cuda")
+    x, y = torch.randn(32, 8, device="cuda"), torch.randn(32, 1, device="cuda")
+    counter = SyncCounter(monkeypatch)
+    got = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(45):
+            opt.zero_grad()
+            with ampc.autocast("cuda", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            got = [str(w.message) for w in seen if "ampc.GradScaler" in str(w.message)]
+            if step and not scaler._skip_watch.recorder and not got:   # step 0 makes the buffers
+                assert counter.calls == [], (step, counter.calls)
+            counter.calls.clear()
+    assert len(got) == 1 and "linear in module Planted.planted, in the forward pass" in got[0]
