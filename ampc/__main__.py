@@ -42,10 +42,15 @@ def cpu_flags():
     return [f for f in _CPU_FLAGS if f in present]
 
 
-def cuda_library_status():
-    """Whether ampc's CUDA library loaded and runs, and if not, why."""
+def cuda_library_status(driver=None):
+    """Whether ampc's CUDA library loaded and runs, and if not, why. ``driver`` is the
+    driver's CUDA version from :func:`cuda_versions` when known: the library loads without
+    a driver (it is linked against the runtime only), but then no kernel of it can run."""
     path = os.path.join(os.path.dirname(_lib.__file__), "libampc_cuda.so")
     if _lib.cuda_lib is not None:
+        if driver == "none":
+            return (f"loaded ({path}) but unusable: no NVIDIA driver, so its kernels cannot "
+                    "run (CPU kernels only)")
         return f"loaded ({path})"
     if torch.version.cuda is None:
         return "not loaded: this torch is built without CUDA"
@@ -75,6 +80,7 @@ def cuda_versions():
 
 def report():
     """The lines `python -m ampc` prints."""
+    versions = cuda_versions()
     lines = [
         f"ampc {ampc.__version__} ({os.path.dirname(ampc.__file__)})",
         f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}, "
@@ -87,9 +93,8 @@ def report():
         f"torch CPU capability: {torch.backends.cpu.get_cpu_capability()}",
         f"threads: {torch.get_num_threads()}",
         f"streaming stores above: {ops.stream_bytes()} bytes",
-        f"ampc CUDA library: {cuda_library_status()}",
+        f"ampc CUDA library: {cuda_library_status(versions and versions[0])}",
     ]
-    versions = cuda_versions()
     if versions is not None:
         lines.append(f"CUDA driver: {versions[0]}, ampc's CUDA runtime: {versions[1]}")
     refusal = _lib.cuda_refusal() if _lib.cuda_lib is not None else None

@@ -30,6 +30,7 @@ from typing import Any, Iterable, NamedTuple, Tuple, TypeVar, Union
 import torch
 
 from . import _distributed, ops
+from ._skip_watch import DEFAULT_AFTER, SkipWatch
 
 __all__ = ["GradScaler", "OptState", "StepRecord", "read_step_records"]
 
@@ -58,8 +59,9 @@ def _fresh_state():
     # "folded": clip_grad_norm_ left the grads scaled and the optimizer will unscale and
     # clip them in its step (grad_scale and grad_clip_coef); "norm": what clip_grad_norm_
     # returned, for the step record
+    # "host_skipped": whether step() skipped, when it read that on the host (else None)
     return {"stage": OptState.READY, "found_inf_per_device": {}, "folded": False,
-            "clip_coef": None, "norm": None}
+            "clip_coef": None, "norm": None, "host_skipped": None}
 
 
 class StepRecord(NamedTuple):
@@ -187,6 +189,11 @@ class GradScaler:
     - Optional ``hysteresis``, ``min_scale`` and ``max_scale``; with ``min_scale`` set, a
       scale stuck at the minimum with overflowing gradients raises instead of skipping
       every step forever.
+    - After ``explain_skips`` skipped steps in a row (or two overflows in a row at
+      ``min_scale``) it names, once, the first module and op that produced inf/nan in the
+      next step (forward or backward) and the values it saw, as a warning with the fixes
+      to try (or an error, ``raise_on_skips=True``). Watching costs no host sync: see
+      ``ampc/_skip_watch.py``.
     - ``state_dict`` holds the whole state (the extras' settings and counters under keys
       of their own), so a resumed run reports and decides as the uninterrupted one.
 
@@ -225,6 +232,13 @@ class GradScaler:
             this many steps in a row overflowed at the minimum scale (seen one or two
             steps late on CUDA, to avoid waiting for the device). None never raises.
             Default: 10.
+        explain_skips (int, optional): after this many skipped steps in a row, locate the
+            op that overflows in the next step (it runs under ampc.autocast's overflow
+            locator: slower, once) and warn naming it. None: never. Default: 10. With a
+            fused optimizer the streak is read every ``explain_skips`` steps without
+            waiting for the device, so a collapse is seen within about 3x that many.
+        raise_on_skips (bool): raise a RuntimeError with that message instead of warning.
+            Default: False.
 
     Example::
 
@@ -240,7 +254,8 @@ class GradScaler:
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
                  dtype: torch.dtype | None = None, dynamic: bool = True, hysteresis: int = 1,
                  min_scale: float | None = None, max_scale: float | None = None,
-                 min_scale_patience: int = 10, step_records: int = 0) -> None:
+                 min_scale_patience: int = 10, step_records: int = 0,
+                 explain_skips: int | None = DEFAULT_AFTER, raise_on_skips: bool = False) -> None:
         if isinstance(device, (int, float)) and not isinstance(device, bool):
             if init_scale != 2.0 ** 16:
                 raise TypeError("ampc.GradScaler: in the legacy form without a device, pass "
@@ -272,6 +287,7 @@ class GradScaler:
         self.__dict__.update(dict.fromkeys(_DEVICE_STATE))
         self._per_optimizer_states = defaultdict(_fresh_state)
         self._records = None
+        self._skip_watch = SkipWatch(explain_skips, raise_on_skips)
         if not self._enabled:
             return
         self._check_factors(dynamic, growth_factor, backoff_factor)
@@ -284,6 +300,12 @@ class GradScaler:
             raise ValueError(f"ampc.GradScaler: step_records must be an int >= 0, "
                              f"got {step_records!r}")
         self._records = deque(maxlen=step_records) if step_records else None
+        if explain_skips is not None and (isinstance(explain_skips, bool)
+                                          or not isinstance(explain_skips, int) or explain_skips < 1):
+            raise ValueError(f"ampc.GradScaler: explain_skips must be None or an int >= 1, "
+                             f"got {explain_skips!r}")
+        if not isinstance(raise_on_skips, bool):
+            raise ValueError(f"ampc.GradScaler: raise_on_skips must be a bool, got {raise_on_skips!r}")
 
     @staticmethod
     def _check_factors(dynamic, growth_factor, backoff_factor):
@@ -349,6 +371,7 @@ class GradScaler:
                                             device=dev)
             self._host_skips = torch.zeros((), dtype=torch.int32, pin_memory=dev.type == "cuda")
             self._host_view = self._host_skips.numpy()     # read as plain host memory
+        self._skip_watch.restart(self._skipped)
 
     def scale(self, outputs: _Scaled) -> _Scaled:
         """Multiplies a tensor, or each tensor of nested lists/tuples/iterables, by the scale.
@@ -546,7 +569,8 @@ class GradScaler:
                 raise AssertionError("No inf checks were recorded for this optimizer.")
             retval = None
             # the one host sync of a step with an optimizer that cannot skip by itself
-            if not self._found_inf_sum(found, found[0].device).item():
+            state["host_skipped"] = bool(self._found_inf_sum(found, found[0].device).item())
+            if not state["host_skipped"]:
                 retval = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         return retval
@@ -609,7 +633,13 @@ class GradScaler:
             self._skipped += self._last_found_inf
             if used_scale is not None:
                 self._records.append(self._step_record(used_scale))
+        flags = [st["host_skipped"] for st in self._per_optimizer_states.values()]
         self._per_optimizer_states = defaultdict(_fresh_state)
+        report = None
+        if found_inf is not None and new_scale is None:
+            report = self._skip_watch.after_update(
+                self, self._skipped, any(flags) if flags and None not in flags else None)
+        self._skip_watch.deliver(report)
         self._raise_if_stuck_at_min()
 
     def is_dynamic(self) -> bool:
@@ -673,6 +703,8 @@ class GradScaler:
             self._check_stuck(int(self._host_view))
 
     def _check_stuck(self, count):
+        if count >= 2:
+            self._skip_watch.floor_reached()
         if count >= self._patience:
             raise RuntimeError(
                 f"ampc.GradScaler: {count} steps in a row had inf or nan gradients with the "
@@ -851,5 +883,5 @@ class GradScaler:
     def __setstate__(self, state: dict[str, Any]) -> None:
         # a scaler pickled by an earlier ampc has no skip counters nor records: they start
         self.__dict__.update(_init_skipped=0, _init_last_skipped=None, _init_skips_at_min=0,
-                             _records=None)
+                             _records=None, _skip_watch=SkipWatch(DEFAULT_AFTER, False))
         self.__dict__.update(state)

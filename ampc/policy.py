@@ -128,6 +128,10 @@ def _expand(lists):
 
 DEFAULTS = {"cuda": _expand(_CUDA), "cpu": _expand(_CPU)}
 
+# ops torch's lists leave in their inputs' dtype on purpose, listed in the table all the
+# same (as passthrough) so that a reader looking for a norm finds it
+_SHOWN = ("batch_norm", "instance_norm", "layer_norm", "group_norm", "rms_norm")
+
 # ---- the registry ----
 
 _lock = threading.Lock()
@@ -136,6 +140,8 @@ EFFECTIVE = {}                                   # device -> {name: policy}, reb
 FUNCS = {}                                       # callable -> op name (or None: not an op)
 _named = set()                                   # callables named by the registry itself
 _labels = set()                                  # names given to registered functions and ops
+_reachable = set()                               # names some indexed callable carries: what
+                                                 # autocast's mode can see a call of
 EDITED = False                                   # whether a change touches one of torch's own ops
 CHANGED = False                                  # whether there is any change or registration
 
@@ -161,6 +167,16 @@ def _index_names(names):
             if callable(fn) and fn not in _named:
                 FUNCS[fn] = name
                 _named.add(fn)
+            if callable(fn) and FUNCS.get(fn) == name:
+                _reachable.add(name)
+
+
+def _index_packet(packet, label):
+    """Maps a custom op (its packet and every overload) to ``label``."""
+    FUNCS[packet] = label
+    for overload in packet.overloads():
+        FUNCS[getattr(packet, overload)] = label
+    _reachable.add(label)
 
 
 def _all_names():
@@ -172,13 +188,14 @@ def _all_names():
 
 def _init():
     _rebuild()
-    _index_names(_all_names())
+    _index_names(_all_names() | set(_SHOWN))
     for alias, name in _ALIASES.items():
         for ns in _NAMESPACES:
             fn = getattr(ns, alias, None)
             if callable(fn):
                 FUNCS[fn] = name
                 _named.add(fn)
+                _reachable.add(name)
 
 
 def _check_device(fn, device_type):
@@ -276,10 +293,9 @@ def register(fn: Callable[..., Any] | None = None, *, policy: CastPolicy | str,
     if isinstance(fn, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
         label = name or op_name(fn)
         packet = fn._overloadpacket if isinstance(fn, torch._ops.OpOverload) else fn
-        FUNCS[packet] = label
         _labels.add(label)
-        for overload in packet.overloads():
-            FUNCS[getattr(packet, overload)] = label
+        with _lock:
+            _index_packet(packet, label)
         _set(label, policy, device_type)
         return fn
     if not callable(fn):
@@ -295,6 +311,7 @@ def register(fn: Callable[..., Any] | None = None, *, policy: CastPolicy | str,
     label = name or f"{fn.__module__}.{fn.__qualname__}"
     FUNCS[wrapper] = label
     _labels.add(label)
+    _reachable.add(label)
     _set(label, policy, device_type)
     return wrapper
 
@@ -315,7 +332,7 @@ class Scope:
         self.dtype, self.enabled = dtype, enabled    # enabled None: as the enclosing scope
         self.base = self.outer = None
         self.from_module = False
-        self.ops = {op_name(k): _check_policy("scope", v) for k, v in (ops or {}).items()}
+        self.ops = {_scoped_name(k, v): _check_policy("scope", v) for k, v in (ops or {}).items()}
 
     def merged(self, parent: "Scope | None") -> "Scope":
         """This scope seen from inside ``parent``: unset fields come from the parent."""
@@ -334,6 +351,38 @@ class Scope:
         out.ops = {**parent.ops, **self.ops}
         out.enabled = parent.enabled if self.enabled is None else self.enabled
         return out
+
+
+def _scoped_name(op, policy):
+    """The registry name of scope op ``op``, its Python-level calls made visible to autocast's
+    mode. A scope's ops are seen only through those calls (the defaults live in torch's
+    dispatcher, a scope does not), so an op that has none raises rather than being ignored."""
+    name = op_name(op)
+    if name in _reachable:
+        return name
+    with _lock:
+        _index_names([name])
+        packet = op if isinstance(op, torch._ops.OpOverloadPacket) else \
+            op._overloadpacket if isinstance(op, torch._ops.OpOverload) else _custom_op(name)
+        if packet is not None:
+            _index_packet(packet, name)
+    if name not in _reachable:
+        raise ValueError(
+            f"ampc.policy.scope: ops[{op!r}]: {name!r} has no Python-level call for the scope "
+            f"to see (it runs only inside other ops), so the scope cannot apply {policy!r} to "
+            "it; scope the op that calls it, or register a function or custom op under that name")
+    return name
+
+
+def _custom_op(name):
+    """torch.ops.<ns>.<name> for a name spelled 'ns::name' (not aten's), or None."""
+    if "::" not in name:
+        return None
+    ns, _, op = name.partition("::")
+    try:
+        return getattr(getattr(torch.ops, ns), op)
+    except (AttributeError, RuntimeError):
+        return None
 
 
 class _ScopeState(threading.local):
@@ -456,7 +505,7 @@ def table(device_type: str | None = None) -> str:
     policy on each device and a mark on entries changed from the defaults."""
     _check_device("table", device_type)
     devs = [device_type] if device_type else list(DEVICES)
-    names = sorted(set().union(*(EFFECTIVE[d] for d in devs)))
+    names = sorted(set().union(_SHOWN, *(EFFECTIVE[d] for d in devs)))
     width = max([len(n) for n in names] + [2])
     lines = [(f"{'op':<{width}}  " + "  ".join(f"{d:<19}" for d in devs)).rstrip()]
     for n in names:
@@ -466,7 +515,8 @@ def table(device_type: str | None = None) -> str:
             changed = n in _overrides["*"] or n in _overrides[d]
             cells.append(f"{pol.value + ('*' if changed else ''):<19}")
         lines.append(f"{n:<{width}}  " + "  ".join(cells).rstrip())
-    lines.append("(* changed from the default; ops not listed run in their inputs' dtype)")
+    lines.append("(* changed from the default; passthrough, and ops not listed, run in their "
+                 "inputs' dtype)")
     return "\n".join(lines)
 
 

@@ -5,6 +5,11 @@ turns finite inputs into inf or nan raises, naming the op and the module path wh
 (``linear ... in module Net.blocks.3.fc2``). Module paths come from global forward hooks,
 installed while at least one checking region is open in any thread and removed after.
 Checking syncs with the device at every op: a debugging tool, off by default.
+
+ampc.GradScaler arms the locator for one step after a streak of skipped steps (``arm``): the
+next region then records instead of raising, and hooks the autograd nodes of each op it runs
+(the op's own internal nodes included), so that the backward pass names the first op whose
+gradient turned finite values into inf or nan. The scaler reads the :class:`Recorder`.
 """
 import threading
 
@@ -32,18 +37,104 @@ def module_path(mods):
 
 
 def checked(run, func, name, args, kwargs, st):
-    """``run(func, name, args, kwargs, st)``, raising if it made finite inputs non-finite."""
+    """``run(func, name, args, kwargs, st)``, raising if it made finite inputs non-finite
+    (recording it instead in an armed region)."""
     out = run(func, name, args, kwargs, st)
+    rec = st.recorder
+    if rec is not None and rec.found is not None:      # found already: run on, unchecked
+        return out
     outs = _float_tensors(out)
-    if outs and not _finite(outs) and _finite(_float_tensors((args, kwargs))):
-        label = name or getattr(func, "__qualname__", None) or repr(func)
+    label = name or getattr(func, "__qualname__", None) or repr(func)
+    ins = _float_tensors((args, kwargs))
+    if outs and not _finite(outs) and _finite(ins):
         bad = next(t for t in outs if not _finite([t]))
+        if rec is not None:
+            rec.note("forward", _short(func, name), module_path(st.modules),
+                     f"its inputs were finite (largest magnitude {_largest(ins):.3g}) and its "
+                     f"{bad.dtype} output holds {_kinds(bad)}{_range_note(bad.dtype)}")
+            return out
         raise FloatingPointError(
             f"ampc.autocast(check_finite=True): {label} returned a non-finite {bad.dtype} value "
             f"from finite inputs, in module {module_path(st.modules)}. In float16 this is "
             "usually an overflow past 65504: keep this op or module in float32 "
             "(ampc.policy.set_policy / module_scope) or switch to bfloat16.")
+    if rec is not None:
+        rec.watch_backward(outs, _short(func, name), module_path(st.modules))
     return out
+
+
+def _short(func, name):
+    """'sqrt' rather than '_VariableFunctionsClass.sqrt', for the scaler's report."""
+    return name or getattr(func, "__name__", None) or repr(func)
+
+
+def _largest(ts):
+    return max((float(t.detach().abs().max()) for t in ts if t.numel()), default=0.0)
+
+
+def _kinds(t):
+    t = t.detach()
+    return " and ".join(k for k, hit in (("inf", torch.isinf(t).any()), ("nan", torch.isnan(t).any()))
+                        if bool(hit))
+
+
+def _range_note(dtype):
+    if dtype in (torch.float16, torch.bfloat16):
+        return f" ({str(dtype)[6:]}'s largest finite value is {torch.finfo(dtype).max:.5g})"
+    return ""
+
+
+class Recorder:
+    """The first op of an armed step that turned finite values into inf or nan, forward
+    or backward: ``found`` is (pass, op, module path, what its tensors held), or None."""
+
+    def __init__(self):
+        self.regions = 0          # ampc.autocast regions opened while armed
+        self.found = None
+        self._nodes = set()       # autograd nodes hooked already (kept alive: ids stay unique)
+
+    def note(self, phase, label, where, detail):
+        if self.found is None:
+            self.found = (phase, label, where, detail)
+
+    def watch_backward(self, outs, label, where):
+        """Hooks the autograd nodes that produced ``outs`` and were not hooked yet: the op's
+        own (earlier ops' nodes are hooked already, ops run in order)."""
+        todo = [t.grad_fn for t in outs if t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node is None or node in self._nodes or type(node).__name__ == "AccumulateGrad":
+                continue
+            self._nodes.add(node)
+            node.register_hook(self._hook(label, where))
+            todo.extend(n for n, _ in node.next_functions)
+
+    def _hook(self, label, where):
+        def check(grad_inputs, grad_outputs):
+            if self.found is not None:
+                return
+            made = [g for g in grad_inputs if g is not None and g.is_floating_point()]
+            came = [g for g in grad_outputs if g is not None and g.is_floating_point()]
+            if made and not _finite(made) and _finite(came):
+                bad = next(g for g in made if not _finite([g]))
+                self.note("backward", label, where,
+                          f"the gradient it received was finite (largest magnitude "
+                          f"{_largest(came):.3g}) and the {bad.dtype} gradient it produced "
+                          f"holds {_kinds(bad)}{_range_note(bad.dtype)}")
+        return check
+
+
+armed = None        # the Recorder the next ampc.autocast region records into, or None
+
+
+def arm(recorder):
+    global armed
+    armed = recorder
+
+
+def disarm():
+    global armed
+    armed = None
 
 
 # ---- module tracking: where an op ran ----

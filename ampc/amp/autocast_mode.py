@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 from .. import policy as _policy
 from .._checkpoint import carry_into_checkpoint
 from ._composites import call_lifted
+from . import _overflow
 from ._overflow import checked, install_hooks, remove_hooks
 from ._policy_casts import ON_DEVICE as _ON_DEVICE, apply_policy, cast_args
 from .._walk import map_tensors
@@ -64,6 +65,7 @@ class _State(threading.local):
         self.saved = []           # one entry per open region: torch's state to restore on exit
         self.pushed = []          # one entry per open region: whether it put the mode on
         self.check_finite = False
+        self.recorder = None      # the scaler's armed Recorder, in the region it records
         self.cache = {}           # (id(weight), dtype) -> (weight, version, cast)
         self.learned = {}         # the order the last region cast weights in (_weight_cache)
         self.modules = []         # with check_finite: modules whose forward is running
@@ -410,6 +412,10 @@ class autocast:
         torch.set_autocast_cache_enabled(self._cache_enabled)
         if self._check_finite is not None:
             st.check_finite = bool(self._check_finite)
+        if st.depth == 0 and _overflow.armed is not None:    # the scaler asked: record
+            st.recorder = _overflow.armed
+            st.recorder.regions += 1
+            st.check_finite = True
         st.depth += 1
         _refresh(st)
         st.pushed.append(_push_if_needed(st))
@@ -424,6 +430,8 @@ class autocast:
             st.hooked = 0
             remove_hooks()
         st.depth -= 1
+        if st.depth == 0:
+            st.recorder = None
         if st.pushed.pop():
             _pop()
         _region_closed(st)

@@ -73,3 +73,25 @@ def test_cuda_library_status_says_why(monkeypatch, tmp_path, case):
         assert info.cuda_library_status() == "not loaded: the driver is too old"
     else:
         assert info.cuda_library_status() == f"loaded ({tmp_path / 'libampc_cuda.so'})"
+
+
+def test_loaded_library_without_a_driver_is_called_unusable(monkeypatch, tmp_path):
+    # the library links against the runtime only, so it loads on a machine with no driver;
+    # the status line must not then read plainly "loaded" beside "CUDA driver: none"
+    monkeypatch.setattr(_lib, "cuda_lib", object())
+    monkeypatch.setattr(_lib, "__file__", str(tmp_path / "_lib.py"))
+    path = tmp_path / "libampc_cuda.so"
+    assert info.cuda_library_status(driver="none") == (
+        f"loaded ({path}) but unusable: no NVIDIA driver, so its kernels cannot run "
+        "(CPU kernels only)")
+    assert info.cuda_library_status(driver="13.0") == f"loaded ({path})"
+
+
+def test_report_library_line_agrees_with_the_driver_line():
+    lines = info.report()
+    library = next(line for line in lines if line.startswith("ampc CUDA library: "))
+    driver = next((line for line in lines if line.startswith("CUDA driver: ")), None)
+    if driver is not None and driver.startswith("CUDA driver: none"):
+        assert "unusable: no NVIDIA driver" in library
+    else:
+        assert "unusable" not in library
