@@ -12,39 +12,25 @@ Master-weight training works too: `model, opt = ampc.prepare(model, ampc.optim.A
 torch.bfloat16)` before wrapping the model in DDP.
 """
 import argparse
-import gc
-import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import ampc
-
-
-def batch(step, rank, device, teacher):
-    g = torch.Generator().manual_seed(step * 1000 + rank)     # each rank its own data
-    x = torch.randn(64, 32, generator=g)
-    return x.to(device), teacher(x).to(device)
+from _toy_training import batch, finish, print_step, run, start, teacher_and_model
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dtype = torch.float16 if cuda else torch.bfloat16
+    rank, device = start()
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
 
-    torch.manual_seed(0)                                     # the same weights on every rank
-    teacher = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1)).requires_grad_(False)
-    model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(),
-                          nn.Linear(128, 1)).to(device)
-    model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+    teacher, model = teacher_and_model(device)
+    model = nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = ampc.optim.AdamW(model.parameters(), lr=3e-3)
     scaler = ampc.GradScaler(device.type, enabled="auto", dtype=dtype)   # on for fp16 only
 
@@ -58,8 +44,7 @@ def main():
         scaler.step(opt)
         scaler.update()
         if rank == 0 and (step % 20 == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss {loss.item():.5f}  grad norm {float(norm):.4f}  "
-                  f"scale {scaler.get_scale():g}", flush=True)
+            print_step(step, loss, norm, scaler)
 
     # the ranks hold the same weights, bit for bit
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -67,16 +52,8 @@ def main():
     dist.all_gather(copies, flat)
     if rank == 0:
         print("weights identical on every rank:", all(torch.equal(c, flat) for c in copies))
-    dist.barrier()      # no rank tears its group down while a peer is still in a collective
-    dist.destroy_process_group()
-
-
-def run():
-    main()
-    # DDP's reducer holds the gloo group: free it while the interpreter is whole, not in
-    # its teardown at exit
-    gc.collect()
+    finish()
 
 
 if __name__ == "__main__":
-    run()
+    run(main)

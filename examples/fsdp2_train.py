@@ -15,7 +15,6 @@ and loads the shards, the moments and the scaler: `--ckpt DIR` resumes from DIR 
 holds a checkpoint and saves to it at the end.
 """
 import argparse
-import gc
 import os
 
 import torch
@@ -27,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import ampc
+from _toy_training import batch, finish, print_step, run, start, teacher_and_model
 
 
 def main():
@@ -35,18 +35,10 @@ def main():
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default=None)
     parser.add_argument("--ckpt", default=None)
     args = parser.parse_args()
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dtype = getattr(torch, args.dtype or ("float16" if cuda else "bfloat16"))
+    rank, device = start()
+    dtype = getattr(torch, args.dtype or ("float16" if device.type == "cuda" else "bfloat16"))
 
-    torch.manual_seed(0)
-    teacher = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1)).requires_grad_(False)
-    model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(),
-                          nn.Linear(128, 1)).to(device)
+    teacher, model = teacher_and_model(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in model:
@@ -66,9 +58,7 @@ def main():
         first = state["step"]
 
     for step in range(first, first + args.steps):
-        g = torch.Generator().manual_seed(step * 1000 + rank)          # each rank its own data
-        x = torch.randn(64, 32, generator=g)
-        x, y = x.to(device), teacher(x).to(device)
+        x, y = batch(step, rank, device, teacher)
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(model(x).float(), y)
         scaler.scale(loss).backward()
@@ -76,25 +66,16 @@ def main():
         scaler.step(opt)
         scaler.update()
         if step % 20 == 0 or step == first + args.steps - 1:
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm   # all ranks
             if rank == 0:
-                print(f"step {step:4d}  loss {loss.item():.5f}  grad norm {float(norm):.4f}  "
-                      f"scale {scaler.get_scale():g}", flush=True)
+                print_step(step, loss, norm, scaler)
 
     if args.ckpt:
         model_sd, opt_sd = get_state_dict(model, opt)
         dcp.save({"model": model_sd, "optim": opt_sd, "scaler": scaler.state_dict(),
                   "step": first + args.steps}, checkpoint_id=args.ckpt)
-    dist.barrier()      # no rank tears its group down while a peer is still in a collective
-    dist.destroy_process_group()
-
-
-def run():
-    main()
-    # the sharded tensors hold the device mesh and its gloo group: free them while the
-    # interpreter is whole, not in its teardown at exit
-    gc.collect()
+    finish()
 
 
 if __name__ == "__main__":
-    run()
+    run(main)

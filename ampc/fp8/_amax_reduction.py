@@ -10,7 +10,10 @@ is the amax of the union of its data over the ranks and over its uses: the max, 
 any of them saw a NaN (a flag per amax travels in the same buffer, because backends differ
 in what MAX does with NaN). Every rank must run the same FP8 modules in the same order.
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import threading
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,13 +24,14 @@ from .. import ops
 class Pending:
     """The amaxes cast so far in one region or one backward pass, waiting for `finish`."""
 
-    def __init__(self, group):
+    def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self._lock = threading.Lock()       # a backward pass may run on several threads
         # (history, scale, scale_inv) of one module's casts -> (max of its uses, update args)
         self._amaxes = {}
 
-    def add(self, state, amax, update):
+    def add(self, state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], amax: torch.Tensor,
+            update: dict[str, Any]) -> None:
         """Notes a cast's amax for its state (history, scale, scale_inv); a module cast
         again keeps the max of its uses."""
         key = tuple(map(id, state))
@@ -38,7 +42,7 @@ class Pending:
             else:
                 torch.maximum(seen[1], amax, out=seen[1])
 
-    def finish(self):
+    def finish(self) -> None:
         """One all_reduce(MAX) per device (one in the usual case), then the scale updates."""
         with self._lock:
             entries, self._amaxes = self._amaxes, {}
@@ -66,7 +70,7 @@ _backward = {}
 _backward_lock = threading.Lock()
 
 
-def backward_pending(group):
+def backward_pending(group: dist.ProcessGroup) -> Pending:
     """The Pending of the running backward pass for `group`; the first call queues its
     finish on the autograd engine, which runs it when the whole backward pass is done."""
     key = (torch._C._current_graph_task_id(), group)
@@ -87,7 +91,7 @@ def _finish_backward(key):
 
 # ---- the group of a region ----
 
-def resolve_group(fp8_group):
+def resolve_group(fp8_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The group to reduce over: `fp8_group`, or the default group when torch.distributed
     is initialized; None (nothing to reduce) where the group has one rank."""
     if fp8_group is None:
@@ -97,7 +101,7 @@ def resolve_group(fp8_group):
     return fp8_group if dist.get_world_size(fp8_group) > 1 else None
 
 
-def check_group(fp8_group):
+def check_group(fp8_group: object) -> None:
     """Refuses what is not a process group this rank belongs to, naming the argument."""
     if fp8_group is None:
         return

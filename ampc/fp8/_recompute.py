@@ -28,16 +28,22 @@ in a checkpoint nested in another, once the outer recomputation runs the inner c
 forward again; a layer called both in and out of FP8 within one checkpoint where the
 recomputation cannot tell the calls apart (the call out of FP8 made with no FP8 region open).
 """
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
 import functools
 import threading
 import weakref
 from collections import namedtuple
+from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from .. import ops
-from . import _region
+from . import _open_regions
 from .._checkpoint import in_checkpointed_forward, wrap_recompute
+from .recipe import Recipe
 
 MARK = "_ampc_fp8_record"
 NOT_FP8 = "not fp8"     # a recomputed call whose forward ran without FP8
@@ -49,7 +55,8 @@ class Cast(namedtuple("Cast", "recipe scale scale_inv group")):
     """What the forward of one FP8 call cast its input and weight with, and the group its
     amaxes are reduced over (None: not reduced), which its backward's reduce over too."""
 
-    def cast(self, tensors, dtype):
+    def cast(self, tensors: Sequence[torch.Tensor],
+             dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
         """``tensors`` cast with the recorded scales; returns them and the inverse scales.
         The amaxes go to a scratch tensor: the scaling state is the forward's business."""
         out = [torch.empty(t.shape, dtype=dtype, device=t.device) for t in tensors]
@@ -61,25 +68,26 @@ class Cast(namedtuple("Cast", "recipe scale scale_inv group")):
 class Record:
     """The FP8 calls of one checkpointed forward, in order: (module, Cast)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.calls = []
 
-    def add(self, module, recipe, scale, scale_inv, group):
+    def add(self, module: nn.Module, recipe: Recipe, scale: torch.Tensor,
+            scale_inv: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         self.calls.append((module, Cast(recipe, scale, scale_inv, group)))
         _checkpointed.add(module)
 
-    def add_not_fp8(self, module):
+    def add_not_fp8(self, module: nn.Module) -> None:
         self.calls.append((module, NOT_FP8))
 
 
 class _Replay:
     def __init__(self, record):
         self.record, self.next = record, 0
-        self.base = len(_region.stack())
+        self.base = len(_open_regions.stack())
 
     def take(self, module):
         rest = self.record.calls[self.next:]
-        inner = _region.stack()[self.base:]
+        inner = _open_regions.stack()[self.base:]
         # a region the checkpointed function opened itself decides as it did in the forward
         fp8 = inner[-1] is not None if inner else None
         if rest and rest[0][0] is module and fp8 in (None, rest[0][1] is not NOT_FP8):
@@ -117,13 +125,13 @@ def _replaying(fn):
     return recompute
 
 
-def recording():
+def recording() -> Record | None:
     """The record of the checkpointed forward running now, or None outside one."""
     fn = wrap_recompute(_replaying, MARK, whole_stack=True)
     return None if fn is None else getattr(fn, MARK)
 
 
-def record_not_fp8(module):
+def record_not_fp8(module: nn.Module) -> None:
     """Inside a checkpointed forward, records that ``module`` ran without FP8 (called when
     an FP8 region is open but disabled: the recomputation must not take it for an FP8 call
     of the same layer)."""
@@ -132,7 +140,7 @@ def record_not_fp8(module):
         record.add_not_fp8(module)
 
 
-def replayed(module):
+def replayed(module: nn.Module) -> Cast | str | None:
     """In a checkpoint's recomputation, the Cast the forward's call of ``module`` used, or
     NOT_FP8 when that call ran without FP8; None outside a recomputation."""
     replays = _replays()

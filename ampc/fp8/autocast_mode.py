@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules import module as _module
 
-from . import _region
+from . import _open_regions
 from ._amax_reduction import Pending, check_group, resolve_group
 from .linear import Linear, to_fp8
-from .recipe import RECIPES, DelayedScaling, Recipe
+from .recipe import DelayedScaling, Recipe, check_recipe
 
 __all__ = ["autocast"]
 
@@ -29,7 +29,7 @@ _hook_users = 0
 
 
 def _convert_listed(module, args):
-    region = _region.current()
+    region = _open_regions.current()
     if region is None:
         return
     listed = region[1]
@@ -91,12 +91,9 @@ class autocast:
     def __init__(self, enabled: bool = True, recipe: Recipe | None = None,
                  modules: tuple[type[nn.Module], ...] = (nn.Linear,),
                  fp8_group: "dist.ProcessGroup | None" = None) -> None:
-        recipe = DelayedScaling() if recipe is None else recipe
-        if not isinstance(recipe, RECIPES):
-            raise TypeError(f"ampc.fp8.autocast: recipe must be an ampc.fp8.DelayedScaling or "
-                            f"ampc.fp8.Float8CurrentScaling, got {type(recipe).__name__}")
         self.enabled = bool(enabled)
-        self.recipe = recipe
+        self.recipe = check_recipe(DelayedScaling() if recipe is None else recipe,
+                                   "ampc.fp8.autocast: recipe")
         self.modules = _check_modules(modules)
         check_group(fp8_group)
         self.fp8_group = fp8_group
@@ -111,12 +108,12 @@ class autocast:
             if _hook_users == 0:
                 _hook = _add_hook(_hook)
             _hook_users += 1
-        _region.stack().append((self.recipe, self.modules, pending) if self.enabled else None)
+        _open_regions.stack().append((self.recipe, self.modules, pending) if self.enabled else None)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         global _hook, _hook_users
-        region = _region.stack().pop()
+        region = _open_regions.stack().pop()
         pending = None if region is None else region[2]
         with _hook_lock:
             _hook_users -= 1

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _recompute, _region
+from . import _open_regions, _recompute
 from ._amax_reduction import backward_pending
 from ._gemm import gemm
 from .recipe import Recipe
@@ -138,14 +138,14 @@ class Linear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            if not _region.stack():     # no FP8 region open: nn.Linear, traced
+            if not _open_regions.stack():     # no FP8 region open: nn.Linear, traced
                 return F.linear(input, self.weight, self.bias)
             return _eager_forward(self, input)
         replay = _recompute.replayed(self)
         if replay is None:              # not a checkpoint's recomputation
-            region = _region.current()
+            region = _open_regions.current()
             if region is None:
-                if _region.stack():     # a disabled region inside an enabled one
+                if _open_regions.stack():     # a disabled region inside an enabled one
                     _recompute.record_not_fp8(self)
                 return F.linear(input, self.weight, self.bias)
             return linear(self, input, region[0], region[2])

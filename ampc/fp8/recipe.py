@@ -12,7 +12,7 @@ from typing import Union
 import torch
 
 __all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Recipe", "RECIPES", "FMAX",
-           "AMAX_COMPUTE_ALGOS"]
+           "AMAX_COMPUTE_ALGOS", "NAMES", "by_name", "check_recipe"]
 
 FMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
@@ -111,3 +111,25 @@ class Float8CurrentScaling:
 
 RECIPES = (DelayedScaling, Float8CurrentScaling)
 Recipe = Union[DelayedScaling, Float8CurrentScaling]
+
+# the recipes by the names torchtitan's and ampc's settings give them
+NAMES = {"delayed": DelayedScaling, "current": Float8CurrentScaling}
+
+
+def by_name(name: str, where: str = "ampc.fp8.recipe.by_name: name") -> Recipe:
+    """A new recipe, with its defaults, of the kind ``name`` says: "delayed"
+    (DelayedScaling) or "current" (Float8CurrentScaling). ``where`` names the caller and
+    its argument in the error (as "ampc.autoprecision.search: fp8_recipe")."""
+    kind = NAMES.get(name) if isinstance(name, str) else None
+    if kind is None:
+        raise ValueError(f"{where} must be 'delayed' or 'current', got {name!r}")
+    return kind()
+
+
+def check_recipe(recipe: object, where: str = "ampc.fp8.recipe.check_recipe: recipe") -> Recipe:
+    """``recipe`` itself when it is a DelayedScaling or a Float8CurrentScaling, else a
+    TypeError; ``where`` names the caller and its argument in the error."""
+    if not isinstance(recipe, RECIPES):
+        raise TypeError(f"{where} must be an ampc.fp8.DelayedScaling or "
+                        f"ampc.fp8.Float8CurrentScaling, got {type(recipe).__name__}")
+    return recipe

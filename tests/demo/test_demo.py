@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ampc import demo
+from ampc.demo import _sizing, _text
 from ampc.validate import _report
 
 
@@ -88,13 +89,13 @@ def test_command_line_bad_flag():
 
 
 def test_text_comes_from_the_standard_library():
-    lib, files = demo.stdlib_files()
+    lib, files = _text.stdlib_files()
     assert any(f.endswith(os.sep + "os.py") for f in files)
-    train, val, described = demo.load_text(max_chars=200_000)
+    train, val, described = _text.load_text(max_chars=200_000)
     assert len(train) > 100_000 and len(val) > 5_000 and lib in described
-    assert set(demo.decode(train.tolist())) <= set(demo.VOCAB)
+    assert set(_text.decode(train.tolist())) <= set(_text.VOCAB)
     # every tenth file is held out: the validation text is not inside the training text
-    assert demo.decode(val[:200].tolist()) not in demo.decode(train.tolist())
+    assert _text.decode(val[:200].tolist()) not in _text.decode(train.tolist())
 
 
 def test_choose_takes_the_largest_size_that_fits():
@@ -108,17 +109,17 @@ def test_choose_takes_the_largest_size_that_fits():
     def probe(size):
         probed.append(size)
         return per_step[size], 2.0               # 2 s of search
-    size, steps = demo.choose(Args, speeds, probe, lambda: 100.0, lambda line: None)
+    size, steps = _sizing.choose(Args, speeds, probe, lambda: 100.0, lambda line: None)
     # small: 100 s less the reserve and the search over 1.1 x 0.4 s -> 186 steps; medium 14
-    per_small = demo.SAFETY * 0.4
-    assert size == "small" and steps == int((100 - demo.AFTER_S - 2.0) / per_small
-                                            - demo.VAL_BATCHES / 3)
+    per_small = _sizing.SAFETY * 0.4
+    assert size == "small" and steps == int((100 - _sizing.AFTER_S - 2.0) / per_small
+                                            - _sizing.VAL_BATCHES / 3)
     assert probed == ["micro", "tiny", "small", "medium"]
     Args.size, Args.steps = "tiny", 25
-    assert demo.choose(Args, speeds, probe, lambda: 100.0, lambda line: None) == ("tiny", 25)
+    assert _sizing.choose(Args, speeds, probe, lambda: 100.0, lambda line: None) == ("tiny", 25)
     Args.size, Args.steps = "large", 0                # too slow: the floor of steps, said so
     lines = []
-    assert demo.choose(Args, speeds, probe, lambda: 100.0, lines.append) == ("large", 20)
+    assert _sizing.choose(Args, speeds, probe, lambda: 100.0, lines.append) == ("large", 20)
     assert "slow" in lines[-1]
 
 

@@ -5,10 +5,15 @@ for the names a snippet leaves to the reader (model, data, loss_fn, x, y, device
 a 16-32-16 classifier with a LayerNorm (FP8-friendly sizes), three batches of 8, cross-entropy
 (ampc.validate's default loss), the CPU.
 A block that cannot run here says why in an HTML comment on the line before it,
-`<!-- no-run: needs torchrun -->`, and is reported as skipped with that reason. New pages
-in docs/ are picked up as they land.
+`<!-- no-run: needs torchrun -->`, and is reported as skipped with that reason. A block
+that imports an optional framework (Lightning, Accelerate, transformers, torchtitan) that
+is not installed is skipped, and fails under CI (tests/optional.py). New pages in docs/
+are picked up as they land.
 """
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampc
+from optional import lacking
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_RUN = re.compile(r"<!--\s*no-run:\s*(.*?)\s*-->")
@@ -107,7 +113,41 @@ def test_block_runs(path, line, code, tmp_path, monkeypatch, clean_policy):
     _custom_op_stand_in()
     monkeypatch.chdir(tmp_path)
     namespace = stand_ins()
-    exec(compile(code, f"{path.relative_to(ROOT)}:{line}", "exec"), namespace)
+    where = f"{path.relative_to(ROOT)}:{line}"
+    try:
+        exec(compile(code, where, "exec"), namespace)
+    except ModuleNotFoundError as e:
+        # ampc and torch are never optional: a block that cannot import them is broken
+        top = (e.name or "").partition(".")[0]
+        if top in ("", "ampc", "torch"):
+            raise
+        lacking(top, f"{where} imports {top}, which is not installed")
+
+
+def _run_blocks_without(module, ids, ci):
+    """pytest on the blocks ``ids`` in a fresh interpreter in which ``module`` cannot be
+    imported (None in sys.modules), with or without CI set."""
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    if ci:
+        env["CI"] = "true"
+    nodes = [f"tests/demo/test_docs.py::test_block_runs[{i}]" for i in ids]
+    code = (f"import sys; sys.modules[{module!r}] = None; import pytest; "
+            f"sys.exit(pytest.main(['-q', '-rsf', '-p', 'no:cacheprovider', *sys.argv[1:]]))")
+    return subprocess.run([sys.executable, "-c", code, *nodes], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_block_whose_framework_is_missing_skips_outside_ci_and_fails_under_it():
+    ids = [f"{path.relative_to(ROOT)}:{line}" for path in doc_files()
+           for line, code, skip in python_blocks(path) if "torchtitan" in code and not skip]
+    assert ids, "no runnable docs block imports torchtitan any more: pick another framework"
+    plain = _run_blocks_without("torchtitan", ids, ci=False)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    assert f"{len(ids)} skipped" in plain.stdout and "needs torchtitan" in plain.stdout
+    under_ci = _run_blocks_without("torchtitan", ids, ci=True)
+    assert under_ci.returncode == 1, under_ci.stdout + under_ci.stderr
+    assert f"{len(ids)} failed" in under_ci.stdout
+    assert "imports torchtitan, which is not installed, and CI is set" in under_ci.stdout
 
 
 LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")

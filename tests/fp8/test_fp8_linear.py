@@ -193,6 +193,24 @@ def test_errors():
         fp8.Float8CurrentScaling(fp8_format="HYBRID")
 
 
+def test_recipes_by_name_and_checked():
+    from ampc.fp8.recipe import by_name, check_recipe
+    assert by_name("delayed") == fp8.DelayedScaling() and type(by_name("delayed")) is fp8.DelayedScaling
+    assert by_name("current") == fp8.Float8CurrentScaling()
+    assert by_name("delayed") is not by_name("delayed")        # a new one each time
+    for bad in ("Delayed", "mx", None, 1):
+        with pytest.raises(ValueError, match=r"^ampc.autoprecision.search: fp8_recipe must be "
+                                             r"'delayed' or 'current', got "):
+            by_name(bad, "ampc.autoprecision.search: fp8_recipe")
+    recipe = fp8.Float8CurrentScaling()
+    assert check_recipe(recipe) is recipe
+    for bad in ("delayed", True, fp8.Format.HYBRID):
+        with pytest.raises(TypeError, match=r"^ampc.fp8.recipe.check_recipe: recipe must be an "
+                                            r"ampc.fp8.DelayedScaling or ampc.fp8.Float8CurrentScaling, "
+                                            rf"got {type(bad).__name__}$"):
+            check_recipe(bad)
+
+
 def test_the_region_leaves_no_hook_behind():
     from torch.nn.modules import module as m
     before = len(m._global_forward_pre_hooks)

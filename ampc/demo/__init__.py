@@ -1,0 +1,29 @@
+"""python -m ampc.demo: a character-level GPT trained on the source of Python's standard
+library five ways, side by side, in about three minutes on any machine.
+
+  fp32              fp32 weights, torch.optim.AdamW(fused=True)
+  torch.amp         torch.autocast (+ torch.amp.GradScaler for fp16), torch AdamW
+  ampc drop-in      ampc.autocast (+ ampc.GradScaler for fp16), ampc.optim.AdamW
+  ampc master       ampc.prepare: 16-bit weights, fp32 master weights in ampc.optim.AdamW
+  ampc auto         a precision per module chosen by ampc.autoprecision.search on this
+                    machine (its search time is counted in its speed), ampc.optim.AdamW
+
+The text is read at run time from the running interpreter's standard library (every
+tenth file held out for validation). All runs start from the same weights and see the
+same batches (ampc.validate.compare), fp32 also from a second seed for its run-to-run
+spread. The model size and step count are chosen from what this machine measures: the
+CPU's capability, bf16 against fp32 matmul speed, and the time of a few real steps. The
+runs train in lockstep and all stop at the same step when the time budget (--budget,
+150 s) is used up, however busy the machine turns out to be.
+Output: a table, the validation summary, OUT/demo.{txt,json,png}, OUT/layers.*, and a
+sample of text written by the ampc model.
+
+A program on top of the library, shipped with it so that ``python -m ampc.demo`` runs
+wherever ampc is installed: nothing in ampc imports it. Besides the public API it takes
+validate's one-run trainer, default dtypes and table and file writers. Its parts: _job.py
+(the command line and ``main``: size, search, train, report, write), _sizing.py (what this
+machine can do, the size and steps that fit), _text.py, _model.py, _report.py.
+"""
+from ._job import main
+
+__all__ = ["main"]

@@ -1,0 +1,85 @@
+"""What the demo prints and writes: the plan's choices, the table of runs, the files."""
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
+import os
+
+from ampc.validate._report import NO_MATPLOTLIB, fmt, format_table, write_outputs
+
+LABELS = {"fp32": "fp32", "torch.amp": "torch.amp", "ampc": "ampc drop-in",
+          "ampc.master": "ampc master weights", "ampc.auto": "ampc auto"}
+HEADER = ["setup", "tokens/s", "step ms", "peak MiB", "train loss", "val loss",
+          "speed vs torch.amp", "memory vs torch.amp"]
+
+
+def describe_plan(plan, search_s, dname, ratio, log):
+    """A few lines on what ampc.autoprecision chose here and why."""
+    counts = {}
+    for c in plan.choices.values():
+        counts[c] = counts.get(c, 0) + 1
+    m = plan.data.get("measured") or {}
+    log(f"ampc.autoprecision: {len(plan.units)} modules in {search_s:.1f} s: "
+        + ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
+        + f"; ops outside them {plan.rest}"
+        + (f"; whole model forward + backward {m['plan_ms']:.0f} ms against fp32's "
+           f"{m['fp32_ms']:.0f} ms" if m else ""))
+    for note in plan.data.get("notes", []):
+        log(f"  {note}")
+    fp32 = [u for u in plan.units if u["choice"] == "fp32"]
+    for reason, match in (("for accuracy", lambda w: " err " in w or "not finite" in w),
+                          ("for speed", lambda w: w.startswith("too slow"))):
+        kept = [u for u in fp32 if any(match(w) for w in u["rejected"].values())]
+        if kept:
+            u = kept[0]
+            why = "; ".join(f"{c}: {w}" for c, w in u["rejected"].items() if match(w))
+            log(f"  kept in fp32 {reason}: {len(kept)} modules, e.g. {u['module']} ({why})")
+    if set(plan.choices.values()) == {"fp32"}:
+        log(f"  {dname} matmuls run {1 / ratio:.0f}x slower than fp32 here" if ratio < 1 else
+            f"  no 16-bit choice measured faster here")
+        log("  so the plan keeps every module in fp32: the auto arm trains at fp32's speed "
+            "with fp32's accuracy, where the uniform 16-bit arms pay for slow matmuls")
+
+
+def result_rows(report, tokens, search_s, steps):
+    """One row a run: throughput, step time, memory and losses, against torch.amp's run.
+    The auto arm pays for its search: spread over the ``steps`` it trained."""
+    amp = next(r for r in report.runs if r.kind == "torch.amp")
+    amp_tps = tokens / (amp.median_ms() / 1e3)
+    rows = []
+    for r in [report.base] + report.runs:
+        ms = r.median_ms() + (1e3 * search_s / steps if r.kind == "ampc.auto" else 0.0)
+        tps = tokens / (ms / 1e3)
+        rows.append({"setup": LABELS[r.kind] + ("" if r.kind == "fp32" else f" {r.dtype}"),
+                     "tokens_per_s": tps, "step_ms": ms, "peak_mib": r.peak_mib,
+                     "train_loss": sum(r.losses[-report.window:]) / report.window,
+                     "val_loss": r.val_loss, "speed_vs_torch_amp": tps / amp_tps,
+                     "memory_vs_torch_amp": (r.peak_mib / amp.peak_mib
+                                             if r.peak_mib and amp.peak_mib else None)})
+    return rows
+
+
+def results_table(rows):
+    return format_table(HEADER, [
+        [row["setup"], f"{row['tokens_per_s']:,.0f}", f"{row['step_ms']:.1f}",
+         fmt(row["peak_mib"], ".1f"), f"{row['train_loss']:.4f}", fmt(row["val_loss"]),
+         f"{row['speed_vs_torch_amp']:.2f}x", fmt(row["memory_vs_torch_amp"], ".2f")]
+        for row in rows])
+
+
+def write_all(out, lines, data, report, layer_report, plan, log):
+    """OUT/demo.{txt,json,png}, OUT/layers.*, OUT/plan.{json,txt}, and where they went."""
+    throughput = {row["setup"]: row["tokens_per_s"] for row in data["table"]}
+    paths = write_outputs(out, "demo", "\n".join(lines), data,
+                          lambda plt, path: report.plot(plt, path, throughput))
+    layer_paths = layer_report.save(out)
+    plan.save(os.path.join(out, "plan.json"))
+    with open(os.path.join(out, "plan.txt"), "w") as f:
+        f.write(plan.table() + "\n\n" + plan.python() + "\n")
+    log()
+    if paths["png"]:
+        log(f"picture: {os.path.abspath(paths['png'])} (loss curves, gap to fp32, "
+            "grad-norm ratio, throughput)")
+    else:
+        log(NO_MATPLOTLIB)
+    log(f"wrote {paths['txt']}, {paths['json']}, {layer_paths['txt']}, {layer_paths['json']}, "
+        f"{os.path.join(out, 'plan.txt')}, {os.path.join(out, 'plan.json')}"
+        + (f", {layer_paths['png']}" if layer_paths["png"] else ""))
