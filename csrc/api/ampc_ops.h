@@ -61,6 +61,11 @@ AMPC_KERNEL(update_scale, float *scale, int32_t *growth_tracker, int32_t *hyster
 AMPC_KERNEL(adam, const struct ampc_adam_lists *lists, const struct ampc_adam_control *control,
             const struct ampc_adam_args *args)
 
+/* The lean Adam/AdamW step: compact moments and weights without fp32 masters (ampc.h,
+ * lean.h). */
+AMPC_KERNEL(adam_lean, const struct ampc_lean_lists *lists,
+            const struct ampc_adam_control *control, const struct ampc_lean_args *args)
+
 /* The fp8 casts and the amax (ampc.h, fp8.h). */
 AMPC_KERNEL(cast_fp8, const struct ampc_list *dst, const struct ampc_list *amax,
             const struct ampc_list *src, const struct ampc_list *scale)
@@ -98,6 +103,13 @@ AMPC_OP(adam_packed, "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) state, "
                      "float beta2, float eps, float weight_decay, bool decoupled, "
                      "bool maximize, bool amsgrad, bool master, bool stochastic=False, "
                      "int seed=0) -> int")
+AMPC_OP(adam_lean, "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, "
+                   "Tensor(c!)[] compensations, Tensor(d!)[] exp_avgs, "
+                   "Tensor(e!)[] exp_avg_sqs, Tensor(f!)[] exp_avg_scales, "
+                   "Tensor(g!)[] exp_avg_sq_scales, Tensor(h!)[] steps, Tensor[] lr_tensor, "
+                   "Tensor[] inv_scale, Tensor[] clip_coef, Tensor[] found_inf, float lr, "
+                   "float beta1, float beta2, float eps, float weight_decay, bool decoupled, "
+                   "bool maximize, bool stochastic=False, int seed=0) -> ()")
 AMPC_OP(fp8_gemm, "(Tensor(a!) out, Tensor a, Tensor b_t, Tensor scale_inv_a, "
                   "Tensor scale_inv_b, Tensor[] bias, Tensor(b!)[] amax, "
                   "Tensor(c!) workspace) -> int")
