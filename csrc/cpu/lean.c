@@ -99,14 +99,14 @@ INLINE void encode_moments(const struct lean_block *b, const float *m, const flo
     const float smax = sqrtf(ampc_bits_f32(vbits));
     *b->m_scale = mmax;
     *b->v_scale = smax;
-    if (ampc_non_finite(mmax))
+    if (ampc_q8_codes_zero(mmax))
         memset(qm, 0, (size_t)n);
     else {
 #pragma omp simd
         for (int64_t i = 0; i < n; i++)
             qm[i] = ampc_q8m_encode(m[i], mmax);
     }
-    if (ampc_non_finite(smax))
+    if (ampc_q8_codes_zero(smax))
         memset(qv, 0, (size_t)n);
     else {
 #pragma omp simd

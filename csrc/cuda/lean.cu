@@ -102,9 +102,9 @@ lean_kernel(const struct lean_tensor t, const struct ampc_adam_control ctl,
             t.v_scale[block] = smax;
         }
         if (live) {
-            ((uint8_t *)t.m)[i] = ampc_non_finite(mmax) ? (uint8_t)0 : ampc_q8m_encode(m, mmax);
+            ((uint8_t *)t.m)[i] = ampc_q8_codes_zero(mmax) ? (uint8_t)0 : ampc_q8m_encode(m, mmax);
             ((uint8_t *)t.v)[i] =
-                ampc_non_finite(smax) ? (uint8_t)0 : ampc_q8v_encode(sqrtf(v), smax);
+                ampc_q8_codes_zero(smax) ? (uint8_t)0 : ampc_q8v_encode(sqrtf(v), smax);
         }
     }
     if (!live)

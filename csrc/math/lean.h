@@ -42,13 +42,21 @@ AMPC_HD float ampc_rint_small(float x)
     return (x + 8388608.0f) - 8388608.0f;
 }
 
+/* Selects are written as masks (all ones or zero) rather than ?:, so that the compiler
+ * vectorizes the CPU loops for AVX2 as well as AVX-512. */
+AMPC_HD uint32_t ampc_select(int cond, uint32_t yes, uint32_t no)
+{
+    uint32_t mask = 0u - (uint32_t)(cond != 0);
+    return (yes & mask) | (no & ~mask);
+}
+
 /* The code of magnitude a in [0, 480] with 3 mantissa bits (Note [8-bit moments]). */
 AMPC_HD uint32_t ampc_q8_e4m3(float a)
 {
     uint32_t u = ampc_f32_bits(a);
     uint32_t normal = ((u + 0x7ffffu + ((u >> 20) & 1u)) >> 20) - (120u << 3);
     uint32_t sub = (uint32_t)(int32_t)ampc_rint_small(a * 512.0f);       /* 2^-9 steps */
-    return a < 0.015625f ? sub : normal;
+    return ampc_select(a < 0.015625f, sub, normal);
 }
 
 /* The code of magnitude a in [0, 496] with 4 mantissa bits, code 1 at least when a > 0. */
@@ -57,18 +65,20 @@ AMPC_HD uint32_t ampc_q8_e4m4(float a)
     uint32_t u = ampc_f32_bits(a);
     uint32_t normal = ((u + 0x3ffffu + ((u >> 19) & 1u)) >> 19) - (120u << 4);
     uint32_t sub = (uint32_t)(int32_t)ampc_rint_small(a * 1024.0f);      /* 2^-10 steps */
-    uint32_t c = a < 0.015625f ? sub : normal;
-    return (c == 0 && a > 0.0f) ? 1u : c;
+    uint32_t c = ampc_select(a < 0.015625f, sub, normal);
+    return c + (uint32_t)((c == 0u) & (a > 0.0f));
 }
 
 AMPC_HD float ampc_q8_e4m3_value(uint32_t c)   /* c: 7 bits */
 {
-    return c < 8u ? (float)c * 0.001953125f : ampc_bits_f32((c + (120u << 3)) << 20);
+    float sub = (float)(int32_t)c * 0.001953125f;
+    return ampc_bits_f32(ampc_select(c < 8u, ampc_f32_bits(sub), (c + (120u << 3)) << 20));
 }
 
 AMPC_HD float ampc_q8_e4m4_value(uint32_t c)   /* c: 8 bits */
 {
-    return c < 16u ? (float)c * 0.0009765625f : ampc_bits_f32((c + (120u << 4)) << 19);
+    float sub = (float)(int32_t)c * 0.0009765625f;
+    return ampc_bits_f32(ampc_select(c < 16u, ampc_f32_bits(sub), (c + (120u << 4)) << 19));
 }
 
 /* The factor that turns a code's value back into the moment's value. */
@@ -82,10 +92,11 @@ AMPC_HD float ampc_q8v_factor(float absmax)
     return absmax / AMPC_Q8V_MAX;
 }
 
-/* exp_avg's byte for m in a block of absmax `absmax` (finite, >= |m|). */
+/* exp_avg's byte for m in a block of absmax `absmax` (finite and > 0, >= |m|: a block
+ * whose absmax is 0 or not finite stores code 0 everywhere, ampc_q8_codes_zero). */
 AMPC_HD uint8_t ampc_q8m_encode(float m, float absmax)
 {
-    float r = absmax > 0.0f ? fabsf(m) / absmax : 0.0f;
+    float r = fabsf(m) / absmax;
     uint32_t sign = ampc_f32_bits(m) >> 31;
     return (uint8_t)((sign << 7) | ampc_q8_e4m3(r * AMPC_Q8M_MAX));
 }
@@ -93,14 +104,20 @@ AMPC_HD uint8_t ampc_q8m_encode(float m, float absmax)
 AMPC_HD float ampc_q8m_decode(uint8_t c, float factor)
 {
     float a = ampc_q8_e4m3_value(c & 0x7fu) * factor;
-    return (c & 0x80u) ? -a : a;
+    return ampc_bits_f32(ampc_f32_bits(a) | ((uint32_t)(c & 0x80u) << 24));    /* -a */
 }
 
 /* exp_avg_sq's byte for s = sqrt(v) in a block whose largest sqrt(v) is `absmax`. */
 AMPC_HD uint8_t ampc_q8v_encode(float s, float absmax)
 {
-    float r = absmax > 0.0f ? s / absmax : 0.0f;
+    float r = s / absmax;
     return (uint8_t)ampc_q8_e4m4(r * AMPC_Q8V_MAX);
+}
+
+/* Whether a block of this absmax stores code 0 everywhere (0, inf or nan). */
+AMPC_HD int ampc_q8_codes_zero(float absmax)
+{
+    return !(absmax > 0.0f) || ampc_non_finite(absmax);
 }
 
 AMPC_HD float ampc_q8v_decode(uint8_t c, float factor)
