@@ -136,7 +136,9 @@ class Adam(torch.optim.Optimizer):
         moments_min_numel (int): see ``moments``. Default: 4096.
         kahan_summation (bool): bf16 params without master weights keep a bf16
             compensation buffer; param + compensation is the weight the step updates
-            (2 bytes a parameter instead of a 4-byte master). Default: False.
+            (2 bytes a parameter instead of a 4-byte master). fp32 params (the norms
+            ``ampc.prepare`` keeps) are their own weight; fp16 params are refused.
+            Default: False.
         state (str or None): a preset: ``"lean"`` is ``master_weights=False,
             stochastic_rounding=True, moments="8bit"`` (about 6 bytes a parameter of
             persistent state for a bf16 model). Options given explicitly win over the
@@ -256,8 +258,8 @@ class Adam(torch.optim.Optimizer):
         moments = group["moments"]
         if moments != "fp32" and (p.numel() < group["moments_min_numel"] or p.dim() < 2):
             moments = "fp32"
-        if group["kahan_summation"]:
-            return moments, "kahan"
+        if group["kahan_summation"]:    # an fp32 param (a norm prepare kept) is its own weight
+            return moments, "none" if p.dtype == torch.float32 else "kahan"
         return moments, "master" if self._wants_master(group, p) else "none"
 
     def _init_lean_state(self, group, p, master=None):
@@ -265,8 +267,7 @@ class Adam(torch.optim.Optimizer):
         moments, weight = self._lean_layout(group, p)
         if weight == "kahan" and p.dtype != torch.bfloat16:
             raise ValueError(f"ampc.optim.{type(self).__name__}: kahan_summation=True needs "
-                             f"torch.bfloat16 params, got {p.dtype} (ampc.prepare makes them "
-                             "bf16)")
+                             f"torch.bfloat16 (or float32) params, got {p.dtype}")
         zeros = lambda dt: torch.zeros_like(p, dtype=dt,  # noqa: E731
                                             memory_format=torch.contiguous_format)
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
@@ -297,9 +298,9 @@ class Adam(torch.optim.Optimizer):
         state = self.state
         fresh = [(i, p) for i, p, _ in live if "exp_avg" not in state[p]]
         for i, p in fresh:      # every check before any allocation
-            if group["kahan_summation"] and p.dtype != torch.bfloat16:
+            if group["kahan_summation"] and p.dtype == torch.float16:
                 raise ValueError(f"{name}: kahan_summation=True needs torch.bfloat16 params; "
-                                 f"param {i} is {p.dtype} (ampc.prepare makes them bf16)")
+                                 f"param {i} is torch.float16")
         buckets = {}
         for i, p, g in live:
             if g.is_sparse:
@@ -630,9 +631,9 @@ class Adam(torch.optim.Optimizer):
                              "but this optimizer keeps the weight in neither a master nor a "
                              "compensation: make it with kahan_summation=True (or "
                              "master_weights=True) to load it")
-        if want == "kahan" and p.dtype != torch.bfloat16:
+        if want == "kahan" and p.dtype == torch.float16:
             raise ValueError(f"{name}: kahan_summation=True needs torch.bfloat16 params; "
-                             f"param {i} is {p.dtype}")
+                             f"param {i} is torch.float16")
 
     def _load_lean(self, state, group, p, saved):
         """saved (any layout, checked) converted into this optimizer's layout for p."""

@@ -101,23 +101,26 @@ def test_bad_options_are_refused(case):
         ampc.optim.AdamW(net().parameters(), lr=1e-3, **kwargs)
 
 
-def test_kahan_refuses_fp16_params_at_construction_and_fp32_before_allocating():
+def test_kahan_refuses_fp16_params_and_steps_fp32_params_as_they_are():
     with pytest.raises(ValueError, match=r"kahan_summation=True needs torch.bfloat16 params; "
                                          r"param 0 of group 0 is torch.float16"):
         ampc.optim.AdamW(net(dtype=f16).parameters(), lr=1e-3, kahan_summation=True)
-    model = net(dtype=f32)
-    opt = ampc.optim.AdamW(model.parameters(), lr=1e-3, kahan_summation=True)
-    before = copy.deepcopy(model.state_dict())
-    x, y = batch(0, f32)
-    ((model(x) - y) ** 2).mean().backward()
-    with pytest.raises(ValueError, match=r"kahan_summation=True needs torch.bfloat16 params; "
-                                         r"param 0 is torch.float32"):
-        opt.step()
-    assert not any(opt.state[p] for p in model.parameters())
-    for k, v in model.state_dict().items():
-        assert_same(v, before[k], k)
     with pytest.raises(ValueError, match=r"ampc.prepare: kahan_summation=True .* dtype is"):
         ampc.prepare(net(dtype=f32), ampc.optim.AdamW, f16, lr=1e-3, kahan_summation=True)
+    # prepare keeps the norms fp32: they are their own weight, no compensation
+    model, opt = ampc.prepare(net(dtype=f32), ampc.optim.AdamW, bf16, lr=1e-3,
+                              kahan_summation=True)
+    train(model, opt, 1)
+    assert "compensation" in opt.state[model[0].weight]
+    assert model[1].weight.dtype == f32 and "compensation" not in opt.state[model[1].weight]
+    # an fp16 param added after the checks: refused at the step, before any allocation
+    half = nn.Parameter(torch.randn(4, 4).to(f16))
+    opt.param_groups[0]["params"].append(half)
+    half.grad = torch.randn(4, 4).to(f16)
+    before = half.detach().clone()
+    with pytest.raises(ValueError, match=r"param \d+ is torch.float16"):
+        opt.step()
+    assert not opt.state[half] and torch.equal(half.detach(), before)
 
 
 # ---- GradScaler protocol, folded clip, no host sync ----
