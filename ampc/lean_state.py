@@ -92,10 +92,11 @@ def encode_moments(m: torch.Tensor, v: torch.Tensor, kind: str, step: torch.Tens
     blocks = -(-n // ops.QBLOCK)
     out = {}
     for key, g in (("exp_avg", m), ("exp_avg_sq", v.float().sqrt())):
-        cm = torch.empty(m.shape, dtype=torch.uint8, device=m.device)
-        cv = torch.empty_like(cm)
-        sm = torch.empty(blocks, device=m.device)
-        sv = torch.empty_like(sm)
+        # zeros: the step decodes the old codes first (0 * garbage could be nan)
+        cm = torch.zeros(m.shape, dtype=torch.uint8, device=m.device)
+        cv = torch.zeros_like(cm)
+        sm = torch.zeros(blocks, device=m.device)
+        sv = torch.zeros_like(sm)
         ops.adam_lean([torch.zeros(n, device=m.device)],
                       [g.float().contiguous().reshape(-1)], [cm.reshape(-1)], [cv.reshape(-1)],
                       [torch.zeros(1, device=m.device)], lr=0.0, beta1=0.0, beta2=0.0,
