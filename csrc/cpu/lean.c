@@ -3,9 +3,9 @@
  * pass over memory.
  *
  * Each chunk (cpu.h; chunks start at multiples of AMPC_CHUNK, so at block boundaries) is
- * walked a block of AMPC_QBLOCK elements at a time: the fp32 weights and moments of the
- * block are put in L1 buffers (fp32 state is updated where it lies instead), adam.c's
- * SIMD loops take the step on them, and the block is written back: moments rounded to
+ * walked LEAN_SPAN elements (4 blocks of 8-bit moments) at a time: the fp32 weights and
+ * moments of the span are put in L1 buffers (fp32 state is updated where it lies instead), adam.c's
+ * SIMD loops take the step on them, and the span is written back: moments rounded to
  * bf16 stochastically or coded in 8 bits with a fresh scale, the weight to the master
  * and the param, to the param, or to the Kahan pair. The load and store loops are one
  * body compiled for AVX-512, AVX2 and the baseline (the compiler vectorizes them: every
@@ -18,7 +18,13 @@
 #include "lean.h"
 #include "simd.h"
 
-/* One block of one tensor: pointers at its first element. */
+/* Elements a pass over L1 buffers: 4 blocks of 8-bit moments, 12 KB of fp32 buffers (fewer
+ * calls into the SIMD loops than one block at a time). A multiple of AMPC_QBLOCK that
+ * divides AMPC_CHUNK, so every span starts on a block boundary. */
+#define LEAN_SPAN (4 * AMPC_QBLOCK)
+
+/* A span of LEAN_SPAN elements (or fewer, at a chunk's end) of one tensor: pointers at its
+ * first element. */
 struct lean_block {
     void *param;
     const void *grad;
@@ -26,7 +32,7 @@ struct lean_block {
     uint16_t *comp;
     void *m;
     void *v;
-    float *m_scale;         /* 8-bit moments: this block's scales */
+    float *m_scale;         /* 8-bit moments: the scales of its first block */
     float *v_scale;
     int64_t n;
     int64_t index;          /* list-wide index of the first element */
@@ -68,25 +74,23 @@ INLINE void widen_bf16(float *dst, const uint16_t *src, int64_t n)
         dst[i] = ampc_bf16_to_f32(src[i]);
 }
 
-INLINE void decode_moments(float *m, float *v, const struct lean_block *b)
+/* One 8-bit block's moments decoded: n values, scales ms and vs. */
+INLINE void decode_block(float *m, float *v, const uint8_t *qm, const uint8_t *qv, float ms,
+                         float vs, int64_t n)
 {
-    const uint8_t *qm = b->m;
-    const uint8_t *qv = b->v;
-    const float fm = ampc_q8m_factor(*b->m_scale);
-    const float fv = ampc_q8v_factor(*b->v_scale);
+    const float fm = ampc_q8m_factor(ms);
+    const float fv = ampc_q8v_factor(vs);
 #pragma omp simd
-    for (int64_t i = 0; i < b->n; i++) {
+    for (int64_t i = 0; i < n; i++) {
         m[i] = ampc_q8m_decode(qm[i], fm);
         v[i] = ampc_q8v_decode(qv[i], fv);
     }
 }
 
-/* The block's new moments coded with fresh scales (Note [8-bit moments]). */
-INLINE void encode_moments(const struct lean_block *b, const float *m, const float *v)
+/* One 8-bit block's new moments coded with fresh scales (Note [8-bit moments]). */
+INLINE void encode_block(uint8_t *qm, uint8_t *qv, float *ms, float *vs, const float *m,
+                         const float *v, int64_t n)
 {
-    uint8_t *qm = b->m;
-    uint8_t *qv = b->v;
-    const int64_t n = b->n;
     uint32_t mbits = 0, vbits = 0;
 #pragma omp simd reduction(max : mbits, vbits)
     for (int64_t i = 0; i < n; i++) {
@@ -97,8 +101,8 @@ INLINE void encode_moments(const struct lean_block *b, const float *m, const flo
     }
     const float mmax = ampc_bits_f32(mbits);
     const float smax = sqrtf(ampc_bits_f32(vbits));
-    *b->m_scale = mmax;
-    *b->v_scale = smax;
+    *ms = mmax;
+    *vs = smax;
     if (ampc_q8_codes_zero(mmax))
         memset(qm, 0, (size_t)n);
     else {
@@ -112,6 +116,25 @@ INLINE void encode_moments(const struct lean_block *b, const float *m, const flo
 #pragma omp simd
         for (int64_t i = 0; i < n; i++)
             qv[i] = ampc_q8v_encode(sqrtf(v[i]), smax);
+    }
+}
+
+/* The span's 8-bit blocks (it starts on a block boundary), decoded or encoded. */
+INLINE void decode_moments(float *m, float *v, const struct lean_block *b)
+{
+    for (int64_t j = 0, k = 0; j < b->n; j += AMPC_QBLOCK, k++) {
+        int64_t n = b->n - j < AMPC_QBLOCK ? b->n - j : AMPC_QBLOCK;
+        decode_block(m + j, v + j, (const uint8_t *)b->m + j, (const uint8_t *)b->v + j,
+                     b->m_scale[k], b->v_scale[k], n);
+    }
+}
+
+INLINE void encode_moments(const struct lean_block *b, const float *m, const float *v)
+{
+    for (int64_t j = 0, k = 0; j < b->n; j += AMPC_QBLOCK, k++) {
+        int64_t n = b->n - j < AMPC_QBLOCK ? b->n - j : AMPC_QBLOCK;
+        encode_block((uint8_t *)b->m + j, (uint8_t *)b->v + j, &b->m_scale[k], &b->v_scale[k],
+                     m + j, v + j, n);
     }
 }
 
@@ -174,7 +197,7 @@ static void lean_step_block(const struct lean_job *job, const struct lean_block 
 {
     const struct ampc_lean_lists *l = job->lists;
     ampc_dtype pt = l->params.dtype;
-    float wbuf[AMPC_QBLOCK], mbuf[AMPC_QBLOCK], vbuf[AMPC_QBLOCK];
+    float wbuf[LEAN_SPAN], mbuf[LEAN_SPAN], vbuf[LEAN_SPAN];
     /* fp32 state is stepped where it lies */
     float *w = b->master ? b->master : pt == AMPC_F32 ? (float *)b->param : wbuf;
     float *m = job->moments == AMPC_MOMENTS_F32 ? (float *)b->m : mbuf;
@@ -214,9 +237,9 @@ static void lean_span(void *ctx, const struct ampc_span *s)
     const struct ampc_lean_lists *l = job->lists;
     int64_t t = s->tensor;
     int64_t msize = job->moments == AMPC_MOMENTS_F32 ? 4 : job->moments == AMPC_MOMENTS_BF16 ? 2 : 1;
-    for (int64_t i = s->begin; i < s->end; i += AMPC_QBLOCK) {
+    for (int64_t i = s->begin; i < s->end; i += LEAN_SPAN) {
         struct lean_block b;
-        b.n = s->end - i < AMPC_QBLOCK ? s->end - i : AMPC_QBLOCK;
+        b.n = s->end - i < LEAN_SPAN ? s->end - i : LEAN_SPAN;
         b.index = s->index + (i - s->begin);
         b.param = at(&l->params, t, i, ampc_dtype_size(l->params.dtype));
         b.grad = at(&l->grads, t, i, ampc_dtype_size(l->grads.dtype));
