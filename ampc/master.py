@@ -104,6 +104,9 @@ def prepare(model: nn.Module, optimizer: Adam | Callable[..., Adam], dtype: torc
         raise TypeError(f"ampc.prepare: optimizer must be an ampc.optim optimizer, got "
                         f"{type(opt).__name__}")
     groups = {id(p): g for g in opt.param_groups for p in g["params"]}
+    if dtype != torch.bfloat16 and any(g.get("kahan_summation") for g in opt.param_groups):
+        raise ValueError(f"ampc.prepare: kahan_summation=True keeps bf16 compensations of "
+                         f"bf16 weights; dtype is {dtype}")
 
     # one fused cast per device for all weights and buffers
     originals = [p.data for p in params] + [b for _, _, b in buffers]
@@ -142,7 +145,8 @@ def fp32_state_dict(model: nn.Module, optimizer: Adam, *,
     """The model's ``state_dict`` in fp32, with the master weights as its parameters.
 
     Every parameter that has a master weight in ``optimizer`` is replaced by a copy of
-    it; other fp16/bf16 tensors are widened to fp32. The result loads into the original
+    it, one with a Kahan compensation (``kahan_summation=True``) by param + compensation
+    in fp32; other fp16/bf16 tensors are widened to fp32. The result loads into the original
     fp32 model with ``load_state_dict`` (for inference, export, or fine-tuning without
     ampc).
 
@@ -156,6 +160,10 @@ def fp32_state_dict(model: nn.Module, optimizer: Adam, *,
     masters = {id(p): optimizer.state[p]["master"]
                for g in optimizer.param_groups for p in g["params"]
                if "master" in optimizer.state.get(p, {})}
+    # Kahan-compensated bf16 weights: the weight is param + compensation
+    masters.update({id(p): p.detach().float() + optimizer.state[p]["compensation"].float()
+                    for g in optimizer.param_groups for p in g["params"]
+                    if "compensation" in optimizer.state.get(p, {})})
     out = OrderedDict()
     for key, value in model.state_dict(keep_vars=True).items():
         if id(value) in masters:

@@ -17,7 +17,7 @@ from torch import Tensor
 from ._lib import lib as _clib
 
 __all__ = ["cast", "cast_", "unscale_check", "check_norm", "update_scale", "adam_master",
-           "adam_packed", "cast_fp8", "fp8_amax", "cast_from_fp8", "fp8_update_scales",
+           "adam_packed", "adam_lean", "QBLOCK", "cast_fp8", "fp8_amax", "cast_from_fp8", "fp8_update_scales",
            "FP8_MAX", "step_seed", "cpu_isa", "stream_bytes"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -223,6 +223,13 @@ def _optional(op, name, t):
     return [t]
 
 
+def _lr_args(lr):
+    """(lr_tensor, lr) of an Adam op: a tensor lr goes in the list, read on the device."""
+    if isinstance(lr, torch.Tensor):
+        return [lr if lr.dtype == torch.float32 else lr.to(torch.float32)], 0.0
+    return [], lr
+
+
 def adam_master(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                 exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor], *, lr: float | Tensor,
                 masters: Sequence[Tensor] | None = None,
@@ -273,16 +280,65 @@ def adam_master(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
     if len(params) == 0 and not any((grads, exp_avgs, exp_avg_sqs, steps, masters,
                                      max_exp_avg_sqs)):
         return
-    lr_tensor = []
-    if isinstance(lr, torch.Tensor):
-        lr_tensor = [lr if lr.dtype == torch.float32 else lr.to(torch.float32)]
-        lr = 0.0
+    lr_tensor, lr = _lr_args(lr)
     _run(
         "adam_master", params, grads, masters or [], exp_avgs, exp_avg_sqs,
         max_exp_avg_sqs or [], steps, lr_tensor, _optional(op, "inv_scale", inv_scale),
         _optional(op, "clip_coef", clip_coef), _optional(op, "found_inf", found_inf),
         float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         bool(decoupled), bool(maximize), bool(stochastic), _int64(seed))
+
+
+QBLOCK = 256    # elements a scale of 8-bit moments (lean.h's AMPC_QBLOCK)
+
+
+def adam_lean(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+              exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor], *, lr: float | Tensor,
+              masters: Sequence[Tensor] | None = None,
+              compensations: Sequence[Tensor] | None = None,
+              exp_avg_scales: Sequence[Tensor] | None = None,
+              exp_avg_sq_scales: Sequence[Tensor] | None = None, beta1: float = 0.9,
+              beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+              decoupled: bool = True, maximize: bool = False, inv_scale: Tensor | None = None,
+              clip_coef: Tensor | None = None, found_inf: Tensor | None = None,
+              stochastic: bool = False, seed: int = 0) -> None:
+    """:func:`adam_master`'s step (no amsgrad) with the lean state, in one pass: the
+    moments are dequantized, the grad unscaled and clipped, the step skipped on
+    ``found_inf``, AdamW taken in fp32 exactly as ``adam_master`` takes it, the moments
+    stored back, and the weight written.
+
+    Moments, by the dtype of ``exp_avgs`` (both lists share it):
+      - torch.float32: as ``adam_master``;
+      - torch.bfloat16: stored with stochastic rounding (random bits of their own streams:
+        round to nearest would stall ``exp_avg_sq`` at beta2 = 0.999);
+      - torch.uint8: 8-bit codes, with one float32 scale a block of ``QBLOCK`` elements of
+        each param in ``exp_avg_scales`` and ``exp_avg_sq_scales`` (``ceil(numel / QBLOCK)``
+        values each), rewritten each step from the block's new absmax. exp_avg is a signed
+        float-like code (3 mantissa bits, 16 binades), exp_avg_sq is coded as its square
+        root (4 mantissa bits) and never rounds a nonzero value to 0: see lean.h.
+
+    The weight: with ``masters`` (fp32) as ``adam_master``; with ``compensations`` (bf16
+    params and bf16 compensations) the pair ``param + compensation`` is the weight, stepped
+    in fp32 and split back (Kahan summation); with neither the param is the weight, and a
+    16-bit param is written to nearest even or, with ``stochastic``, by stochastic
+    rounding. Random bits are those of ``adam_master`` (see :func:`step_seed`): keyed by
+    seed, step and element, the same on the CPU and CUDA.
+    """
+    op = "adam_lean"
+    for name, value in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
+                        ("exp_avg_sqs", exp_avg_sqs), ("steps", steps)):
+        _check_list_fast(op, name, value)
+    if len(params) == 0 and not any((grads, exp_avgs, exp_avg_sqs, steps, masters,
+                                     compensations, exp_avg_scales, exp_avg_sq_scales)):
+        return
+    lr_tensor, lr = _lr_args(lr)
+    _run(
+        "adam_lean", params, grads, masters or [], compensations or [], exp_avgs, exp_avg_sqs,
+        exp_avg_scales or [], exp_avg_sq_scales or [], steps, lr_tensor,
+        _optional(op, "inv_scale", inv_scale), _optional(op, "clip_coef", clip_coef),
+        _optional(op, "found_inf", found_inf), float(lr), float(beta1), float(beta2),
+        float(eps), float(weight_decay), bool(decoupled), bool(maximize), bool(stochastic),
+        _int64(seed))
 
 
 def adam_packed(params: Sequence[Tensor], grads: Sequence[Tensor], state: Tensor,
@@ -306,10 +362,7 @@ def adam_packed(params: Sequence[Tensor], grads: Sequence[Tensor], state: Tensor
     op = "adam_packed"
     for name, value in (("params", params), ("grads", grads)):
         _check_list_fast(op, name, value)
-    lr_tensor = []
-    if isinstance(lr, torch.Tensor):
-        lr_tensor = [lr if lr.dtype == torch.float32 else lr.to(torch.float32)]
-        lr = 0.0
+    lr_tensor, lr = _lr_args(lr)
     return not _run(
         "adam_packed", params, grads, state, steps, layout, lr_tensor,
         _optional(op, "inv_scale", inv_scale),

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import _distributed, ops
+from .lean_state import MOMENTS, PRESETS, decode_moments, encode_moments, layout_of
 
 __all__ = ["Adam", "AdamW"]
 
@@ -128,6 +129,23 @@ class Adam(torch.optim.Optimizer):
         stochastic_rounding (bool): write fp16/bf16 params from the masters with
             stochastic rounding instead of round to nearest. Default: False.
         seed (int): seed of the stochastic rounding. Default: 0.
+        moments (str): how exp_avg and exp_avg_sq are stored: ``"fp32"`` (default),
+            ``"bf16"`` (stochastic rounding), or ``"8bit"`` (block-wise codes with an fp32
+            scale a block of 256). Params under ``moments_min_numel`` elements, and 1-d
+            params (norms, biases), keep fp32 moments.
+        moments_min_numel (int): see ``moments``. Default: 4096.
+        kahan_summation (bool): bf16 params without master weights keep a bf16
+            compensation buffer; param + compensation is the weight the step updates
+            (2 bytes a parameter instead of a 4-byte master). fp32 params (the norms
+            ``ampc.prepare`` keeps) are their own weight; fp16 params are refused.
+            Default: False.
+        state (str or None): a preset: ``"lean"`` is ``master_weights=False,
+            stochastic_rounding=True, moments="8bit"`` (about 6 bytes a parameter of
+            persistent state for a bf16 model). Options given explicitly win over the
+            preset's, except ``master_weights=True``, which it refuses.
+
+    With ``moments`` other than ``"fp32"`` or with ``kahan_summation`` the step is
+    ``ampc.ops.adam_lean`` (one pass, no amsgrad); the layouts are in ``ampc.lean_state``.
     """
 
     _step_supports_amp_scaling = True
@@ -140,8 +158,24 @@ class Adam(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float | None = None, amsgrad: bool = False, *,
                  maximize: bool = False, foreach: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, fused: bool | None = None,
-                 master_weights: bool | None = None, stochastic_rounding: bool = False,
-                 seed: int = 0) -> None:
+                 master_weights: bool | None = None, stochastic_rounding: bool | None = None,
+                 seed: int = 0, moments: str | None = None, moments_min_numel: int = 4096,
+                 kahan_summation: bool = False, state: str | None = None) -> None:
+        name = f"ampc.optim.{type(self).__name__}"
+        if state is not None:
+            if state not in PRESETS:
+                raise ValueError(f"{name}: state must be one of {sorted(PRESETS)} or None, "
+                                 f"got {state!r}")
+            preset = PRESETS[state]
+            if master_weights:
+                raise ValueError(f"{name}: state={state!r} keeps no master weights; it cannot "
+                                 "go with master_weights=True")
+            master_weights = preset["master_weights"]
+            moments = preset["moments"] if moments is None else moments
+            if stochastic_rounding is None and not kahan_summation:
+                stochastic_rounding = preset["stochastic_rounding"]
+        moments = "fp32" if moments is None else moments
+        stochastic_rounding = bool(stochastic_rounding)
         if weight_decay is None:
             weight_decay = self._default_weight_decay
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
@@ -163,7 +197,8 @@ class Adam(torch.optim.Optimizer):
                         amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                         capturable=capturable, differentiable=False, fused=fused,
                         master_weights=master_weights,
-                        stochastic_rounding=stochastic_rounding, seed=seed)
+                        stochastic_rounding=stochastic_rounding, seed=seed, moments=moments,
+                        moments_min_numel=moments_min_numel, kahan_summation=kahan_summation)
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -172,15 +207,136 @@ class Adam(torch.optim.Optimizer):
             group.setdefault("master_weights", None)
             group.setdefault("stochastic_rounding", False)
             group.setdefault("seed", 0)
+            group.setdefault("moments", "fp32")
+            group.setdefault("moments_min_numel", 4096)
+            group.setdefault("kahan_summation", False)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         try:
             _distributed.check_group(f"ampc.optim.{type(self).__name__}",
                                      self.param_groups[-1]["params"], len(self.param_groups) - 1)
+            self._check_lean_options(self.param_groups[-1], len(self.param_groups) - 1)
         except ValueError:
             self.param_groups.pop()
             raise
+
+    # ---- the lean state (ampc.lean_state) ----
+
+    @staticmethod
+    def _is_lean(group):
+        return group["moments"] != "fp32" or group["kahan_summation"]
+
+    def _check_lean_options(self, group, index):
+        """The lean options of a new group, refused (ValueError naming the option) before
+        any state exists."""
+        name = f"ampc.optim.{type(self).__name__}"
+        if group["moments"] not in MOMENTS:
+            raise ValueError(f"{name}: moments must be one of {sorted(MOMENTS)}, got "
+                             f"{group['moments']!r} (param group {index})")
+        n = group["moments_min_numel"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name}: moments_min_numel must be an int >= 0, got {n!r}")
+        if group["kahan_summation"]:
+            if group["master_weights"]:
+                raise ValueError(f"{name}: kahan_summation=True keeps a bf16 compensation "
+                                 "instead of a master weight; it cannot go with "
+                                 "master_weights=True")
+            if group["stochastic_rounding"]:
+                raise ValueError(f"{name}: kahan_summation=True and stochastic_rounding=True "
+                                 "are two ways to write the weight without a master: give one")
+            for i, p in enumerate(group["params"]):
+                if p.dtype == torch.float16:
+                    raise ValueError(f"{name}: kahan_summation=True needs torch.bfloat16 "
+                                     f"params; param {i} of group {index} is torch.float16")
+        if self._is_lean(group) and group["amsgrad"]:
+            raise ValueError(f"{name}: amsgrad=True is not supported with moments="
+                             f"{group['moments']!r} or kahan_summation=True")
+
+    def _lean_layout(self, group, p):
+        """(moments, weight) this optimizer keeps for p: see ampc.lean_state."""
+        moments = group["moments"]
+        if moments != "fp32" and (p.numel() < group["moments_min_numel"] or p.dim() < 2):
+            moments = "fp32"
+        if group["kahan_summation"]:    # an fp32 param (a norm prepare kept) is its own weight
+            return moments, "none" if p.dtype == torch.float32 else "kahan"
+        return moments, "master" if self._wants_master(group, p) else "none"
+
+    def _init_lean_state(self, group, p, master=None):
+        state = self.state[p]
+        moments, weight = self._lean_layout(group, p)
+        if weight == "kahan" and p.dtype != torch.bfloat16:
+            raise ValueError(f"ampc.optim.{type(self).__name__}: kahan_summation=True needs "
+                             f"torch.bfloat16 (or float32) params, got {p.dtype}")
+        zeros = lambda dt: torch.zeros_like(p, dtype=dt,  # noqa: E731
+                                            memory_format=torch.contiguous_format)
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state["exp_avg"] = zeros(MOMENTS[moments])
+        state["exp_avg_sq"] = zeros(MOMENTS[moments])
+        if moments == "8bit":
+            blocks = -(-p.numel() // ops.QBLOCK)
+            state["exp_avg_scale"] = torch.zeros(blocks, device=p.device)
+            state["exp_avg_sq_scale"] = torch.zeros(blocks, device=p.device)
+        if weight == "master":
+            src = p if master is None else master
+            state["master"] = src.detach().to(device=p.device, dtype=torch.float32,
+                                              memory_format=torch.contiguous_format, copy=True)
+        elif weight == "kahan":
+            # the fp32 value p was rounded from, when known, is kept in the compensation
+            state["compensation"] = (zeros(torch.bfloat16) if master is None else
+                                     (master.detach().to(p.device, torch.float32)
+                                      - p.detach().float()).to(torch.bfloat16))
+        return state
+
+    def _step_lean(self, group, live, control):
+        """One adam_lean call per (device, dtypes, layout) of the params with grads."""
+        name = f"ampc.optim.{type(self).__name__}"
+        if live and _distributed.is_dtensor(live[0][1]):
+            raise NotImplementedError(f"{name}: the lean state (moments={group['moments']!r}, "
+                                      f"kahan_summation={group['kahan_summation']}) does not "
+                                      "take DTensor params yet")
+        state = self.state
+        fresh = [(i, p) for i, p, _ in live if "exp_avg" not in state[p]]
+        for i, p in fresh:      # every check before any allocation
+            if group["kahan_summation"] and p.dtype == torch.float16:
+                raise ValueError(f"{name}: kahan_summation=True needs torch.bfloat16 params; "
+                                 f"param {i} is torch.float16")
+        buckets = {}
+        for i, p, g in live:
+            if g.is_sparse:
+                raise RuntimeError(f"{name} does not support sparse gradients")
+            s = state[p]
+            if "exp_avg" not in s:
+                s = self._init_lean_state(group, p, s.get("master"))
+            moments, weight = layout_of(s)
+            key = (p.device, p.dtype, g.dtype, moments, weight)
+            buckets.setdefault(key, []).append((p, g, s))
+        beta1, beta2 = (float(b) for b in group["betas"])
+        seed = int(group["seed"]) if group["stochastic_rounding"] else 0
+        for (device, _, _, moments, weight), items in buckets.items():
+            params = [p for p, _, _ in items]
+            grads = [g if g.is_contiguous() else g.contiguous() for _, g, _ in items]
+            states = [s for _, _, s in items]
+            get = lambda k: [s[k] for s in states]  # noqa: E731
+            inv_scale, clip, found_inf = self._control(device, control)
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor) and lr.device != device:
+                lr = lr.to(device, non_blocking=True)
+            targets = [p if p.is_contiguous() else p.detach().contiguous() for p in params]
+            q8 = moments == "8bit"
+            ops.adam_lean(
+                targets, grads, get("exp_avg"), get("exp_avg_sq"), get("step"), lr=lr,
+                masters=get("master") if weight == "master" else None,
+                compensations=get("compensation") if weight == "kahan" else None,
+                exp_avg_scales=get("exp_avg_scale") if q8 else None,
+                exp_avg_sq_scales=get("exp_avg_sq_scale") if q8 else None,
+                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                decoupled=self._decoupled, maximize=group["maximize"], inv_scale=inv_scale,
+                clip_coef=clip, found_inf=found_inf, stochastic=group["stochastic_rounding"],
+                seed=seed)
+            for p, t in zip(params, targets):
+                if t is not p:
+                    p.copy_(t)
 
     # ---- state ----
 
@@ -192,6 +348,8 @@ class Adam(torch.optim.Optimizer):
     def _init_state(self, group, p, master=None):
         """Creates a param's state; ``master`` (fp32) seeds its master weight, so a
         master can start from the fp32 value a 16-bit param was rounded from."""
+        if self._is_lean(group):
+            return self._init_lean_state(group, p, master)
         state = self.state[p]
         # zeros_like: a DTensor param gets DTensor moments, sharded like it
         zeros = lambda: torch.zeros_like(p, dtype=torch.float32,  # noqa: E731
@@ -257,6 +415,12 @@ class Adam(torch.optim.Optimizer):
                 if not any(mask):
                     first += len(params)
                     continue
+            if self._is_lean(group):
+                live = [(i, p, g) for i, p, g in zip(range(first, first + len(params)),
+                                                     params, grads) if g is not None]
+                self._step_lean(group, live, control)
+                first += len(params)
+                continue
             if params and _distributed.is_dtensor(params[0]):    # the unpacked path
                 live = [(i, p, g) for i, p, g in zip(range(first, first + len(params)),
                                                      params, grads) if g is not None]
@@ -397,40 +561,123 @@ class Adam(torch.optim.Optimizer):
         name = f"ampc.optim.{type(self).__name__}.load_state_dict"
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         saved_state = state_dict["state"]
+        groups = {id(p): g for g in self.param_groups for p in g["params"]}
         params = list(chain.from_iterable(g["params"] for g in self.param_groups))
-        no_master = {id(p) for g in self.param_groups if g["master_weights"] is False
-                     for p in g["params"]}
         for i, (sid, p) in enumerate(zip(saved_ids, params)):
             saved = saved_state.get(sid, {})
-            for key in _MOMENTS:
-                value = saved.get(key)
-                if value is not None and (not isinstance(value, torch.Tensor)
-                                          or value.shape != p.shape):
-                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
-                    raise ValueError(f"{name}: '{key}' of param {i} has shape {got}, but the "
-                                     f"param has shape {tuple(p.shape)}: the checkpoint is "
-                                     "of another model or optimizer")
-            if "master" in saved and id(p) in no_master:
-                raise ValueError(f"{name}: param {i} has a master weight in the checkpoint, "
-                                 "but this optimizer was made with master_weights=False")
+            self._check_saved(name, i, p, groups[id(p)], saved)
         before = {id(p): dict(self.state[p]) for p in params if p in self.state}
         super().load_state_dict(state_dict)
         for sid, p in zip(saved_ids, params):
             saved = saved_state.get(sid)
             if saved is None:
                 continue
+            group = groups[id(p)]
             state = self.state[p]
+            if self._is_lean(group):
+                self._load_lean(state, group, p, saved)
+                continue
             old = before.get(id(p), {})
+            if "exp_avg" in saved and layout_of(saved)[0] != "fp32":
+                saved = dict(saved)     # a lean checkpoint into fp32 moments: decoded
+                saved["exp_avg"], saved["exp_avg_sq"] = decode_moments(saved)
+            if "compensation" in saved:
+                saved = dict(saved)     # Kahan's weight, param + compensation, as the master
+                saved["master"] = p.detach().float() + saved["compensation"].to(p.device).float()
+            for key in _LEAN_ONLY:
+                state.pop(key, None)
             for key in _MOMENTS:
                 if key in saved:
                     state[key] = _into(old.get(key), saved[key].to(
                         device=p.device, dtype=torch.float32,
                         memory_format=torch.contiguous_format))
             if "step" in saved:
-                step = saved["step"]
-                step = step if isinstance(step, torch.Tensor) else torch.tensor(float(step))
-                state["step"] = _into(old.get("step"), step.to(
-                    device=p.device, dtype=torch.float32).reshape(()))
+                state["step"] = _into(old.get("step"), _step_of(saved, p))
+
+    def _check_saved(self, name, i, p, group, saved):
+        """A checkpoint entry that this optimizer could misread is refused (ValueError)
+        before anything is loaded; every other layout converts."""
+        for key in _MOMENTS + ("compensation",):
+            value = saved.get(key)
+            if value is not None and (not isinstance(value, torch.Tensor)
+                                      or value.shape != p.shape):
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                raise ValueError(f"{name}: '{key}' of param {i} has shape {got}, but the "
+                                 f"param has shape {tuple(p.shape)}: the checkpoint is "
+                                 "of another model or optimizer")
+        if "exp_avg" not in saved:
+            return
+        moments, weight = layout_of(saved)
+        if moments == "?":
+            raise ValueError(f"{name}: 'exp_avg' of param {i} is {saved['exp_avg'].dtype}, "
+                             "not a moments layout ampc knows (float32, bfloat16, uint8 codes)")
+        if moments == "8bit":
+            blocks = -(-p.numel() // ops.QBLOCK)
+            for key in ("exp_avg_scale", "exp_avg_sq_scale"):
+                t = saved.get(key)
+                if not isinstance(t, torch.Tensor) or t.numel() != blocks:
+                    raise ValueError(f"{name}: param {i} has 8-bit moments but its '{key}' is "
+                                     f"not {blocks} scales: the checkpoint is damaged or of "
+                                     "another layout")
+        if self._is_lean(group):
+            want = self._lean_layout(group, p)[1]
+        else:
+            want = "master" if group["master_weights"] is not False else "none"
+        if weight == "master" and want == "none":
+            raise ValueError(f"{name}: param {i} has a master weight in the checkpoint, but "
+                             "this optimizer was made with master_weights=False")
+        if weight == "kahan" and want == "none":
+            raise ValueError(f"{name}: param {i} has a Kahan compensation in the checkpoint, "
+                             "but this optimizer keeps the weight in neither a master nor a "
+                             "compensation: make it with kahan_summation=True (or "
+                             "master_weights=True) to load it")
+        if want == "kahan" and p.dtype == torch.float16:
+            raise ValueError(f"{name}: kahan_summation=True needs torch.bfloat16 params; "
+                             f"param {i} is torch.float16")
+
+    def _load_lean(self, state, group, p, saved):
+        """saved (any layout, checked) converted into this optimizer's layout for p."""
+        moments, weight = self._lean_layout(group, p)
+        state.clear()
+        state["step"] = _step_of(saved, p)
+        if "exp_avg" in saved:
+            if layout_of(saved)[0] == moments:  # the same layout: the tensors as saved
+                for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+                    if key in saved:
+                        state[key] = saved[key].to(p.device, copy=True)
+            else:
+                m, v = decode_moments({k: t.to(p.device) if isinstance(t, torch.Tensor) else t
+                                       for k, t in saved.items()})
+                state.update(encode_moments(m, v, moments))
+        else:
+            self._init_lean_state(group, p)
+            state["step"] = _step_of(saved, p)
+        wsaved = layout_of(saved)[1]
+        if weight == "master":
+            if wsaved == "master":
+                state["master"] = saved["master"].to(p.device, torch.float32, copy=True)
+            elif wsaved == "kahan":
+                state["master"] = p.detach().float() + saved["compensation"].to(p.device).float()
+            else:
+                state["master"] = p.detach().float().clone()
+        elif weight == "kahan":
+            if wsaved == "kahan":
+                state["compensation"] = saved["compensation"].to(p.device, torch.bfloat16,
+                                                                 copy=True)
+            elif wsaved == "master":
+                master = saved["master"].to(p.device, torch.float32)
+                state["compensation"] = (master - p.detach().float()).to(torch.bfloat16)
+            else:
+                state["compensation"] = torch.zeros_like(p, dtype=torch.bfloat16)
+
+
+_LEAN_ONLY = ("exp_avg_scale", "exp_avg_sq_scale", "compensation")
+
+
+def _step_of(saved, p):
+    step = saved.get("step", 0.0)
+    step = step if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+    return step.to(device=p.device, dtype=torch.float32).reshape(())
 
 
 def _into(view, value):

@@ -80,10 +80,10 @@ def parse(p: argparse.ArgumentParser) -> argparse.Namespace:
     return args
 
 
-def time_ms(fns: dict, device: str, reps: int = 0, warm: bool = False) -> dict:
-    """Median ms of each fn in {name: fn}. Before each timed rep, untimed: a pass over 512 MiB to flush
-    the caches (a read on CPU, so no dirty lines are left to write back), or with warm=True the same fn.
-    Reps are interleaved (a, b, c, a, b, c, ...) so that machine noise hits every fn alike."""
+def time_reps(fns: dict, device: str, reps: int = 0, warm: bool = False) -> dict:
+    """Every timed rep of each fn in {name: fn}, in ms. Before each timed rep, untimed: a pass over 512 MiB
+    to flush the caches (a read on CPU, so no dirty lines are left to write back), or with warm=True the same
+    fn. Reps are interleaved (a, b, c, a, b, c, ...) so that machine noise hits every fn alike."""
     buf = torch.ones(512 << 20, dtype=torch.uint8, device=device)
     flush = buf.zero_ if device == "cuda" else buf.max
 
@@ -108,7 +108,12 @@ def time_ms(fns: dict, device: str, reps: int = 0, warm: bool = False) -> dict:
     for _ in range(reps):
         for name, fn in fns.items():
             times[name].append(one(fn))
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def time_ms(fns: dict, device: str, reps: int = 0, warm: bool = False) -> dict:
+    """Median ms of each fn in {name: fn}, timed as time_reps does."""
+    return {name: statistics.median(t) for name, t in time_reps(fns, device, reps, warm).items()}
 
 
 # The roofline of an op: torch doing a plain op of the same access pattern over a large fp32 tensor (512 MiB
@@ -140,7 +145,8 @@ class Roofline:
     def measure(self, fns: dict, reps: int = 0):
         """(median ms per fn, GB/s of the first pattern measured alongside them, or --peak-gbs)"""
         refs = {} if self.fixed else {f"roofline {k}": self._op(k) for k in self.patterns}
-        ms = time_ms({**fns, **refs}, self.device, reps, self.warm)
+        self.reps = time_reps({**fns, **refs}, self.device, reps, self.warm)     # for spreads
+        ms = {name: statistics.median(t) for name, t in self.reps.items()}
         for k in self.patterns:
             t = ms.pop(f"roofline {k}", None)
             self.gbs[k] = self.fixed or ROOFLINES[k][1] * self.src.nbytes / t / 1e6

@@ -120,6 +120,37 @@ struct ampc_adam_lists {
 };
 
 /*
+ * The lean step (adam_lean): Adam/AdamW as above, with the state at the floor of what
+ * training needs (lean.h). Lists whose i-th entries belong to one parameter:
+ * params: written, fp32, fp16 or bf16. With masters (fp32) they receive the master rounded
+ *     (to nearest even, or stochastically with args.adam.stochastic); with compensations
+ *     (bf16 params and bf16 compensations, Note [Kahan-compensated bf16 weights]) the pair
+ *     is the weight; with neither the param itself is the weight, written back rounded.
+ * grads: read only, any float dtype.
+ * exp_avgs, exp_avg_sqs: moments of kind args.moments: fp32; bf16 (written with stochastic
+ *     rounding); or 8-bit codes (uint8) with one fp32 scale a block of AMPC_QBLOCK in
+ *     exp_avg_scales, exp_avg_sq_scales (ceil(numel / AMPC_QBLOCK) each; Note [8-bit
+ *     moments]). The scale lists have count 0 for the other kinds.
+ * steps: 1-element fp32 step counts, as for adam.
+ */
+struct ampc_lean_lists {
+    struct ampc_list params;
+    struct ampc_list grads;
+    struct ampc_list masters;
+    struct ampc_list compensations;
+    struct ampc_list exp_avgs;
+    struct ampc_list exp_avg_sqs;
+    struct ampc_list exp_avg_scales;
+    struct ampc_list exp_avg_sq_scales;
+    struct ampc_list steps;
+};
+
+struct ampc_lean_args {
+    struct ampc_adam_args adam;
+    int moments;            /* AMPC_MOMENTS_F32, _BF16 or _Q8 (lean.h) */
+};
+
+/*
  * One FP8 GEMM, row-major: out[m, n] = (a[m, k] @ b_t[n, k]^T) * (*scale_inv_a) *
  * (*scale_inv_b) + bias[n], accumulated in fp32, rounded once to out's dtype. a and b_t
  * are e4m3fn or e5m2 (not both e5m2), k and n multiples of 16, every pointer 16-byte

@@ -70,6 +70,11 @@ AMPC_KERNEL(update_scale, float *scale, int32_t *growth_tracker, int32_t *hyster
 AMPC_KERNEL(adam, const struct ampc_adam_lists *lists, const struct ampc_adam_control *control,
             const struct ampc_adam_args *args)
 
+/* The lean Adam/AdamW step: compact moments and weights without fp32 masters (ampc.h,
+ * lean.h). */
+AMPC_KERNEL(adam_lean, const struct ampc_lean_lists *lists,
+            const struct ampc_adam_control *control, const struct ampc_lean_args *args)
+
 /* The fp8 casts and the amax (ampc.h, fp8.h). */
 AMPC_KERNEL(cast_fp8, const struct ampc_list *dst, const struct ampc_list *amax,
             const struct ampc_list *src, const struct ampc_list *scale)
@@ -120,6 +125,12 @@ AMPC_OP(adam_packed, INT,
         AMPC_ARG(TENSORS_OUT, params) AMPC_ARG(TENSORS, grads) AMPC_ARG(TENSOR_OUT, state)
         AMPC_ARG(TENSOR_OUT, steps) AMPC_ARG(HOST_TENSOR, layout)
         AMPC_ADAM_CONTROL AMPC_ARG(BOOL, amsgrad) AMPC_ARG(BOOL, master) AMPC_ADAM_ROUNDING)
+AMPC_OP(adam_lean, NONE,
+        AMPC_ARG(TENSORS_OUT, params) AMPC_ARG(TENSORS, grads) AMPC_ARG(TENSORS_OUT, masters)
+        AMPC_ARG(TENSORS_OUT, compensations) AMPC_ARG(TENSORS_OUT, exp_avgs)
+        AMPC_ARG(TENSORS_OUT, exp_avg_sqs) AMPC_ARG(TENSORS_OUT, exp_avg_scales)
+        AMPC_ARG(TENSORS_OUT, exp_avg_sq_scales) AMPC_ARG(TENSORS_OUT, steps)
+        AMPC_ADAM_CONTROL AMPC_ADAM_ROUNDING)
 AMPC_OP(fp8_gemm, INT,
         AMPC_ARG(TENSOR_OUT, out) AMPC_ARG(TENSOR, a) AMPC_ARG(TENSOR, b_t)
         AMPC_ARG(TENSOR, scale_inv_a) AMPC_ARG(TENSOR, scale_inv_b) AMPC_ARG(OPTION, bias)

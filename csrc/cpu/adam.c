@@ -246,6 +246,16 @@ static void adam_block(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype gt, 
     }
 }
 
+void ampc_adam_buffers(float *w, float *m, float *v, const void *grad, ampc_dtype gt,
+                       int64_t n, const struct ampc_adam_coef *c)
+{
+    struct adam_ptrs q;
+    q.at = ampc_adam_ptrs_at(w, AMPC_F32, grad, gt, w, m, v, NULL, 0);
+    q.out = w;
+    q.stream = 0;
+    adam_block(&q, AMPC_F32, gt, n, c);
+}
+
 // ---- the walk over all chunks ----
 
 struct adam_job {
@@ -291,28 +301,38 @@ static int64_t bytes_moved(const struct ampc_adam_lists *l)
     return numel * per_elem;
 }
 
+struct ampc_adam_coef *ampc_adam_step_coefs(const struct ampc_list *steps,
+                                            const struct ampc_adam_control *control,
+                                            const struct ampc_adam_args *args, int amsgrad)
+{
+    int64_t count = steps->count;
+    struct ampc_adam_coef *coef = malloc(sizeof(*coef) * (size_t)(count ? count : 1));
+    if (!coef)
+        return NULL;
+    for (int64_t t = 0; t < count; t++) {
+        float stored = *(const float *)steps->ptr[t];
+        if (t > 0 && stored == *(const float *)steps->ptr[t - 1])
+            coef[t] = coef[t - 1];  /* params usually share their step: two pow()s saved */
+        else
+            coef[t] = ampc_adam_tensor_coef(args, control, stored, amsgrad);
+    }
+    return coef;
+}
+
 ampc_status ampc_adam_cpu(const struct ampc_adam_lists *lists,
                           const struct ampc_adam_control *control,
                           const struct ampc_adam_args *args)
 {
     if (control->found_inf && *control->found_inf != 0.0f)
         return AMPC_OK;     /* skipped: nothing moves, the step counts included */
-    int64_t count = lists->params.count;
-    struct ampc_adam_coef *coef = malloc(sizeof(*coef) * (size_t)(count ? count : 1));
+    struct ampc_adam_coef *coef = ampc_adam_step_coefs(&lists->steps, control, args,
+                                                       lists->max_exp_avg_sqs.count > 0);
     if (!coef)
         return AMPC_ERR_NOMEM;
-    int amsgrad = lists->max_exp_avg_sqs.count > 0;
-    for (int64_t t = 0; t < count; t++) {
-        float stored = *(const float *)lists->steps.ptr[t];
-        if (t > 0 && stored == *(const float *)lists->steps.ptr[t - 1])
-            coef[t] = coef[t - 1];  /* params usually share their step: two pow()s saved */
-        else
-            coef[t] = ampc_adam_tensor_coef(args, control, stored, amsgrad);
-    }
     struct adam_job job = { lists, coef, args, bytes_moved(lists) > ampc_cache_bytes() };
     ampc_status st = ampc_for_each_chunk(&lists->params, adam_span, &job);
     if (st == AMPC_OK)
-        for (int64_t t = 0; t < count; t++)
+        for (int64_t t = 0; t < lists->steps.count; t++)
             *(float *)lists->steps.ptr[t] += 1.0f;
     free(coef);
     return st;

@@ -61,4 +61,19 @@ void ampc_cast_block(void *dst, ampc_dtype dt, const void *src, ampc_dtype st, i
 void ampc_store_stochastic(uint16_t *dst, ampc_dtype dtype, const float *src, int64_t n,
                            uint64_t seed, int64_t index);
 
+// ---- Adam's loops, which the lean step runs on its L1 buffers (adam.c) ----
+
+struct ampc_adam_coef;
+
+/* The constants of each param's next step (adam.h), from its stored step count: an array
+ * of steps->count to free(), or NULL when out of memory. */
+struct ampc_adam_coef *ampc_adam_step_coefs(const struct ampc_list *steps,
+                                            const struct ampc_adam_control *control,
+                                            const struct ampc_adam_args *args, int amsgrad);
+
+/* n elements of adam.h's step without amsgrad, in place: w the fp32 weights, m and v the
+ * fp32 moments, grad of dtype gt. */
+void ampc_adam_buffers(float *w, float *m, float *v, const void *grad, ampc_dtype gt,
+                       int64_t n, const struct ampc_adam_coef *c);
+
 #endif /* AMPC_CPU_H */

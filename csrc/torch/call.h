@@ -17,7 +17,7 @@
 #include "ampc.h"
 #include "torch_shim.h"
 
-#define MAX_LISTS 11
+#define MAX_LISTS 13
 #define MAX_SINGLES 6
 
 /* The CUDA library's launchers, or NULL while CUDA calls are refused for the reason in
@@ -195,6 +195,10 @@ void check_same_shapes(struct call *c, struct list *a, const char *a_name, struc
 void check_overlap(struct call *c);
 /* A list of zero or one 1-element tensor of `dtype`: its data, or NULL. */
 void *option(struct call *c, struct list *ls, const char *name, int32_t dtype);
+
+/* lr (unless it lives on the device), betas, eps and weight_decay of an Adam op are in
+ * range (ops_adam.c). */
+void check_adam_args(struct call *c, const struct ampc_adam_args *a, int lr_on_device);
 
 // ---- running ----
 

@@ -41,7 +41,7 @@ static const float *f32_option(struct call *c, struct list *ls, const char *name
     return option(c, ls, name, aoti_torch_dtype_float32());
 }
 
-static void check_adam_args(struct call *c, const struct ampc_adam_args *a, int lr_on_device)
+void check_adam_args(struct call *c, const struct ampc_adam_args *a, int lr_on_device)
 {
     if (!lr_on_device && !(a->lr >= 0 && isfinite(a->lr)))
         fail(c, "lr must be a finite number >= 0, got %g", a->lr);

@@ -44,7 +44,7 @@ e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
 DTYPES = [f32, f16, bf16]
 FP8 = [e4m3, e5m2]
 INT = {f32: torch.int32, f16: torch.int16, bf16: torch.int16, e4m3: torch.uint8, e5m2: torch.uint8,
-       torch.int32: torch.int32, torch.int64: torch.int64}
+       torch.int32: torch.int32, torch.int64: torch.int64, torch.uint8: torch.uint8}
 SMS = {"h200": 132, "sm80": 108}[DEVICE]
 LARGE = DEVICE == "h200" and os.environ.get("AMPC_CUDA_SMALL_PARAMS", "0") in ("", "0")
 # tensors a launch, as the README states: two-list tables (cast, unscale, norm), Adam's
@@ -620,3 +620,54 @@ def test_chunk_follows_the_whole_list():
     finally:
         _emu.ampc_emu_set_execute(1)
     assert [l[1] for l in launches()] == [sum(math.ceil(n / chunk) for n in sizes)]
+
+
+# ---- adam_lean ----
+
+LEAN_SIZES = [0, 1, 7, 255, 256, 257, 2048 + 3, 9000, 3]
+
+
+def lean_inputs(weights, moments, seed=0):
+    """adam_lean's tensor lists: weights "fp32", "master", "sr", "kahan" or "rne"; moments
+    fp32, bf16 or uint8 (8-bit codes: random codes and positive scales)."""
+    sizes = LEAN_SIZES
+    g = torch.Generator().manual_seed(seed)
+    w = [finite(n, f32, seed + i) for i, n in enumerate(sizes)]
+    params = [x if weights == "fp32" else x.to(bf16) for x in w]
+    grads = [finite(n, f32, seed + 50 + i, 0.1).to(bf16) for i, n in enumerate(sizes)]
+    masters = [x.clone() for x in w] if weights == "master" else []
+    comps = [(x - x.to(bf16).float()).to(bf16) for x in w] if weights == "kahan" else []
+    if moments == torch.uint8:
+        m = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+        v = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+        scales = [[torch.rand(-(-n // 256), generator=g) * 0.01 for n in sizes]
+                  for _ in range(2)]
+    else:
+        m = [finite(n, f32, seed + 100 + i, 0.01).to(moments) for i, n in enumerate(sizes)]
+        v = [finite(n, f32, seed + 200 + i, 0.01).abs().to(moments) for i, n in enumerate(sizes)]
+        scales = [[], []]
+    steps = [torch.full((1,), float(3 + i % 5)) for i in range(len(sizes))]
+    return [params, grads, masters, comps, m, v, scales[0], scales[1], steps]
+
+
+def lean_op(weights, found=None):
+    opt = lambda t: [] if t is None else [torch.tensor([t], dtype=f32)]  # noqa: E731
+    return lambda *lists: torch.ops.ampc.adam_lean(
+        *lists, [], opt(0.5), opt(0.9), opt(found), 1e-3, 0.9, 0.999, 1e-8, 0.01, True, False,
+        weights == "sr", 1234)
+
+
+@pytest.mark.parametrize("moments", [f32, bf16, torch.uint8], ids=name)
+@pytest.mark.parametrize("weights", ["fp32", "master", "sr", "kahan", "rne"])
+def test_adam_lean_every_layout(weights, moments):
+    both_ways(lean_op(weights), lean_inputs(weights, moments, seed=11),
+              f"adam_lean {weights}/{name(moments)}")
+
+
+def test_adam_lean_found_inf_skips():
+    inputs = lean_inputs("sr", torch.uint8, seed=12)
+    before = copy(inputs)
+    out = both_ways(lean_op("sr", found=1.0), inputs, "adam_lean skipped")
+    for k, (a, b) in enumerate(zip(out, before)):
+        for x, y in zip(a, b):
+            assert_bits(x, y, f"adam_lean skipped: argument {k}")

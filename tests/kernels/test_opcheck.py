@@ -44,6 +44,21 @@ def adam_samples():
                False, master, 3)
 
 
+def adam_lean_samples():
+    sizes = [17, 300]
+    for weights, mdt in [("sr", torch.uint8), ("kahan", bf16), ("master", f32)]:
+        q8 = mdt == torch.uint8
+        yield ([torch.randn(n).to(bf16) for n in sizes], [torch.randn(n).to(bf16) for n in sizes],
+               [torch.randn(n) for n in sizes] if weights == "master" else [],
+               [torch.zeros(n, dtype=bf16) for n in sizes] if weights == "kahan" else [],
+               [torch.zeros(n, dtype=mdt) for n in sizes], [torch.zeros(n, dtype=mdt) for n in sizes],
+               [torch.zeros(-(-n // 256)) for n in sizes] if q8 else [],
+               [torch.zeros(-(-n // 256)) for n in sizes] if q8 else [],
+               [torch.zeros(1) for _ in sizes], [torch.full((1,), 1e-3)], [torch.ones(1)],
+               [torch.full((1,), 0.5)], [torch.zeros(1)], 0.0, 0.9, 0.999, 1e-8, 0.01, True,
+               False, weights == "sr", 3)
+
+
 e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
@@ -84,6 +99,7 @@ def fp8_scaling_samples():
     ("check_norm", unscale_samples),
     ("update_scale", scale_samples),
     ("adam_master", adam_samples),
+    ("adam_lean", adam_lean_samples),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_opcheck(op, samples):
     for args in samples():

@@ -1,0 +1,169 @@
+"""The lean training state: what ``ampc.optim.Adam``/``AdamW`` keep per parameter when
+asked for less than fp32 moments and fp32 master weights, how it converts to and from
+torch's AdamW state, and what the state of a model and its optimizer costs.
+
+A param's layout is its moments' kind (``"fp32"``, ``"bf16"`` or ``"8bit"``) and how its
+weight is kept (``"master"``: an fp32 master weight; ``"kahan"``: a bf16 compensation;
+``"none"``: the param alone). State keys, beside torch's ``step``, ``exp_avg`` and
+``exp_avg_sq``: ``exp_avg_scale`` and ``exp_avg_sq_scale`` (8-bit: one fp32 absmax a
+block of ``ampc.ops.QBLOCK``), ``master``, ``compensation``. The 8-bit codes are
+defined in csrc/math/lean.h (Note [8-bit moments]); ``decode`` below reads them.
+"""
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
+from collections import OrderedDict
+
+import torch
+
+from . import ops
+
+__all__ = ["MOMENTS", "PRESETS", "decode_moments", "encode_moments", "layout_of",
+           "to_torch_state", "state_bytes"]
+
+MOMENTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
+_KIND = {v: k for k, v in MOMENTS.items()}
+
+# The one-word presets of Adam(state=...): the options each one sets.
+PRESETS = {
+    # bf16 weights written by stochastic rounding, 8-bit moments: about 6 B a parameter
+    "lean": dict(master_weights=False, stochastic_rounding=True, moments="8bit"),
+}
+
+_M_MAX, _V_MAX = 480.0, 496.0
+
+
+def _table(mant_bits):
+    """The values of lean.h's codes, exactly (powers of two times small integers)."""
+    c = torch.arange(1 << (4 + mant_bits), dtype=torch.float64)
+    e, f = torch.div(c, 1 << mant_bits, rounding_mode="floor"), c % (1 << mant_bits)
+    sub = f * 2.0 ** (-6 - mant_bits)
+    normal = (1 + f / 2 ** mant_bits) * torch.exp2(e - 7)
+    return torch.where(e == 0, sub, normal).to(torch.float32)
+
+
+_TABLES = {}
+
+
+def _tables(device):
+    if device not in _TABLES:
+        _TABLES[device] = (_table(3).to(device), _table(4).to(device))
+    return _TABLES[device]
+
+
+def layout_of(state: dict) -> tuple[str, str]:
+    """(moments, weight) of one param's optimizer state, read from what it holds."""
+    m = state.get("exp_avg")
+    kind = _KIND.get(m.dtype, "?") if isinstance(m, torch.Tensor) else "fp32"
+    weight = "master" if "master" in state else "kahan" if "compensation" in state else "none"
+    return kind, weight
+
+
+def decode_moments(state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 exp_avg and exp_avg_sq of one param's state, whatever its kind: the values the
+    next step starts from, bit for bit (the 8-bit decode is lean.h's)."""
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    if m.dtype != torch.uint8:
+        return m.float(), v.float()
+    tm, tv = _tables(m.device)
+    idx = torch.arange(m.numel(), device=m.device) // ops.QBLOCK
+    fm = (state["exp_avg_scale"] / _M_MAX)[idx]
+    fv = (state["exp_avg_sq_scale"] / _V_MAX)[idx]
+    c = m.reshape(-1).long()
+    mag = tm[c & 127] * fm
+    mf = torch.where(c >= 128, -mag, mag)
+    s = tv[v.reshape(-1).long()] * fv
+    return mf.reshape(m.shape), (s * s).reshape(v.shape)
+
+
+def encode_moments(m: torch.Tensor, v: torch.Tensor, kind: str, step: torch.Tensor | None = None,
+                   seed: int = 0) -> dict:
+    """The state entries of fp32 moments stored as `kind`. 8-bit codes come from the step
+    kernel itself, so they are the kernel's: with beta1 = beta2 = 0, lr = 0 and grad g a
+    step stores m = g and v = g * g, once with g = m (keeping its exp_avg codes) and once
+    with g = sqrt(v) (keeping its exp_avg_sq codes; v comes back within an ulp). bf16
+    moments are rounded to nearest."""
+    if kind == "fp32":
+        return {"exp_avg": m.float().clone(), "exp_avg_sq": v.float().clone()}
+    if kind == "bf16":
+        return {"exp_avg": m.to(torch.bfloat16), "exp_avg_sq": v.to(torch.bfloat16)}
+    if kind != "8bit":
+        raise ValueError(f"ampc.lean_state: unknown moments kind {kind!r}")
+    n = m.numel()
+    blocks = -(-n // ops.QBLOCK)
+    out = {}
+    for key, g in (("exp_avg", m), ("exp_avg_sq", v.float().sqrt())):
+        # zeros: the step decodes the old codes first (0 * garbage could be nan)
+        cm = torch.zeros(m.shape, dtype=torch.uint8, device=m.device)
+        cv = torch.zeros_like(cm)
+        sm = torch.zeros(blocks, device=m.device)
+        sv = torch.zeros_like(sm)
+        ops.adam_lean([torch.zeros(n, device=m.device)],
+                      [g.float().contiguous().reshape(-1)], [cm.reshape(-1)], [cv.reshape(-1)],
+                      [torch.zeros(1, device=m.device)], lr=0.0, beta1=0.0, beta2=0.0,
+                      exp_avg_scales=[sm], exp_avg_sq_scales=[sv])
+        if key == "exp_avg":
+            out["exp_avg"], out["exp_avg_scale"] = cm, sm
+        else:
+            out["exp_avg_sq"], out["exp_avg_sq_scale"] = cv, sv
+    return out
+
+
+def to_torch_state(optimizer) -> dict:
+    """``optimizer.state_dict()`` in torch.optim.AdamW's layout: fp32 ``exp_avg`` and
+    ``exp_avg_sq`` (decoded), ``step``; the lean keys (scales, compensation, master)
+    left out. It loads into ``torch.optim.AdamW`` over fp32 params."""
+    sd = optimizer.state_dict()
+    state = {}
+    for k, s in sd["state"].items():
+        if "exp_avg" not in s:
+            state[k] = dict(s)
+            continue
+        m, v = decode_moments(s)
+        state[k] = {"step": s["step"].float().reshape(()).clone(), "exp_avg": m, "exp_avg_sq": v}
+    keep = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "params")
+    groups = [{k: g[k] for k in keep if k in g} for g in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+# ---- memory ----
+
+_KINDS = ("weights", "grads", "masters", "compensation", "moments", "scales", "steps")
+
+
+def state_bytes(model: torch.nn.Module, optimizer=None) -> dict:
+    """Persistent training-state bytes of a model and its optimizer, by kind, measured from
+    the tensors that exist (each tensor's elements, counted once if two names hold it):
+    weights, grads (those allocated now), masters, compensation, moments (exp_avg,
+    exp_avg_sq, max_exp_avg_sq), scales (of 8-bit moments), steps. Returns
+    ``{"params": parameter count, "bytes": {kind: bytes}, "per_param": {kind: bytes a
+    parameter}, "total_per_param": ...}``."""
+    seen = set()
+    out = OrderedDict((k, 0) for k in _KINDS)
+
+    def add(kind, t):
+        if not isinstance(t, torch.Tensor):
+            return
+        t = getattr(t, "_local_tensor", t)     # a DTensor: its shard
+        nbytes = t.numel() * t.element_size()
+        key = (t.data_ptr(), nbytes)
+        if key in seen or nbytes == 0:
+            return
+        seen.add(key)
+        out[kind] += nbytes
+
+    params = [p for p in model.parameters()]
+    count = sum(p.numel() for p in params)
+    key_kind = {"master": "masters", "compensation": "compensation", "exp_avg": "moments",
+                "exp_avg_sq": "moments", "max_exp_avg_sq": "moments",
+                "exp_avg_scale": "scales", "exp_avg_sq_scale": "scales", "step": "steps"}
+    for p in params:
+        add("weights", p)
+        add("grads", p.grad)
+    if optimizer is not None:
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                for key, t in optimizer.state.get(p, {}).items():
+                    add(key_kind.get(key, "moments"), t)
+    per = OrderedDict((k, v / count if count else 0.0) for k, v in out.items())
+    return {"params": count, "bytes": dict(out), "per_param": dict(per),
+            "total_per_param": sum(per.values())}

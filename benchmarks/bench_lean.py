@@ -1,0 +1,142 @@
+"""ampc's lean AdamW step (8-bit moments, bf16 weights without masters) vs torch's fused AdamW and ampc's
+master-weight step.
+
+    python benchmarks/bench_lean.py [--device cpu|cuda] [--cache cold|warm] [--threads N] [--reps N] [--json]
+
+One optimizer step, timed with the optimizers' own step() (Python included), in one run, interleaved:
+  lean     ampc.optim.AdamW(state="lean") on bf16 params: 8-bit moments, stochastic rounding, no master
+  kahan    ampc.optim.AdamW(moments="8bit", kahan_summation=True) on bf16 params: a bf16 compensation
+  master   ampc.optim.AdamW on bf16 params with fp32 master weights (today's master-weight step)
+  torch    torch.optim.AdamW(fused=True) on fp32 params
+Workloads: one tensor of 1M, 10M and 100M params (2-d, 1024 columns), and 1,000 small 2-d tensors of 1k-16k
+elements (64 columns; those under 4,096 elements keep fp32 moments, as the lean options do by default).
+Per arm: median ms and the spread of the interleaved reps (the 25th and 75th percentiles), torch ms / arm
+ms (> 1: faster than torch), bytes moved a parameter (counted from the tensors: the grad read, the param
+written, and read too without a master, every state tensor read and written), GB/s from those bytes and
+its fraction of the roofline: torch's in-place mul_ over a large fp32 tensor timed alongside, the same
+access pattern. Before timing, the lean arm is checked: a step with lr = 0 and weight decay 0 leaves the
+bf16 params unchanged, and its moments decode to within the 8-bit codes' step of torch's.
+"""
+import statistics
+import sys
+
+import torch
+
+import _harness as H
+
+ampc = H.import_ampc()
+from ampc.lean_state import decode_moments  # noqa: E402
+
+bf16 = torch.bfloat16
+
+
+def shapes_of(case):
+    if case == "1000 small":
+        rows = torch.randint(16, 257, (1000,), generator=torch.Generator().manual_seed(0)).tolist()
+        return [(r, 64) for r in rows]
+    return [(round(int(case.rstrip("M")) * 1e6 / 1024), 1024)]      # "10M": 10 million, 1024 a row
+
+
+def params_of(shapes, dtype, dev):
+    params = [torch.nn.Parameter(t) for t in H.randn_list(shapes, dtype, dev)]
+    for p, g in zip(params, H.randn_list(shapes, dtype, dev)):
+        p.grad = g.mul_(0.01)
+    return params
+
+
+ARMS = {
+    "lean": (bf16, dict(state="lean")),
+    "kahan": (bf16, dict(moments="8bit", kahan_summation=True)),
+    "master": (bf16, dict()),
+}
+
+
+def make(arm, shapes, dev):
+    if arm == "torch":
+        params = params_of(shapes, torch.float32, dev)
+        return params, torch.optim.AdamW(params, lr=1e-3, fused=True)
+    dtype, kw = ARMS[arm]
+    params = params_of(shapes, dtype, dev)
+    return params, ampc.optim.AdamW(params, lr=1e-3, **kw)
+
+
+def bytes_moved(params, opt) -> int:
+    """Bytes read plus written by one step, from the tensors there are (state created by a step)."""
+    total = 0
+    for p in params:
+        state = opt.state[p]
+        total += p.grad.nbytes + p.nbytes * (1 if "master" in state else 2)
+        total += 2 * sum(t.nbytes for k, t in state.items() if k != "step")
+    return total
+
+
+def validate(dev) -> str:
+    shapes = [(64, 1024), (3, 1000), (100,)]
+    params = params_of(shapes, bf16, dev)
+    before = [p.detach().clone() for p in params]
+    opt = ampc.optim.AdamW(params, lr=0.0, weight_decay=0.0, state="lean")
+    ref = params_of(shapes, torch.float32, dev)
+    for r, p in zip(ref, params):
+        r.grad = p.grad.float()
+    topt = torch.optim.AdamW(ref, lr=0.0, weight_decay=0.0)
+    opt.step()
+    topt.step()
+    for i, (p, b) in enumerate(zip(params, before)):
+        if not H.same(p.detach(), b):
+            return f"param {i} moved with lr = 0"
+        m, v = decode_moments(opt.state[p])
+        tm, tv = topt.state[ref[i]]["exp_avg"], topt.state[ref[i]]["exp_avg_sq"]
+        if not torch.allclose(m, tm, rtol=2 ** -4, atol=float(tm.abs().max()) * 2 ** -8):
+            return f"exp_avg {i} is not torch's to within the codes' step"
+        if not torch.allclose(v.sqrt(), tv.sqrt(), rtol=2 ** -5, atol=float(tv.sqrt().max()) * 2 ** -9):
+            return f"exp_avg_sq {i} is not torch's to within the codes' step"
+    return ""
+
+
+def quartiles(ts):
+    q = statistics.quantiles(ts, n=4)
+    return q[0], q[2]
+
+
+def main() -> int:
+    p = H.common_args(__doc__)
+    p.add_argument("--cases", default="1M,10M,100M,1000 small")
+    args = H.parse(p)
+    dev = args.device
+    err = validate(dev)
+    if err:
+        print(f"FAIL: {err}", file=sys.stderr)
+        return 1
+    print("the lean step leaves params put at lr = 0 and its moments decode to torch's", file=sys.stderr)
+    roof = H.Roofline(args, patterns=("mul_",))
+    hdr = H.header(args, roof)
+    hdr["op"] = "AdamW step: lean (8-bit moments) vs master weights vs torch fused fp32"
+    rows = []
+    arms = ["lean", "kahan", "master", "torch"]
+    for case in args.cases.split(","):
+        shapes = shapes_of(case)
+        made = {a: make(a, shapes, dev) for a in arms}
+        for params, opt in made.values():       # state exists from here on
+            opt.step()
+        ms, roof_gbs = roof.measure({a: o.step for a, (_, o) in made.items()}, args.reps)
+        numel = sum(t.numel() for t in made["lean"][0])
+        for a in arms:
+            params, opt = made[a]
+            moved = bytes_moved(params, opt)
+            q1, q3 = quartiles(roof.reps[a])
+            gbs = moved / ms[a] / 1e6
+            rows.append({"case": case, "arm": a, "ms": ms[a], "q1 ms": q1, "q3 ms": q3,
+                         "torch/arm": ms["torch"] / ms[a], "B/param moved": moved / numel,
+                         "GB/s": gbs, "% roofline": 100 * gbs / roof_gbs, "roofline GB/s": roof_gbs,
+                         "tensors": len(params), "Mparams": numel / 1e6, "reps": len(roof.reps[a])})
+        del made
+    H.report(hdr, rows, args.json, [
+        "lean: ampc.optim.AdamW(state='lean'); kahan: moments='8bit', kahan_summation=True; master: "
+        "ampc.optim.AdamW with fp32 masters; torch: torch.optim.AdamW(fused=True) on fp32 params",
+        "q1/q3: quartiles of the interleaved reps; B/param moved counted from the tensors (grad read, param "
+        "written and, without a master, read; state read and written); roofline: in-place mul_ over 512 MiB"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+/*
+ * lean.h: the per-element math of the lean Adam step (adam_lean), shared by the CPU
+ * loops (cpu/lean.c) and the CUDA kernel (cuda/lean.cu): the 8-bit block-wise moment
+ * codes, the Kahan-compensated bf16 weight, and the random streams of the bf16 moments.
+ * The Adam arithmetic itself is adam.h's, unchanged.
+ *
+ * Note [8-bit moments]: a tensor's moments are cut into blocks of AMPC_QBLOCK elements
+ * (the last one shorter); each block stores one fp32 scale, the absmax of its values, and
+ * one byte a value. The byte is a small float, so the map is dynamic (relative precision
+ * kept over many binades) and costs no table:
+ *   - exp_avg (signed): sign bit and 7 bits of magnitude, 4 exponent bits (bias 7, no
+ *     inf or nan codes) and 3 mantissa bits, subnormals below 2^-6. Magnitudes run from
+ *     2^-9 to AMPC_Q8M_MAX = 480; the block's absmax maps to 480. Round to nearest even.
+ *   - exp_avg_sq (unsigned) is stored as sqrt(v), 4 exponent bits (bias 7) and 4 mantissa
+ *     bits, 2^-10 to AMPC_Q8V_MAX = 496; the block's largest sqrt(v) maps to 496. On the
+ *     square root the 19 binades of the code cover 38 of v, and a nonzero value never
+ *     rounds to code 0 (it takes code 1 instead): a small second moment can only come
+ *     back larger, which shrinks its update, never blows it up (sqrt(0) + eps would).
+ * Value = code's value * (absmax / MAX), the factor computed once per block in fp32.
+ * Quantizing divides by the absmax first (|x| / absmax <= 1, so the code never
+ * overflows and a tiny absmax cannot overflow a reciprocal). A block whose absmax is not
+ * finite stores it with all codes 0: every value comes back nan (0 * inf), as a nan
+ * moment would have poisoned them in fp32 anyway.
+ */
+#ifndef AMPC_LEAN_H
+#define AMPC_LEAN_H
+
+#include <math.h>
+
+#include "dtype.h"
+
+#define AMPC_QBLOCK 256
+#define AMPC_Q8M_MAX 480.0f
+#define AMPC_Q8V_MAX 496.0f
+
+/* Kinds of moments (struct ampc_lean_args.moments). */
+enum { AMPC_MOMENTS_F32 = 0, AMPC_MOMENTS_BF16 = 1, AMPC_MOMENTS_Q8 = 2 };
+
+/* x rounded to the nearest integer, ties to even, for 0 <= x < 2^22: exact in fp32. */
+AMPC_HD float ampc_rint_small(float x)
+{
+    return (x + 8388608.0f) - 8388608.0f;
+}
+
+/* Selects are written as masks (all ones or zero) rather than ?:, so that the compiler
+ * vectorizes the CPU loops for AVX2 as well as AVX-512. */
+AMPC_HD uint32_t ampc_select(int cond, uint32_t yes, uint32_t no)
+{
+    uint32_t mask = 0u - (uint32_t)(cond != 0);
+    return (yes & mask) | (no & ~mask);
+}
+
+/* The code of magnitude a in [0, 480] with 3 mantissa bits (Note [8-bit moments]). */
+AMPC_HD uint32_t ampc_q8_e4m3(float a)
+{
+    uint32_t u = ampc_f32_bits(a);
+    uint32_t normal = ((u + 0x7ffffu + ((u >> 20) & 1u)) >> 20) - (120u << 3);
+    uint32_t sub = (uint32_t)(int32_t)ampc_rint_small(a * 512.0f);       /* 2^-9 steps */
+    return ampc_select(a < 0.015625f, sub, normal);
+}
+
+/* The code of magnitude a in [0, 496] with 4 mantissa bits, code 1 at least when a > 0. */
+AMPC_HD uint32_t ampc_q8_e4m4(float a)
+{
+    uint32_t u = ampc_f32_bits(a);
+    uint32_t normal = ((u + 0x3ffffu + ((u >> 19) & 1u)) >> 19) - (120u << 4);
+    uint32_t sub = (uint32_t)(int32_t)ampc_rint_small(a * 1024.0f);      /* 2^-10 steps */
+    uint32_t c = ampc_select(a < 0.015625f, sub, normal);
+    return c + (uint32_t)((c == 0u) & (a > 0.0f));
+}
+
+AMPC_HD float ampc_q8_e4m3_value(uint32_t c)   /* c: 7 bits */
+{
+    float sub = (float)(int32_t)c * 0.001953125f;
+    return ampc_bits_f32(ampc_select(c < 8u, ampc_f32_bits(sub), (c + (120u << 3)) << 20));
+}
+
+AMPC_HD float ampc_q8_e4m4_value(uint32_t c)   /* c: 8 bits */
+{
+    float sub = (float)(int32_t)c * 0.0009765625f;
+    return ampc_bits_f32(ampc_select(c < 16u, ampc_f32_bits(sub), (c + (120u << 4)) << 19));
+}
+
+/* The factor that turns a code's value back into the moment's value. */
+AMPC_HD float ampc_q8m_factor(float absmax)
+{
+    return absmax / AMPC_Q8M_MAX;
+}
+
+AMPC_HD float ampc_q8v_factor(float absmax)
+{
+    return absmax / AMPC_Q8V_MAX;
+}
+
+/* exp_avg's byte for m in a block of absmax `absmax` (finite and > 0, >= |m|: a block
+ * whose absmax is 0 or not finite stores code 0 everywhere, ampc_q8_codes_zero). */
+AMPC_HD uint8_t ampc_q8m_encode(float m, float absmax)
+{
+    float r = fabsf(m) / absmax;
+    uint32_t sign = ampc_f32_bits(m) >> 31;
+    return (uint8_t)((sign << 7) | ampc_q8_e4m3(r * AMPC_Q8M_MAX));
+}
+
+AMPC_HD float ampc_q8m_decode(uint8_t c, float factor)
+{
+    float a = ampc_q8_e4m3_value(c & 0x7fu) * factor;
+    return ampc_bits_f32(ampc_f32_bits(a) | ((uint32_t)(c & 0x80u) << 24));    /* -a */
+}
+
+/* exp_avg_sq's byte for s = sqrt(v) in a block whose largest sqrt(v) is `absmax`. */
+AMPC_HD uint8_t ampc_q8v_encode(float s, float absmax)
+{
+    float r = s / absmax;
+    return (uint8_t)ampc_q8_e4m4(r * AMPC_Q8V_MAX);
+}
+
+/* Whether a block of this absmax stores code 0 everywhere (0, inf or nan). */
+AMPC_HD int ampc_q8_codes_zero(float absmax)
+{
+    return !(absmax > 0.0f) || ampc_non_finite(absmax);
+}
+
+AMPC_HD float ampc_q8v_decode(uint8_t c, float factor)
+{
+    float s = ampc_q8_e4m4_value(c) * factor;
+    return s * s;
+}
+
+/* A block's absmax is the largest of these bits (a max of integers, which vectorizes):
+ * non-negative floats order like their bits, and a nan's bits exceed inf's, so the absmax
+ * is nan when any value is, inf when any is inf and none is nan. */
+AMPC_HD uint32_t ampc_abs_bits(float x)
+{
+    return ampc_f32_bits(x) & 0x7fffffffu;
+}
+
+/* Note [Kahan-compensated bf16 weights]: without an fp32 master, the weight is the pair
+ * (p, c) of bf16 values, worth p + c. The step updates w = p + c in fp32 (adam.h), then
+ * stores p = bf16(w) and c = bf16(w - p), both to nearest even: w - p is exact in fp32,
+ * so the pair holds w to about 16 bits, and updates too small for p's ulp accumulate in c
+ * until they move p. */
+AMPC_HD float ampc_kahan_weight(uint16_t p, uint16_t c)
+{
+    return ampc_bf16_to_f32(p) + ampc_bf16_to_f32(c);
+}
+
+AMPC_HD void ampc_kahan_store(float w, uint16_t *p, uint16_t *c)
+{
+    uint16_t hi = ampc_f32_to_bf16(w);
+    float rest = w - ampc_bf16_to_f32(hi);
+    /* an inf or nan weight (or one past bf16's range): rest is not finite; keep the
+     * compensation 0 so the pair is worth what p is */
+    *p = hi;
+    *c = ampc_non_finite(ampc_bf16_to_f32(hi)) ? (uint16_t)0 : ampc_f32_to_bf16(rest);
+}
+
+/* The random streams of bf16 moments (stochastic rounding, Note [stochastic rounding]):
+ * the weight's seed for the step, with these constants mixed in, so the three streams of
+ * one element are independent. Round to nearest would stall v: beta2 * v rounds back to v
+ * when 1 - beta2 is under half a bf16 ulp (2^-9), as it is for beta2 = 0.999. */
+#define AMPC_SEED_EXP_AVG 0x243F6A8885A308D3ull
+#define AMPC_SEED_EXP_AVG_SQ 0x13198A2E03707344ull
+
+#endif /* AMPC_LEAN_H */

@@ -1,0 +1,515 @@
+"""ampc.ops.adam_lean, the lean Adam step, on the CPU: against torch.optim.AdamW and a
+float64 reference, the 8-bit codes against an independent transcription (a search of the
+code table, not lean.h's bit arithmetic), stochastic rounding unbiased, Kahan summation
+against fp32 master weights, every CPU path bit-equal, bad input refused before anything
+moves."""
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import ampc
+from ampc.ops import QBLOCK
+from reference import assert_refused_unchanged, assert_same
+
+f32, f16, bf16, u8 = torch.float32, torch.float16, torch.bfloat16, torch.uint8
+
+
+# ---- an independent transcription of the 8-bit codes (Note [8-bit moments]) ----
+
+def _table(mant_bits):
+    """Every code's value, in float64: a small float, exponent bias 7, subnormals."""
+    codes = np.arange(1 << (4 + mant_bits))
+    e, f = codes >> mant_bits, codes & ((1 << mant_bits) - 1)
+    return np.where(e == 0, f * 2.0 ** (-6 - mant_bits),
+                    (1 + f / 2.0 ** mant_bits) * 2.0 ** (e - 7.0))
+
+
+M_TABLE = _table(3)         # 128 magnitudes of exp_avg, up to 480
+V_TABLE = _table(4)         # 256 values of sqrt(exp_avg_sq), up to 496
+
+
+def nearest_code(a, table):
+    """Code of the value of `table` nearest to a (float64 array), ties to the even code."""
+    hi = np.clip(np.searchsorted(table, a), 1, len(table) - 1)
+    lo = hi - 1
+    dlo, dhi = a - table[lo], table[hi] - a
+    return np.where(dlo < dhi, lo, np.where(dhi < dlo, hi, np.where(lo % 2 == 0, lo, hi)))
+
+
+def blocks(x):
+    """x (1-d) padded with zeros to whole blocks, as rows."""
+    n = x.shape[0]
+    pad = -n % QBLOCK
+    return np.concatenate([x, np.zeros(pad, x.dtype)]).reshape(-1, QBLOCK), n
+
+
+def encode(m, v):
+    """(codes of m, scales of m, codes of v, scales of v) of fp32 moments, as lean.h
+    defines them: ratio to the block's absmax in fp32, times the code's maximum in fp32."""
+    mb, n = blocks(m.numpy().astype(np.float32))
+    sb, _ = blocks(np.sqrt(v.numpy().astype(np.float32)))
+    mmax = np.abs(mb).max(axis=1)
+    smax = sb.max(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rm = np.where(mmax[:, None] > 0, np.abs(mb) / mmax[:, None], 0).astype(np.float32)
+        rs = np.where(smax[:, None] > 0, sb / smax[:, None], 0).astype(np.float32)
+    cm = nearest_code((rm * np.float32(480)).astype(np.float64), M_TABLE)
+    cm = cm | np.where(np.signbit(mb), 128, 0)
+    av = (rs * np.float32(496)).astype(np.float64)
+    cv = nearest_code(av, V_TABLE)
+    cv = np.where((cv == 0) & (av > 0), 1, cv)          # never a nonzero v to 0
+    return (torch.from_numpy(cm.reshape(-1)[:n].astype(np.uint8)), torch.from_numpy(mmax),
+            torch.from_numpy(cv.reshape(-1)[:n].astype(np.uint8)), torch.from_numpy(smax))
+
+
+def decode(cm, ms, cv, vs):
+    """fp32 moments of codes and scales: the code's value times (scale / maximum) in fp32."""
+    n = cm.numel()
+    idx = np.arange(n) // QBLOCK
+    fm = (ms.numpy() / np.float32(480)).astype(np.float32)[idx]
+    fv = (vs.numpy() / np.float32(496)).astype(np.float32)[idx]
+    c = cm.numpy().astype(np.int64)
+    with np.errstate(invalid="ignore"):     # a block of nan scale: nan, as the kernel
+        return _decode(c, cv, fm, fv)
+
+
+def _decode(c, cv, fm, fv):
+    m = (M_TABLE[c & 127].astype(np.float32) * fm) * np.where(c & 128, -1, 1).astype(np.float32)
+    s = V_TABLE[cv.numpy().astype(np.int64)].astype(np.float32) * fv
+    return torch.from_numpy(m.astype(np.float32)), torch.from_numpy((s * s).astype(np.float32))
+
+
+def scales_for(n):
+    return torch.zeros(-(-n // QBLOCK))
+
+
+def q8_state(n, gen, scale=1.0):
+    """Codes and scales of random moments (via the transcription)."""
+    m = torch.randn(n, generator=gen) * scale * torch.rand(n, generator=gen) ** 4
+    v = (torch.randn(n, generator=gen) * scale) ** 2 * torch.rand(n, generator=gen) ** 6
+    return encode(m, v)
+
+
+SIZES = [1, 255, 256, 257, 1000, 65536 + 300]
+
+
+# ---- the fp32 path is adam_master's, is torch's ----
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["AdamW", "Adam"])
+def test_fp32_moments_match_torch_adamw(decoupled):
+    # sizes of whole 16-lane vectors: torch's own tails round apart (Note [tails] of
+    # tests/optim/test_adam.py); odd sizes are checked against adam_master below
+    gen = torch.Generator().manual_seed(0)
+    sizes = [16, 1024, 65536 + 48]
+    ours = [torch.randn(n, generator=gen) for n in sizes]
+    theirs = [torch.nn.Parameter(p.clone()) for p in ours]
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    opt = cls(theirs, lr=1e-2, weight_decay=0.1, fused=True)
+    m = [torch.zeros(n) for n in sizes]
+    v = [torch.zeros(n) for n in sizes]
+    steps = [torch.zeros(1) for _ in sizes]
+    for _ in range(5):
+        grads = [torch.randn(n, generator=gen) for n in sizes]
+        for p, g in zip(theirs, grads):
+            p.grad = g.clone()
+        opt.step()
+        ampc.ops.adam_lean(ours, grads, m, v, steps, lr=1e-2, weight_decay=0.1,
+                           decoupled=decoupled)
+    for a, b, k in zip(ours, theirs, range(len(sizes))):
+        assert_same(a, b.detach(), f"param {k}")
+        assert_same(m[k], opt.state[b]["exp_avg"], f"exp_avg {k}")
+        assert_same(v[k], opt.state[b]["exp_avg_sq"], f"exp_avg_sq {k}")
+
+
+@pytest.mark.parametrize("master", [True, False], ids=["master", "fp32"])
+def test_fp32_moments_match_adam_master(master):
+    gen = torch.Generator().manual_seed(1)
+    sizes = [1, 17, 300, 70001]
+    masters = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [torch.randn(n, generator=gen).to(bf16) for n in sizes]
+    runs = []
+    for op in (ampc.ops.adam_lean, ampc.ops.adam_master):
+        ms = [x.clone() for x in masters] if master else None
+        ps = [x.to(bf16) if master else x.clone() for x in masters]
+        m, v = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
+        st = [torch.zeros(1) for _ in sizes]
+        for _ in range(3):
+            op(ps, grads, m, v, st, lr=1e-2, masters=ms, inv_scale=torch.tensor([0.5]),
+               clip_coef=torch.tensor([0.7]), stochastic=True, seed=9)
+        runs.append(ps + (ms or []) + m + v + st)
+    for k, (a, b) in enumerate(zip(*runs)):
+        assert_same(a, b, f"tensor {k}")
+
+
+# ---- 8-bit moments ----
+
+@pytest.mark.parametrize("weights", ["fp32", "master", "sr", "kahan"])
+def test_q8_step_equals_decode_adam_encode(weights):
+    """One step is, bit for bit: decode the codes (transcription), adam_master on fp32
+    copies (the tested fp32 arithmetic), encode the new moments (transcription)."""
+    gen = torch.Generator().manual_seed(2)
+    sizes = SIZES
+    w0 = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [torch.randn(n, generator=gen).to(bf16) for n in sizes]
+    state = [q8_state(n, gen, scale=10.0 ** -k) for k, n in enumerate(sizes)]
+    steps0 = [torch.full((1,), 4.0) for _ in sizes]
+    kw = dict(lr=1e-2, weight_decay=0.1, inv_scale=torch.tensor([0.25]),
+              clip_coef=torch.tensor([0.8]), seed=77)
+
+    params = [x.clone() if weights == "fp32" else x.to(bf16) for x in w0]
+    masters = [x.clone() for x in w0] if weights == "master" else None
+    comps = ([(x - x.to(bf16).float()).to(bf16) for x in w0] if weights == "kahan" else None)
+    cm = [s[0].clone() for s in state]
+    ms = [s[1].clone() for s in state]
+    cv = [s[2].clone() for s in state]
+    vs = [s[3].clone() for s in state]
+    steps = [s.clone() for s in steps0]
+    ampc.ops.adam_lean(params, grads, cm, cv, steps, masters=masters, compensations=comps,
+                       exp_avg_scales=ms, exp_avg_sq_scales=vs, stochastic=weights == "sr",
+                       **kw)
+
+    # the reference: weights in fp32, adam_master, then the same write of the weight
+    if weights == "master":
+        rw = [x.clone() for x in w0]
+    elif weights == "kahan":
+        rw = [p.float() + c.float() for p, c in zip([x.to(bf16) for x in w0], comps0(w0))]
+    elif weights == "sr":
+        rw = [x.to(bf16).float() for x in w0]
+    else:
+        rw = [x.clone() for x in w0]
+    moments = [decode(*s) for s in state]
+    rm = [x[0] for x in moments]
+    rv = [x[1] for x in moments]
+    rsteps = [s.clone() for s in steps0]
+    ampc.ops.adam_master(rw, grads, rm, rv, rsteps, **kw)
+    for k in range(len(sizes)):
+        want = encode(rm[k], rv[k])
+        assert_same(cm[k], want[0], f"exp_avg codes {k}")
+        assert_same(ms[k], want[1], f"exp_avg scales {k}")
+        assert_same(cv[k], want[2], f"exp_avg_sq codes {k}")
+        assert_same(vs[k], want[3], f"exp_avg_sq scales {k}")
+        assert_same(steps[k], rsteps[k], f"step {k}")
+    if weights == "fp32":
+        for k in range(len(sizes)):
+            assert_same(params[k], rw[k], f"param {k}")
+    elif weights == "master":
+        for k in range(len(sizes)):
+            assert_same(masters[k], rw[k], f"master {k}")
+            assert_same(params[k], rw[k].to(bf16), f"param {k}")
+    elif weights == "sr":
+        want = ampc.ops.cast(rw, bf16, stochastic=True, seed=ampc.ops.step_seed(77, 5))
+        for k in range(len(sizes)):
+            assert_same(params[k], want[k], f"param {k}")
+    else:
+        for k in range(len(sizes)):
+            hi = rw[k].to(bf16)
+            assert_same(params[k], hi, f"param {k}")
+            assert_same(comps[k], (rw[k] - hi.float()).to(bf16), f"compensation {k}")
+
+
+def comps0(w0):
+    return [(x - x.to(bf16).float()).to(bf16) for x in w0]
+
+
+def adam64(w, g, m, v, step, lr, beta1, beta2, eps, wd):
+    """AdamW in float64."""
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    w = w * (1 - lr * wd)
+    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+    return w - lr / bc1 * m / (np.sqrt(v) / math.sqrt(bc2) + eps), m, v
+
+
+def test_q8_step_against_float64_reference():
+    """The weights after a step from decoded moments agree with float64 AdamW to fp32's
+    precision, and the new codes decode to float64's moments within the code's step."""
+    gen = torch.Generator().manual_seed(3)
+    n = 5000
+    w = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen)
+    cm, ms, cv, vs = q8_state(n, gen)
+    m0, v0 = decode(cm, ms, cv, vs)
+    p = [w.clone()]
+    ampc.ops.adam_lean(p, [g], [cm], [cv], [torch.full((1,), 9.0)], lr=1e-3, weight_decay=0.01,
+                       exp_avg_scales=[ms], exp_avg_sq_scales=[vs])
+    want, m64, v64 = adam64(w.double().numpy(), g.double().numpy(), m0.double().numpy(),
+                            v0.double().numpy(), 10, 1e-3, 0.9, 0.999, 1e-8, 0.01)
+    np.testing.assert_allclose(p[0].double().numpy(), want, rtol=2e-6, atol=1e-7)
+    m1, v1 = decode(cm, ms, cv, vs)
+    mb, _ = blocks(m64)
+    vb, _ = blocks(np.sqrt(v64))
+    # a subnormal code's step, in the block's units
+    m_step = np.repeat(np.abs(mb).max(axis=1), QBLOCK)[:n] * 2.0 ** -9 / 480
+    s_step = np.repeat(vb.max(axis=1), QBLOCK)[:n] * 2.0 ** -10 / 496
+    err_m = np.abs(m1.double().numpy() - m64)
+    assert (err_m <= np.maximum(np.abs(m64) * 2.0 ** -4, m_step) * 1.001).all()
+    err_s = np.abs(np.sqrt(v1.double().numpy()) - np.sqrt(v64))
+    assert (err_s <= np.maximum(np.sqrt(v64) * 2.0 ** -5, s_step) * 1.001).all()
+
+
+def test_q8_error_is_bounded_and_small_v_never_vanishes():
+    """Round trips of moments over 30 binades: relative error at most half a code step
+    (2^-4 for exp_avg, 2^-5 on sqrt(exp_avg_sq)) above the subnormal codes, and a nonzero
+    exp_avg_sq never decodes to 0 (it comes back larger instead)."""
+    gen = torch.Generator().manual_seed(4)
+    n = 256 * 64
+    m = torch.randn(n, generator=gen) * torch.exp2(-torch.rand(n, generator=gen) * 30)
+    v = m * m
+    v[::7] = 0.0
+    cm, ms, cv, vs = encode(m, v)
+    m1, v1 = decode(cm, ms, cv, vs)
+    mb, _ = blocks(m.numpy())
+    sb, _ = blocks(np.sqrt(v.numpy()))
+    mmax = np.repeat(np.abs(mb).max(axis=1), QBLOCK)[:n]
+    smax = np.repeat(sb.max(axis=1), QBLOCK)[:n]
+    rel_m = np.abs(m1.numpy() - m.numpy()) / np.abs(m.numpy())
+    big = np.abs(m.numpy()) >= mmax * 2.0 ** -6 / 480 * 1.01   # normal codes
+    assert (rel_m[big] <= 2.0 ** -4 * 1.0001).all()
+    s, s1 = np.sqrt(v.numpy()), np.sqrt(v1.numpy())
+    bigv = s >= smax * 2.0 ** -6 / 496 * 1.01
+    assert (np.abs(s1 - s)[bigv] / s[bigv] <= 2.0 ** -5 * 1.0001).all()
+    assert (v1.numpy()[v.numpy() > 0] > 0).all()
+    assert (v1.numpy()[v.numpy() == 0] == 0).all()
+
+
+def test_kernel_codes_match_transcription_on_a_wide_range():
+    """beta1 = beta2 = 0 and a grad of g: the new moments are g and g * g exactly, so the
+    kernel's codes of g over 30 binades must be the transcription's."""
+    gen = torch.Generator().manual_seed(5)
+    n = 256 * 40 + 77
+    g = torch.randn(n, generator=gen) * torch.exp2(-torch.rand(n, generator=gen) * 30)
+    g[::11] = 0.0
+    g = g.to(bf16).float()          # g * g exact in fp32
+    cm, cv = torch.zeros(n, dtype=u8), torch.zeros(n, dtype=u8)
+    ms, vs = scales_for(n), scales_for(n)
+    ampc.ops.adam_lean([torch.zeros(n)], [g], [cm], [cv], [torch.zeros(1)], lr=0.0,
+                       beta1=0.0, beta2=0.0, exp_avg_scales=[ms], exp_avg_sq_scales=[vs])
+    want = encode(g, g * g)
+    assert_same(cm, want[0], "exp_avg codes")
+    assert_same(ms, want[1], "exp_avg scales")
+    assert_same(cv, want[2], "exp_avg_sq codes")
+    assert_same(vs, want[3], "exp_avg_sq scales")
+
+
+def test_non_finite_block_decodes_to_nan_and_others_untouched():
+    n = 3 * QBLOCK
+    g = torch.randn(n)
+    g[QBLOCK + 5] = float("inf")
+    cm, cv = torch.zeros(n, dtype=u8), torch.zeros(n, dtype=u8)
+    ms, vs = scales_for(n), scales_for(n)
+    ampc.ops.adam_lean([torch.zeros(n)], [g], [cm], [cv], [torch.zeros(1)], lr=0.0,
+                       exp_avg_scales=[ms], exp_avg_sq_scales=[vs])
+    m, v = decode(cm, ms, cv, vs)
+    assert torch.isnan(m[QBLOCK:2 * QBLOCK]).all() and torch.isnan(v[QBLOCK:2 * QBLOCK]).all()
+    assert torch.isfinite(m[:QBLOCK]).all() and torch.isfinite(m[2 * QBLOCK:]).all()
+
+
+@pytest.mark.parametrize("kind", ["q8", "bf16"])
+def test_found_inf_skips_everything(kind):
+    gen = torch.Generator().manual_seed(6)
+    n = 1000
+    p = [torch.randn(n, generator=gen).to(bf16)]
+    comps = [torch.zeros(n, dtype=bf16)]
+    if kind == "q8":
+        cm, ms, cv, vs = q8_state(n, gen)
+        m, v, extra = [cm], [cv], dict(exp_avg_scales=[ms], exp_avg_sq_scales=[vs])
+    else:
+        m, v, extra = [torch.randn(n).to(bf16)], [torch.rand(n).to(bf16)], {}
+    steps = [torch.zeros(1)]
+    watched = p + comps + m + v + steps + list(extra.get("exp_avg_scales", []))
+    before = [t.clone() for t in watched]
+    ampc.ops.adam_lean(p, [torch.randn(n).to(bf16)], m, v, steps, lr=1e-2,
+                       compensations=comps, found_inf=torch.tensor([1.0]), **extra)
+    for t, b in zip(watched, before):
+        assert_same(t, b, "state after a skipped step")
+
+
+# ---- bf16 moments ----
+
+def test_bf16_moments_decay_in_expectation():
+    """exp_avg_sq with a zero grad and beta2 = 0.999: round to nearest would keep every
+    value (the decay is under half an ulp); stochastic rounding decays the mean like fp32."""
+    n = 200000
+    v0 = torch.full((n,), 1.0)
+    m = [torch.zeros(n, dtype=bf16)]
+    v = [v0.to(bf16)]
+    steps = [torch.zeros(1)]
+    for _ in range(50):
+        ampc.ops.adam_lean([torch.zeros(n, dtype=bf16)], [torch.zeros(n, dtype=bf16)], m, v,
+                           steps, lr=0.0, seed=3)
+    want = 0.999 ** 50
+    got = v[0].double().mean().item()
+    assert abs(got - want) < 5e-4, (got, want)
+    assert v0.to(bf16).float().mean().item() == 1.0     # what round to nearest would keep
+
+
+# ---- weights without masters ----
+
+def test_stochastic_rounding_is_unbiased():
+    """Updates far below half a bf16 ulp: the mean of the written weights is the fp32
+    result; round to nearest would leave every weight where it was."""
+    n = 400000
+    w = torch.full((n,), 1.0, dtype=bf16)
+    g = torch.full((n,), 1.0)
+    m, v = [torch.zeros(n)], [torch.zeros(n)]
+    p = [w.clone()]
+    ampc.ops.adam_lean(p, [g], m, v, [torch.zeros(1)], lr=1e-4, stochastic=True, seed=11)
+    exact = torch.zeros(n) + 1.0
+    ref = [exact.clone()]
+    ampc.ops.adam_lean(ref, [g], [torch.zeros(n)], [torch.zeros(n)], [torch.zeros(1)],
+                       lr=1e-4)
+    want = ref[0].double().mean().item()             # 1 - 1e-4 (to fp32)
+    got = p[0].double().mean().item()
+    ulp = 2.0 ** -8
+    sigma = ulp / 2 / math.sqrt(n)
+    assert abs(got - want) < 6 * sigma, (got, want, sigma)
+    assert abs(want - 1.0) > 20 * sigma
+
+
+def test_kahan_tracks_fp32_master_over_many_steps():
+    gen = torch.Generator().manual_seed(8)
+    n = 4096
+    w0 = torch.randn(n, generator=gen)
+    master = [w0.clone()]
+    mp = [w0.to(bf16)]
+    kp, kc = [w0.to(bf16)], [(w0 - w0.to(bf16).float()).to(bf16)]
+    rp = [w0.to(bf16)]
+    states = [([torch.zeros(n)], [torch.zeros(n)], [torch.zeros(1)]) for _ in range(3)]
+    for _ in range(300):
+        g = torch.randn(n, generator=gen).to(bf16)
+        kw = dict(lr=1e-4, weight_decay=0.01)
+        ampc.ops.adam_master(mp, [g], *states[0], masters=master, **kw)
+        ampc.ops.adam_lean(kp, [g], *states[1], compensations=kc, **kw)
+        ampc.ops.adam_lean(rp, [g], *states[2], **kw)
+    kahan = kp[0].double() + kc[0].double()
+    ref = master[0].double()
+    err_kahan = (kahan - ref).abs().max().item()
+    err_plain = (rp[0].double() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    # the pair holds about 16 bits: its rounding error, a few 2^-18 of the weight a step,
+    # walks; bf16 alone loses most small updates
+    assert err_kahan < 2.0 ** -12 * scale, err_kahan
+    assert err_plain > 10 * err_kahan, (err_plain, err_kahan)
+
+
+# ---- every CPU path gives the same bits ----
+
+CHECK_PATHS = r"""
+import hashlib, torch, ampc
+f32, bf16, u8 = torch.float32, torch.bfloat16, torch.uint8
+h = hashlib.sha256()
+for kind in ("f32", "bf16", "q8"):
+    for weights in ("fp32", "master", "sr", "kahan", "rne"):
+        gen = torch.Generator().manual_seed(7)
+        sizes = [1, 15, 255, 257, 1000, 65536 + 9]
+        w = [torch.randn(n, generator=gen) for n in sizes]
+        params = [x if weights == "fp32" else x.to(bf16) for x in w]
+        masters = [x.clone() for x in w] if weights == "master" else None
+        comps = [torch.zeros(n, dtype=bf16) for n in sizes] if weights == "kahan" else None
+        dt = {"f32": f32, "bf16": bf16, "q8": u8}[kind]
+        m = [torch.zeros(n, dtype=dt) for n in sizes]
+        v = [torch.zeros(n, dtype=dt) for n in sizes]
+        sc = ([[torch.zeros(-(-n // 256)) for n in sizes] for _ in range(2)] if kind == "q8"
+              else [None, None])
+        steps = [torch.zeros(1) for _ in sizes]
+        for k in range(3):
+            grads = [torch.randn(n, generator=gen).to(bf16) * 10.0 ** -k for n in sizes]
+            ampc.ops.adam_lean(params, grads, m, v, steps, lr=1e-2, masters=masters,
+                               compensations=comps, exp_avg_scales=sc[0],
+                               exp_avg_sq_scales=sc[1], weight_decay=0.1,
+                               stochastic=weights == "sr", seed=5,
+                               inv_scale=torch.full((1,), 0.37),
+                               clip_coef=torch.full((1,), 0.9))
+        for t in params + m + v + (masters or []) + (comps or []) + (sc[0] or []) + \
+                (sc[1] or []) + steps:
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+print(h.hexdigest())
+"""
+
+
+def test_every_cpu_path_gives_the_same_bits():
+    digests = {}
+    for isa in ("scalar", "avx2", "best"):
+        env = dict(os.environ)
+        env.pop("AMPC_CPU_ISA", None)
+        if isa != "best":
+            env["AMPC_CPU_ISA"] = isa
+        out = subprocess.run([sys.executable, "-c", CHECK_PATHS], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        digests[isa] = out.stdout.strip()
+    assert len(set(digests.values())) == 1, digests
+
+
+def test_threads_do_not_change_the_bits():
+    def run(threads):
+        gen = torch.Generator().manual_seed(1)
+        n = 300000
+        p = [torch.randn(n, generator=gen).to(bf16)]
+        g = [torch.randn(n, generator=gen)]
+        m, v = [torch.zeros(n, dtype=u8)], [torch.zeros(n, dtype=u8)]
+        sc = [scales_for(n)], [scales_for(n)]
+        torch.set_num_threads(threads)
+        ampc.ops.adam_lean(p, g, m, v, [torch.zeros(1)], lr=1e-2, exp_avg_scales=sc[0],
+                           exp_avg_sq_scales=sc[1], stochastic=True)
+        return p + m + v + sc[0] + sc[1]
+    saved = torch.get_num_threads()
+    try:
+        one, two = run(1), run(2)
+    finally:
+        torch.set_num_threads(saved)
+    for a, b in zip(one, two):
+        assert_same(b, a, "state")
+
+
+# ---- bad input ----
+
+def _case(**over):
+    n = 300
+    args = dict(params=[torch.randn(n).to(bf16)], grads=[torch.randn(n).to(bf16)],
+                exp_avgs=[torch.zeros(n, dtype=u8)], exp_avg_sqs=[torch.zeros(n, dtype=u8)],
+                steps=[torch.zeros(1)], exp_avg_scales=[scales_for(n)],
+                exp_avg_sq_scales=[scales_for(n)])
+    args.update(over)
+    return args
+
+
+BAD = {
+    "no scales": (dict(exp_avg_scales=None), "exp_avg_scales must have as many tensors"),
+    "short scales": (dict(exp_avg_sq_scales=[torch.zeros(1)]),
+                     r"exp_avg_sq_scales\[0\] must hold 2 values"),
+    "mixed moments": (dict(exp_avg_sqs=[torch.zeros(300, dtype=bf16)]),
+                      r"exp_avg_sqs\[0\] must be torch.uint8"),
+    "fp16 moments": (dict(exp_avgs=[torch.zeros(300, dtype=f16)],
+                          exp_avg_sqs=[torch.zeros(300, dtype=f16)]),
+                     r"exp_avgs\[0\] must be torch.float32, torch.bfloat16 or torch.uint8"),
+    "kahan on fp16": (dict(params=[torch.randn(300).to(f16)], grads=[torch.randn(300).to(f16)],
+                           compensations=[torch.zeros(300, dtype=bf16)]),
+                      "compensations need torch.bfloat16 params"),
+    "kahan and master": (dict(compensations=[torch.zeros(300, dtype=bf16)],
+                              masters=[torch.zeros(300)]),
+                         "compensations and masters are two ways"),
+    "scales with fp32": (dict(exp_avgs=[torch.zeros(300)], exp_avg_sqs=[torch.zeros(300)]),
+                         "exp_avg_scales and exp_avg_sq_scales are for 8-bit"),
+    "moment shape": (dict(exp_avgs=[torch.zeros(299, dtype=u8)]),
+                     r"exp_avgs\[0\] must have the shape of params\[0\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_refused_before_anything_moves(case):
+    over, pattern = BAD[case]
+    args = _case(**over)
+    watched = [t for k in ("params", "exp_avgs", "exp_avg_sqs", "steps", "exp_avg_scales",
+                           "exp_avg_sq_scales", "compensations", "masters")
+               for t in (args.get(k) or [])]
+    p, g, m, v, s = (args.pop(k) for k in ("params", "grads", "exp_avgs", "exp_avg_sqs",
+                                           "steps"))
+    assert_refused_unchanged(
+        case, lambda: ampc.ops.adam_lean(p, g, m, v, s, lr=1e-2, **args), watched,
+        RuntimeError, "ampc.adam_lean: " + pattern)
