@@ -402,7 +402,7 @@ def compare(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int
     Returns:
         :class:`ampc.validate.Comparison`: ``.table()``, ``.as_dict()``, ``.save(dir)``.
     """
-    device = _check_device(device, "compare")
+    device = _resolve_device("compare", device)
     if not callable(make_model) or not callable(make_batch):
         raise TypeError("ampc.validate.compare: make_model and make_batch must be callables")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -436,7 +436,8 @@ def compare(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int
     return Comparison(done[0], done[len(seeds):], done[1:len(seeds)], config)
 
 
-def _check_device(device, fn):
+def _resolve_device(fn, device):
+    """The device to run on: the one asked for, checked, or the GPU when there is one."""
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
