@@ -146,8 +146,9 @@ class Comparison:
                       False: "NO"}[r["within_spread"]]
             ratio = "-"
             if r["grad_norm_ratio_median"] is not None:
-                ratio = (f"{r['grad_norm_ratio_median']:.3f} ({r['grad_norm_ratio_min']:.2f}"
-                         f"-{r['grad_norm_ratio_max']:.2f})")
+                # one precision for all three: rounding keeps the median inside its range
+                ratio = (f"{r['grad_norm_ratio_median']:.3f} ({r['grad_norm_ratio_min']:.3f}"
+                         f"-{r['grad_norm_ratio_max']:.3f})")
             rows.append([r["setup"], fmt(r["final_loss"]), fmt(100 * r["final_gap"], ".2f"),
                          fmt(100 * r["max_gap"], ".2f"), within, fmt(r["val_loss"]),
                          fmt(None if r["val_gap"] is None else 100 * r["val_gap"], ".2f"),

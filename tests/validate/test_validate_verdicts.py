@@ -1,5 +1,6 @@
 """ampc.validate's verdicts: a fp32 spread too wide to judge by is said so (a warning and
 the verdict), and the layer table shows every module its suggestions name."""
+import re
 import warnings
 
 import pytest
@@ -78,3 +79,14 @@ def test_layers_report_names_only_modules_its_table_shows():
     assert report.rows[0]["module"] != "2.bad"     # not the top row: shown because named
     text = report.table(top=1)
     assert any(l.lstrip().startswith("2.bad |") for l in text.splitlines())
+
+
+def test_grad_norm_ratio_median_reads_inside_its_range():
+    base = run("fp32", [1.0] * 3, "fp32")
+    setup = run("ampc bf16", [1.0] * 3)
+    setup.grad_norms = [0.996, 0.999, 0.9999]   # to 2 places, min and max would read 1.00
+    text = Comparison(base, [setup], [], {"seeds": [0]}).table()
+    row = next(line for line in text.splitlines() if line.startswith("ampc bf16"))
+    median, low, high = (float(v) for v in
+                         re.search(r"(\d\.\d+) \((\d\.\d+)-(\d\.\d+)\)", row).groups())
+    assert low <= median <= high and (median, low, high) == (0.999, 0.996, 1.0)
