@@ -43,16 +43,21 @@ class Unit:
     options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     rejected: Mapping[str, str] = field(default_factory=dict)
     reason: Reason = Reason.SOLVED
+    shapes: Mapping[str, list[int]] | None = None   # {parameter: shape}; None in older plans
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Unit:
         return cls(d["module"], d["type"], d.get("kind", "other"), d["choice"],
-                   d.get("options", {}), d.get("rejected", {}), Reason(d.get("reason", "solved")))
+                   d.get("options", {}), d.get("rejected", {}), Reason(d.get("reason", "solved")),
+                   d.get("shapes"))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"module": self.module, "type": self.type, "kind": self.kind,
-                "choice": self.choice, "options": self.options, "rejected": self.rejected,
-                "reason": self.reason.value}
+        d = {"module": self.module, "type": self.type, "kind": self.kind,
+             "choice": self.choice, "options": self.options, "rejected": self.rejected,
+             "reason": self.reason.value}
+        if self.shapes is not None:
+            d["shapes"] = self.shapes
+        return d
 
     def __getitem__(self, key: str) -> Any:
         """Read access by the saved format's keys (``u["choice"]``), as plans were read
@@ -68,6 +73,80 @@ class Unit:
 
 
 _FIELDS = frozenset(f.name for f in fields(Unit))
+_REASONS = frozenset(r.value for r in Reason)
+_OBJECTIVES = ("time", "memory")
+
+
+def param_shapes(module: torch.nn.Module) -> dict[str, list[int]]:
+    """{parameter name: shape} of ``module``, as a plan records it."""
+    return {n: list(p.shape) for n, p in module.named_parameters()}
+
+
+def _bad(msg):
+    return ValueError(f"ampc.autoprecision.Plan: {msg}")
+
+
+def _check_unit(k, d):
+    """Raises a ValueError naming the field when ``d`` is not a unit record."""
+    if not isinstance(d, Mapping):
+        raise _bad(f"units[{k}] must be a dict, got {type(d).__name__}")
+    for key in ("module", "type", "choice"):
+        if not isinstance(d.get(key), str):
+            raise _bad(f"units[{k}].{key} must be a string, got {d.get(key)!r}")
+    where = f"units[{k}] ({d['module']!r})"
+    if d["choice"] not in _units.CANDIDATES:
+        raise _bad(f"{where}.choice must be one of {', '.join(_units.CANDIDATES)}, "
+                   f"got {d['choice']!r}")
+    for key in ("options", "rejected"):
+        if not isinstance(d.get(key, {}), Mapping):
+            raise _bad(f"{where}.{key} must be a dict, got {type(d[key]).__name__}")
+    if not isinstance(d.get("kind", "other"), str):
+        raise _bad(f"{where}.kind must be a string, got {d['kind']!r}")
+    if d.get("reason", "solved") not in _REASONS:
+        raise _bad(f"{where}.reason must be one of {', '.join(sorted(_REASONS))}, "
+                   f"got {d['reason']!r}")
+    shapes = d.get("shapes")
+    if shapes is not None and not (
+            isinstance(shapes, Mapping) and all(
+                isinstance(v, (list, tuple)) and all(isinstance(n, int) and n >= 0 for n in v)
+                for v in shapes.values())):
+        raise _bad(f"{where}.shapes must map parameter names to lists of sizes, got {shapes!r}")
+
+
+def _check_record(data):
+    """Raises a ValueError naming the field when ``data`` is not a saved plan (version 1)."""
+    if not isinstance(data, Mapping) or data.get("version") != VERSION:
+        raise _bad(f"not a plan of version {VERSION}")
+    if data.get("device") not in ampc.policy.DEVICES:
+        raise _bad(f"device must be one of {', '.join(ampc.policy.DEVICES)}, "
+                   f"got {data.get('device')!r}")
+    if data.get("objective") not in _OBJECTIVES:
+        raise _bad(f"objective must be one of {', '.join(_OBJECTIVES)}, "
+                   f"got {data.get('objective')!r}")
+    cands = data.get("candidates")
+    if not isinstance(cands, (list, tuple)) or not all(c in _units.CANDIDATES for c in cands):
+        raise _bad(f"candidates must be a list of {', '.join(_units.CANDIDATES)}, got {cands!r}")
+    budget = data.get("budget")
+    if not isinstance(budget, Mapping):
+        raise _bad(f"budget must be a dict, got {budget!r}")
+    try:
+        Budget(**budget)
+    except (TypeError, ValueError) as e:
+        raise _bad(f"budget {dict(budget)!r} is not a budget: {e}") from None
+    missing = [f.name for f in fields(Budget) if f.name not in budget]
+    if missing:
+        raise _bad(f"budget lacks {', '.join(missing)}")
+    units = data.get("units")
+    if not isinstance(units, (list, tuple)):
+        raise _bad(f"units must be a list of unit records, got {units!r}")
+    names = set()
+    for k, d in enumerate(units):
+        if not isinstance(d, Unit):
+            _check_unit(k, d)
+        name = d.module if isinstance(d, Unit) else d["module"]
+        if name in names:
+            raise _bad(f"units[{k}]: module {name!r} appears twice")
+        names.add(name)
 
 
 def _fmt(v, spec=".1e"):
@@ -91,8 +170,7 @@ class Plan:
     """
 
     def __init__(self, data: Mapping[str, Any]) -> None:
-        if not isinstance(data, Mapping) or data.get("version") != VERSION:
-            raise ValueError(f"ampc.autoprecision.Plan: not a plan of version {VERSION}")
+        _check_record(data)     # every field, before anything reads one
         self.data = {k: v for k, v in data.items() if k != "units"}
         self._units = {}
         self._counts = Counter()
@@ -296,7 +374,9 @@ class Plan:
     def apply(self, model: torch.nn.Module) -> Applied:
         """Gives each module of the plan its precision (a module_scope, and for fp8 an
         ampc.fp8.Linear). Refuses, before changing anything, a plan naming a module
-        ``model`` lacks, one of another type, or fp8 on a module that cannot take it.
+        ``model`` lacks, one of another type or with parameters of other shapes (plans
+        that record them), or fp8 on a module that cannot take it; should placing a
+        module still fail, the modules placed so far are put back as they were.
         Returns an :class:`Applied` listing every module changed."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"ampc.autoprecision.Plan.apply: model must be an nn.Module, "
@@ -307,17 +387,21 @@ class Plan:
             raise ValueError(f"ampc.autoprecision.Plan.apply: the plan names {len(missing)} "
                              f"module(s) the model does not have: {', '.join(missing)}")
         for u in self:
-            m = modules[u.module]
-            if type(m).__name__ != u.type:
-                raise ValueError(f"ampc.autoprecision.Plan.apply: module {u.module} is a "
-                                 f"{type(m).__name__}, the plan was made for a {u.type}")
-            if u.choice == "fp8" and not (_units.fp8_capable(m) or _is_fp8(m)):
-                raise ValueError(f"ampc.autoprecision.Plan.apply: module {u.module} cannot "
-                                 "run in fp8 (an nn.Linear with in and out features multiple "
-                                 "of 16)")
+            _check_module(u, modules[u.module])
+        before = {u.module: (type(m), {n for n, _ in m.named_buffers(recurse=False)})
+                  for u in self for m in [modules[u.module]]}
         applied = Applied(self, model)
-        for u in self:
-            applied.place(u.module)
+        try:
+            for u in self:
+                applied.place(u.module)
+        except BaseException:
+            applied.remove()
+            for name, (cls, buffers) in before.items():    # fp8.convert's class and state
+                m = modules[name]
+                for n in {n for n, _ in m.named_buffers(recurse=False)} - buffers:
+                    delattr(m, n)
+                m.__class__ = cls
+            raise
         return applied
 
     def autocast(self) -> contextlib.ExitStack:
@@ -350,6 +434,23 @@ class Plan:
         return compare(make_model, make_batch, loss_fn, steps,
                                 setups=tuple(setups) + (self,), dtype=dtype, device=self.device,
                                 seeds=seeds, **kwargs)
+
+
+def _check_module(u, m):
+    """Raises a ValueError when module ``m`` is not the one unit ``u`` was measured on."""
+    if type(m).__name__ != u.type:
+        raise ValueError(f"ampc.autoprecision.Plan.apply: module {u.module} is a "
+                         f"{type(m).__name__}, the plan was made for a {u.type}")
+    if u.shapes is not None:
+        have = param_shapes(m)
+        want = {n: list(v) for n, v in u.shapes.items()}
+        if have != want:
+            raise ValueError(f"ampc.autoprecision.Plan.apply: module {u.module} has "
+                             f"parameters {have}, the plan was made for {want}")
+    if u.choice == "fp8" and not (_units.fp8_capable(m) or _is_fp8(m)):
+        raise ValueError(f"ampc.autoprecision.Plan.apply: module {u.module} cannot "
+                         "run in fp8 (an nn.Linear with in and out features multiple "
+                         "of 16)")
 
 
 def _torch_dtype(dtype):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 from . import _measure, _units
-from ._plan import Plan, VERSION
+from ._plan import Plan, VERSION, param_shapes
 from ._solve import ERRORS, Budget, Over, order, raise_one, solve
 from ._units import Reason
 from .._numerics.errors import rel_error
@@ -287,6 +287,7 @@ def _first_plan(found, measured, budget, objective, candidates, fp8_recipe, loss
     """The solver's plan, unit by unit, before any whole-model check."""
     choice, rejected = solve(measured, budget, objective)
     units = [{"module": n, "type": type(m).__name__, "kind": _units.kind(m), "choice": choice[n],
+              "shapes": param_shapes(m),
               "options": measured[n], "rejected": rejected[n]} for n, m in found.items()]
     return Plan({"version": VERSION, "device": device, "where": _where(device),
                  "objective": objective, "budget": budget.as_dict(), "candidates": list(candidates),

@@ -102,3 +102,111 @@ def test_units_read_by_saved_keys_but_never_written():
         u["nope"]
     with pytest.raises(TypeError):
         u["choice"] = "fp32"
+
+
+def _state(model):
+    """Everything apply could change on a model: each module's class, hooks, scope,
+    buffers and parameters."""
+    return [(n, type(m), dict(m._forward_pre_hooks), dict(m._forward_hooks),
+             getattr(m, "_ampc_scope", None), sorted(b for b, _ in m.named_buffers(recurse=False)),
+             {p: t.detach().clone() for p, t in m.named_parameters(recurse=False)})
+            for n, m in model.named_modules()]
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x[:6] == y[:6]
+        assert x[6].keys() == y[6].keys() and all(torch.equal(x[6][k], y[6][k]) for k in x[6])
+
+
+def _unit(module, typ, choice, shapes=None):
+    d = {"module": module, "type": typ, "kind": "gemm", "choice": choice,
+         "options": {"fp32": {"ms": 0.1, "bytes": 4}}, "rejected": {}}
+    if shapes is not None:
+        d["shapes"] = shapes
+    return d
+
+
+@pytest.mark.parametrize("units, match", [
+    # the last unit is the bad one: nothing before it may have been placed
+    ([_unit("0", "Linear", "fp8"), _unit("1", "Linear", "bf16"), _unit("9", "Linear", "bf16")],
+     "does not have: 9"),
+    ([_unit("0", "Linear", "fp8"), _unit("1", "Linear", "bf16"), _unit("2", "Conv1d", "bf16")],
+     "made for a Conv1d"),
+    ([_unit("0", "Linear", "fp8"), _unit("1", "Linear", "bf16"),
+      _unit("2", "Linear", "bf16", {"weight": [16, 32], "bias": [16]})], "made for"),
+])
+def test_apply_refuses_before_changing_anything(units, match):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16))
+    before = _state(model)
+    with pytest.raises(ValueError, match=match):
+        Plan(dict(OLD, units=units)).apply(model)
+    _same(_state(model), before)
+
+
+def test_apply_failing_midway_puts_the_model_back(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.LayerNorm(16))
+    plan = Plan(dict(OLD, units=[_unit("0", "Linear", "fp8"), _unit("1", "Linear", "bf16"),
+                                 dict(_unit("2", "LayerNorm", "bf16"), kind="norm")]))
+    before = _state(model)
+    scope = __import__("ampc").policy.module_scope
+    calls = []
+
+    def failing(module, **kw):
+        calls.append(module)
+        if len(calls) == 2:            # the norm: the fp8 Linear is placed by then
+            raise RuntimeError("no scope here")
+        return scope(module, **kw)
+    monkeypatch.setattr("ampc.policy.module_scope", failing)
+    with pytest.raises(RuntimeError, match="no scope here"):
+        plan.apply(model)
+    assert len(calls) == 2
+    _same(_state(model), before)
+    assert type(model[0]) is nn.Linear and not hasattr(model[0], "fp8_fwd_scale")
+
+
+def test_apply_checks_parameter_shapes_recorded_by_the_plan():
+    shapes = {"weight": [8, 8], "bias": [8]}
+    plan = Plan(dict(OLD, units=[_unit("0", "Linear", "bf16", shapes)]))
+    assert plan.unit("0").shapes == shapes and Plan.from_json(plan.to_json()) == plan
+    assert plan.as_dict()["units"][0]["shapes"] == shapes
+    plan.apply(nn.Sequential(nn.Linear(8, 8))).remove()
+    other = nn.Sequential(nn.Linear(4, 8))       # same name and type, other shape
+    before = _state(other)
+    with pytest.raises(ValueError, match=r"module 0 has parameters .*\[8, 4\].*made for"):
+        plan.apply(other)
+    _same(_state(other), before)
+    # a plan saved before shapes were recorded still loads, and skips the check
+    old = Plan(dict(OLD, units=[_unit("0", "Linear", "bf16")]))
+    assert old.unit("0").shapes is None and "shapes" not in old.as_dict()["units"][0]
+    old.apply(other).remove()
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda d: d.pop("units"), "units must be a list"),
+    (lambda d: d["units"][0].pop("module"), r"units\[0\].module must be a string"),
+    (lambda d: d["units"][1].pop("choice"), r"units\[1\].choice must be a string"),
+    (lambda d: d["units"][0].update(choice="int8"), r"units\[0\] \('0'\).choice must be one of"),
+    (lambda d: d["units"][0].update(reason="luck"), r"units\[0\] \('0'\).reason must be one of"),
+    (lambda d: d["units"][0].update(options=[]), r"units\[0\] \('0'\).options must be a dict"),
+    (lambda d: d["units"][0].update(shapes={"weight": "8x8"}), r"shapes must map"),
+    (lambda d: d["units"].append(dict(d["units"][0])), "module '0' appears twice"),
+    (lambda d: d["units"].append("0"), r"units\[2\] must be a dict"),
+    (lambda d: d.update(device="tpu"), "device must be one of cpu, cuda, got 'tpu'"),
+    (lambda d: d.pop("device"), "device must be one of"),
+    (lambda d: d.update(objective="speed"), "objective must be one of"),
+    (lambda d: d.update(candidates=["fp32", "int4"]), "candidates must be a list"),
+    (lambda d: d["budget"].update(loss=-1), "budget .* is not a budget"),
+    (lambda d: d["budget"].update(speed=1), "budget .* is not a budget"),
+    (lambda d: d["budget"].pop("wgrad"), "budget lacks wgrad"),
+])
+def test_load_names_the_bad_field(tmp_path, change, match):
+    d = json.loads(json.dumps(OLD))
+    change(d)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=match):
+        Plan.load(str(path))

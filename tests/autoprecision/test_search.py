@@ -80,7 +80,10 @@ def test_same_plan_twice_and_the_model_untouched(known):
 
 
 def test_json_round_trip(known, tmp_path):
-    _, _, plan = known
+    model, _, plan = known
+    modules = dict(model.named_modules())
+    assert all(u.shapes == {n: list(p.shape) for n, p in modules[u.module].named_parameters()}
+               for u in plan)                   # what apply checks a model against
     path = plan.save(tmp_path / "plan.json")
     back = Plan.load(path)
     assert back == plan and back.as_dict() == plan.as_dict()
