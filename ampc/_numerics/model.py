@@ -1,6 +1,7 @@
 """A model and its batches as both tools handle them."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -9,13 +10,34 @@ import torch.nn.functional as F
 from .._walk import map_tensors, tensors
 
 
-def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over the last dimension of ``output`` (computed in fp32)."""
+def default_loss(output: Any, target: torch.Tensor | None) -> torch.Tensor:
+    """Cross-entropy over the last dimension of the model's logits (computed in fp32).
+
+    ``output`` is a tensor, or what transformers models return (a ``ModelOutput``, a dict,
+    a tuple): the loss the model computed itself when it carries one (its ``loss``: the
+    model was given labels, and ``target`` is not used), else the cross-entropy of its
+    ``logits``, else of the first floating tensor inside it."""
+    if not isinstance(output, torch.Tensor):
+        own = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if isinstance(own, torch.Tensor):
+            return own.float().mean()
+        logits = (output.get("logits") if isinstance(output, Mapping)
+                  else getattr(output, "logits", None))
+        output = logits if isinstance(logits, torch.Tensor) else first_float(output)
+        if output is None:
+            raise TypeError("ampc: the default loss found no loss, logits or floating tensor "
+                            "in the model's output; pass a loss_fn")
+    if target is None:
+        raise TypeError("ampc: the default loss needs a target (or a model that returns its "
+                        "own loss); pass a loss_fn")
     return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
 def call_model(model: torch.nn.Module, inputs: Any) -> Any:
-    """``model(*inputs)`` for a tuple or list of positional arguments, else ``model(inputs)``."""
+    """``model(**inputs)`` for a dict of keyword arguments (a tokenizer's output),
+    ``model(*inputs)`` for a tuple or list of positional arguments, else ``model(inputs)``."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
     return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
 
 

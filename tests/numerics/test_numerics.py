@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ampc._numerics.capture import capture
@@ -126,3 +127,25 @@ def test_model_helpers_on_nested_values():
     assert first_float((torch.arange(3),)) is None
     assert call_model(lambda a, b: a + b, (1, 2)) == 3 and call_model(lambda a: -a, 4) == -4
     assert expression("blocks.0.attn") == "model.blocks[0].attn" and expression("") == "model"
+
+
+def test_default_loss_takes_what_models_return():
+    g = torch.Generator().manual_seed(0)
+    logits, y = torch.randn(4, 5, generator=g), torch.randint(0, 5, (4,), generator=g)
+    want = F.cross_entropy(logits, y)
+    own = torch.tensor(0.25)
+    Out = collections.namedtuple("Out", "logits hidden")
+    Output = type("Output", (), {"loss": None, "logits": logits})   # attributes, as a ModelOutput
+    assert torch.equal(default_loss(logits, y), want)
+    assert torch.equal(default_loss({"logits": logits, "hidden": torch.ones(4, 2)}, y), want)
+    assert torch.equal(default_loss({"hidden": logits.bfloat16()}, y),
+                       F.cross_entropy(logits.bfloat16().float(), y))
+    assert torch.equal(default_loss(Out(logits, torch.ones(3)), y), want)
+    assert torch.equal(default_loss(Output(), y), want)
+    assert default_loss({"loss": own, "logits": logits}, y) == own   # the model's own loss
+    assert default_loss({"loss": own}, None) == own
+    with pytest.raises(TypeError, match="no loss, logits or floating tensor"):
+        default_loss({"ids": torch.ones(2, dtype=torch.long)}, y)
+    with pytest.raises(TypeError, match="needs a target"):
+        default_loss({"logits": logits}, None)
+    assert call_model(lambda a, mask=None: a * mask, {"a": 2, "mask": 3}) == 6   # keyword inputs
