@@ -286,14 +286,12 @@ class Plan:
                  format_table(header, rows)]
         pred = d.get("predicted") or {}
         if pred:
-            lines.append(f"predicted (sum over modules, forward + backward): fp32 "
-                         f"{pred['fp32_ms']:.2f} ms, plan {pred['plan_ms']:.2f} ms, saving "
-                         f"{pred['fp32_ms'] - pred['plan_ms']:.2f} ms per step")
+            lines.append(f"predicted (sum over modules, forward + backward): "
+                         f"{self._saving(pred)}")
         m = d.get("measured")
         if m:
-            lines.append(f"measured (whole model, forward + backward): fp32 {m['fp32_ms']:.2f} ms, "
-                         f"plan {m['plan_ms']:.2f} ms, saving {m['fp32_ms'] - m['plan_ms']:.2f} ms "
-                         f"per step; loss err {_fmt(m['loss_err'])}, grad err "
+            lines.append(f"measured (whole model, forward + backward): {self._saving(m)}; "
+                         f"loss err {_fmt(m['loss_err'])}, grad err "
                          f"{_fmt(m['grad_err'])}, worst wgrad err {_fmt(m['wgrad_err'])} "
                          f"({m['wgrad_worst'] or '-'})")
         for step in d.get("backoffs", []):
@@ -303,6 +301,16 @@ class Plan:
         if d.get("search_s") is not None:
             lines.append(f"search took {d['search_s']:.1f} s")
         return "\n".join(lines)
+
+    def _saving(self, times):
+        """The plan's time against fp32's; an all-fp32 plan is fp32 and saves nothing (two
+        timings of the same thing differ only by noise)."""
+        if self.dtype == "fp32":
+            return f"fp32 {times['fp32_ms']:.2f} ms per step; every module runs fp32: nothing saved"
+        diff = times["fp32_ms"] - times["plan_ms"]
+        return (f"fp32 {times['fp32_ms']:.2f} ms, plan {times['plan_ms']:.2f} ms, "
+                + (f"saving {diff:.2f} ms per step" if diff >= 0 else
+                   f"{-diff:.2f} ms slower per step"))
 
     def __str__(self) -> str:
         return self.table()
@@ -335,7 +343,8 @@ class Plan:
     # ---- pasteable Python ----
 
     def python(self) -> str:
-        """The plan as Python lines to paste after the model is built (``model``)."""
+        """The plan as Python lines to paste after the model is built (``model``): the
+        scopes :meth:`apply` would attach, the fp8 conversions, and the training step."""
         dev, region = self.device, self.dtype
         lines = [f"# ampc.autoprecision plan: {len(self.units)} modules, region {region}",
                  "import torch", "import ampc", ""]
@@ -344,12 +353,13 @@ class Plan:
             c = u.choice
             if c == "fp8":
                 fp8.append(u.module)
-            expr = expression(u.module)
+            if _by_region(self, u.kind, c):
+                continue
             ops = ""
             if u.kind == "norm" and c != "fp32":
                 ops = (", ops={" + ", ".join(f'"{o}": "lower_precision_fp"'
                                              for o in _units.REDUCTION_OPS) + "}")
-            lines.append(f"ampc.policy.module_scope({expr}, "
+            lines.append(f"ampc.policy.module_scope({expression(u.module)}, "
                          f"dtype={_torch_dtype(_units.DTYPES[c])}{ops})")
         if fp8:
             lines += ["", f"FP8_MODULES = {set(fp8)!r}", "",
@@ -358,13 +368,16 @@ class Plan:
                       "for fqn, module in model.named_modules():",
                       "    if fp8_filter(module, fqn):",
                       "        ampc.fp8.convert(module)"]
-        region = (f'ampc.autocast("{dev}", dtype={_torch_dtype(_units.DTYPES[region])})'
-                  if region != "fp32" else "contextlib.nullcontext()")
-        if self.rest == "fp32" and self.dtype != "fp32":
-            region += ", ampc.policy.scope(dtype=torch.float32)"
+        step = "loss = loss_fn(model(x), y)"
+        if region == "fp32":          # no autocast region at all
+            lines += ["", f"# each step (every module fp32: nothing to set): {step}"]
+            return "\n".join(lines)
+        ctx = f'ampc.autocast("{dev}", dtype={_torch_dtype(_units.DTYPES[region])})'
+        if self.rest == "fp32":
+            ctx += ", ampc.policy.scope(dtype=torch.float32)"
         if fp8:
-            region += ", ampc.fp8.autocast(recipe=ampc.fp8.DelayedScaling(), modules=())"
-        lines += ["", f"# each step: with {region}: loss = loss_fn(model(x), y)"]
+            ctx += ", ampc.fp8.autocast(recipe=ampc.fp8.DelayedScaling(), modules=())"
+        lines += ["", f"# each step: with {ctx}: {step}"]
         if self.needs_scaler():
             lines.append(f'# fp16 choices need loss scaling: scaler = ampc.GradScaler("{dev}")')
         return "\n".join(lines)
@@ -453,6 +466,14 @@ def _check_module(u, m):
                          "of 16)")
 
 
+def _by_region(plan, kind, choice):
+    """Whether a unit of ``kind`` at ``choice`` needs no scope of its own: a GEMM at the
+    dtype the region gives the ops outside the units (a scope's hooks cost time on every
+    call), or any module of an all-fp32 plan (no autocast region); norms in 16 bits always
+    get theirs (their reduction)."""
+    return (kind != "norm" and choice == plan.rest and choice != "fp8") or plan.dtype == "fp32"
+
+
 def _torch_dtype(dtype):
     return "torch." + str(dtype).split(".")[-1]
 
@@ -515,13 +536,9 @@ class Applied:
         for h in self.handles.pop(name, []):
             h.remove()
         dtype, ops = _units.scope_args(m, choice)
-        # a GEMM at the dtype the region gives the ops outside the units needs no scope (a
-        # scope's hooks cost time on every call), nor does any module of an all-fp32 plan
-        # (no autocast region); norms in 16 bits always get theirs (their reduction)
+        # an ampc.fp8.Linear at another choice keeps a scope (its dtype outside FP8)
         fp8_now = _is_fp8(m)
-        by_region = ((_units.kind(m) != "norm" and choice == self.plan.rest and choice != "fp8"
-                      and not fp8_now)
-                     or (self.plan.dtype == "fp32" and not fp8_now))   # no region at all
+        by_region = _by_region(self.plan, _units.kind(m), choice) and not fp8_now
         handles = [] if by_region else [ampc.policy.module_scope(m, dtype=dtype, ops=ops)]
         if choice == "fp8":
             ampc.fp8.convert(m)

@@ -210,3 +210,41 @@ def test_load_names_the_bad_field(tmp_path, change, match):
     path.write_text(json.dumps(d))
     with pytest.raises(ValueError, match=match):
         Plan.load(str(path))
+
+
+def _timed(units):
+    return dict(OLD, units=units, predicted={"fp32_ms": 2.0, "plan_ms": 2.0},
+                measured={"fp32_ms": 3.0, "plan_ms": 4.33, "loss_err": 0.0, "grad_err": 0.0,
+                          "wgrad_err": 0.0, "wgrad_worst": None})
+
+
+def test_an_all_fp32_plan_saves_nothing_and_pastes_as_nothing():
+    units = [dict(u, choice="fp32") for u in OLD["units"]]
+    plan = Plan(_timed(units))
+    text = plan.table()
+    assert "saving" not in text and "-1.33" not in text
+    assert text.count("every module runs fp32: nothing saved") == 2
+    code = plan.python()
+    assert "module_scope" not in code and "nullcontext" not in code and "autocast" not in code
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    before = _state(model)
+    exec(code, {"model": model})                # runs, and sets nothing
+    _same(_state(model), before)
+    # a mixed plan measured slower says so, in words
+    mixed = Plan(_timed([dict(u) for u in OLD["units"]]))
+    assert "1.33 ms slower per step" in mixed.table() and "saving 0.00 ms" in mixed.table()
+
+
+def test_python_of_a_mixed_plan_runs_and_sets_what_apply_sets():
+    plan = Plan(dict(OLD, units=[_unit("0", "Linear", "bf16"), _unit("1", "Linear", "fp32"),
+                                 dict(_unit("2", "LayerNorm", "bf16"), kind="norm")]))
+    code = plan.python()
+    assert code.count("module_scope") == 2      # the bf16 Linear has its dtype from the region
+    pasted, applied = (nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+                       for _ in range(2))
+    exec(code, {"model": pasted})
+    plan.apply(applied)
+    scope_of = __import__("ampc").policy.module_scope_of
+    for a, b in zip(pasted, applied):
+        sa, sb = scope_of(a), scope_of(b)
+        assert (sa is None) == (sb is None) and (sa is None or (sa.dtype, sa.ops) == (sb.dtype, sb.ops))

@@ -108,10 +108,16 @@ def test_python_rendering_runs_and_matches_apply(known):
     code = plan.python()
     assert "ampc.policy.module_scope(model.norm, dtype=torch.float32" in code
     assert "ampc.policy.module_scope(model.head, dtype=torch.float16)" in code
-    fresh = Known()
+    fresh, applied = Known(), Known()
     exec(code, {"model": fresh})
-    assert ampc.policy.module_scope_of(fresh.hot).dtype == torch.bfloat16
+    plan.apply(applied)
     assert ampc.policy.module_scope_of(fresh.norm).dtype == torch.float32
+    assert ampc.policy.module_scope_of(fresh.hot) is None        # bf16 by the bf16 region
+
+    def scopes(m):
+        return {n: s and (s.dtype, s.ops) for n, mod in m.named_modules()
+                for s in [ampc.policy.module_scope_of(mod)]}
+    assert scopes(fresh) == scopes(applied)     # the same scopes as apply attaches
 
 
 def test_apply_reports_every_module_and_runs(known):
