@@ -25,14 +25,18 @@ def make_model():
     return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
 
 
-def make_batch(step):
+def make_batch(step, batch=256):
     g = torch.Generator().manual_seed(step)
-    x = torch.randn(256, 16, generator=g)
-    return x, x @ W + 0.5 * torch.randn(256, 16, generator=g)
+    x = torch.randn(batch, 16, generator=g)
+    return x, x @ W + 0.5 * torch.randn(batch, 16, generator=g)
+
+
+def mse(out, y):
+    return F.mse_loss(out.float(), y)
 
 
 def tiny_loss(out, y):
-    return 1e-6 * F.mse_loss(out.float(), y)
+    return 1e-6 * mse(out, y)
 
 
 class Boost(nn.Module):

@@ -1,6 +1,9 @@
 """The contrast setups of compare() train what they say, fp16 without loss scaling fails
 where torch.amp's scaler holds, and fp16_ready finds the module fp16 cannot hold."""
+import functools
+import importlib.util
 import math
+import os
 
 import pytest
 import torch
@@ -9,27 +12,22 @@ from torch import nn
 
 from ampc import validate
 
-W = torch.randn(16, 16, generator=torch.Generator().manual_seed(99))
+
+def _example():
+    """examples/fp16_contrast.py: its model, data and 1e-6-weighted objective (AdamW does
+    not see the weight, so fp32 trains as usual, but the gradients at the output, ~1e-9,
+    are under fp16's smallest subnormal 2**-24)."""
+    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples",
+                        "fp16_contrast.py")
+    spec = importlib.util.spec_from_file_location("fp16_contrast", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def make_model():
-    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
-
-
-def make_batch(step):
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(64, 16, generator=g)
-    return x, x @ W + 0.5 * torch.randn(64, 16, generator=g)
-
-
-def mse(out, y):
-    return F.mse_loss(out.float(), y)
-
-
-def tiny_loss(out, y):
-    # An objective weighted 1e-6: Adam is blind to the weight, so fp32 trains as usual,
-    # but the gradients at the output (~1e-9) are under fp16's smallest subnormal 2**-24.
-    return 1e-6 * mse(out, y)
+example = _example()
+make_model, mse, tiny_loss = example.make_model, example.mse, example.tiny_loss
+make_batch = functools.partial(example.make_batch, batch=64)
 
 
 def direct(make_region, prepare, steps, lr):
