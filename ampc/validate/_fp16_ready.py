@@ -36,6 +36,12 @@ def _max_abs(tensors: Sequence[torch.Tensor]) -> float:
     return max((float(t.detach().abs().max()) for t in tensors if t.numel()), default=0.0)
 
 
+def _judged(module: torch.nn.Module) -> bool:
+    """A leaf, or a module with weights of its own: a container's outputs are its children's."""
+    return (next(module.children(), None) is None
+            or next(module.parameters(recurse=False), None) is not None)
+
+
 class Fp16Readiness:
     """What :func:`fp16_ready` found: a row per leaf module (and per module with weights of
     its own) that has an output or weight gradients, in call order (``.rows``); ``.overflow`` and ``.underflow`` name the
@@ -101,6 +107,21 @@ def _check_args(model, batches, loss_fn, max_scale, tolerance):
         raise ValueError(f"{fn}: tolerance must be in [0, 1), got {tolerance!r}")
 
 
+def _refuse_non_finite(seen):
+    """Raises when the model's own step is not finite, naming where it starts: the first
+    module (in call order) whose output is, else the last whose gradients are."""
+    def finite(ts):
+        return all(bool(torch.isfinite(t).all()) for t in ts)
+    names = [n for n, rec in seen.items() if not finite(rec["out"])]
+    where = "output"
+    if not names:
+        names = [n for n, rec in reversed(seen.items()) if not finite(rec["grads"])]
+        where = "gradients"
+    if names:
+        raise ValueError(f"ampc.validate.fp16_ready: module {_label(names[0])} gives non-finite "
+                         f"{where} in the model's own precision, before any fp16: fix that first")
+
+
 def fp16_ready(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable | None = None,
                *, max_scale: float = 2.0 ** 24, tolerance: float = 0.01) -> Fp16Readiness:
     """Which modules of ``model`` (trained in fp32 or bf16) produce outputs or gradients
@@ -146,6 +167,8 @@ def fp16_ready(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callab
                 rec["out"].append(call.out)
             rec["grads"] += [g for g in [call.grad] + step.module_grads(model, name)
                              if g is not None and g.is_floating_point()]
+    seen = {n: rec for n, rec in seen.items() if _judged(modules[n])}
+    _refuse_non_finite(seen)
     max_grad = max((_max_abs(r["grads"]) for r in seen.values()), default=0.0)
     scale = max_scale
     if max_grad > 0:
@@ -153,10 +176,6 @@ def fp16_ready(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callab
 
     rows = []
     for name, rec in seen.items():
-        module = modules[name]
-        own = next(module.parameters(recurse=False), None) is not None
-        if next(module.children(), None) is not None and not own:
-            continue                # a container's outputs are its children's
         if not rec["out"] and not rec["grads"]:
             continue
         max_out = _max_abs([t for t in rec["out"] if t.is_floating_point()])

@@ -201,3 +201,17 @@ def test_fp16_ready_bad_arguments(args, kwargs, error, match):
     args = (model if args[0] is None else args[0],) + args[1:]
     with pytest.raises(error, match=match):
         validate.fp16_ready(*args, **kwargs)
+
+
+def test_fp16_ready_refuses_a_model_already_non_finite():
+    model = ready_model(False)
+    with torch.no_grad():
+        model[1].weight[0] = math.inf
+    with pytest.raises(ValueError, match="fp16_ready: module 1 gives non-finite output"):
+        validate.fp16_ready(model, BATCHES)
+
+    def nan_grad(out, y):      # finite forward, NaN gradients from the output on
+        out.register_hook(lambda g: torch.full_like(g, math.nan))
+        return F.cross_entropy(out.float(), y)
+    with pytest.raises(ValueError, match="fp16_ready: module 2 gives non-finite gradients"):
+        validate.fp16_ready(ready_model(False), BATCHES, nan_grad)
