@@ -5,7 +5,8 @@ mixed-precision setup (torch.amp, ampc.autocast + GradScaler, ampc master weight
 bf16; and, by name, ampc.fp8, with FP8 GEMMs) and reports how far each loss curve drifts
 from fp32's, next to fp32's own run-to-run spread, with gradient-norm ratios, skipped steps and the loss scale.
 ``layers`` runs one step both ways and ranks the modules by the error they add, with the
-``ampc.policy.module_scope`` lines that keep the worst ones in fp32.
+``ampc.policy.module_scope`` lines that keep the worst ones in fp32. ``fp16_ready`` says,
+for a model trained in fp32 or bf16, which modules' outputs or gradients fp16 cannot hold.
 
     report = ampc.validate.compare(make_model, make_batch, steps=200)
     print(report.table()); report.save("out")          # out/compare.{txt,json,png}
@@ -13,9 +14,12 @@ from fp32's, next to fp32's own run-to-run spread, with gradient-norm ratios, sk
 
 Command line: ``python -m ampc.validate mymodels:make_model --steps 200 --out out``.
 """
-from ._compare import ALL_SETUPS, DTYPES, SETUPS, Run, compare, default_loss, evaluate
+from ._compare import (ALL_SETUPS, CONTRAST_SETUPS, DTYPES, SETUPS, Run, compare, default_loss,
+                       evaluate)
+from ._fp16_ready import Fp16Readiness, fp16_ready
 from ._layers import layers
 from ._report import Comparison, LayerReport, format_table
 
-__all__ = ["compare", "layers", "Comparison", "LayerReport", "Run", "SETUPS", "ALL_SETUPS", "DTYPES",
-           "default_loss", "evaluate", "format_table"]
+__all__ = ["compare", "layers", "fp16_ready", "Comparison", "LayerReport", "Fp16Readiness", "Run",
+           "SETUPS", "ALL_SETUPS", "CONTRAST_SETUPS", "DTYPES", "default_loss", "evaluate",
+           "format_table"]

@@ -9,6 +9,11 @@ Setups (each in float16 or bfloat16):
   ampc.fp8     (asked for by name, not run by default) fp32 weights, ampc.autocast with the
                nn.Linear GEMMs in FP8 (ampc.fp8.autocast, delayed scaling), ampc.optim.AdamW,
                ampc.GradScaler (fp16)
+  torch.amp.noscale  (by name) as torch.amp, without a GradScaler: in fp16, what happens when
+               loss scaling is left out (gradients below 2**-24 flush to zero)
+  pure         (by name) the model cast to the 16-bit dtype, torch AdamW on its 16-bit
+               weights (no fp32 master copy, no autocast, no GradScaler); float inputs are cast
+               to the dtype on the way in and the output back to fp32 for the loss
 
 Every run builds its model with ``make_model()`` right after ``torch.manual_seed(seed)``,
 so all runs of one seed start from the same weights, and every run sees the same batches.
@@ -30,13 +35,17 @@ import torch
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 from .._numerics.model import call_model, default_loss, to_device
+from .._walk import map_tensors
 from ._report import Comparison
 from ._run import Run
 
 SETUPS = ("torch.amp", "ampc", "ampc.master")
 FP8_SETUP = "ampc.fp8"
 PLAN_SETUP = "ampc.auto"      # an ampc.autoprecision.Plan given as a setup
-ALL_SETUPS = SETUPS + (FP8_SETUP,)
+NOSCALE_SETUP = "torch.amp.noscale"
+PURE_SETUP = "pure"
+CONTRAST_SETUPS = (NOSCALE_SETUP, PURE_SETUP)   # what mixed precision guards against
+ALL_SETUPS = SETUPS + (FP8_SETUP,) + CONTRAST_SETUPS
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
@@ -216,6 +225,11 @@ class Trainer:
         elif kind in ("fp32", "torch.amp"):
             self.opt = _torch_adamw(model.parameters(), lr)
             self.scaler = torch.amp.GradScaler(device) if fp16 else None
+        elif kind == NOSCALE_SETUP:
+            self.opt, fp16 = _torch_adamw(model.parameters(), lr), False
+        elif kind == PURE_SETUP:
+            _make_pure(model, dtype)
+            self.opt, fp16 = _torch_adamw(model.parameters(), lr), False
         elif kind in ("ampc", FP8_SETUP):
             if kind == FP8_SETUP:
                 ampc.fp8.convert(model)     # FP8 from the first step, for a bare Linear too
@@ -225,7 +239,7 @@ class Trainer:
         if fp16 and kind != "torch.amp":
             self.scaler = ampc.GradScaler(device)
         self.model = model
-        if kind == "torch.amp":
+        if kind in ("torch.amp", NOSCALE_SETUP):
             self.region = lambda: torch.autocast(device, dtype=dtype)   # noqa: E731
         elif kind == "ampc":
             self.region = lambda: ampc.autocast(device, dtype=dtype)    # noqa: E731
@@ -296,6 +310,19 @@ class Trainer:
             self.run.val_loss = evaluate(self.model, val_batches, self.loss_fn, self.region)
         self.run.model, self.run.optimizer = self.model, self.opt
         return self.run
+
+
+def _make_pure(model, dtype):
+    """Casts ``model`` to ``dtype`` in place; its float inputs are cast to ``dtype`` on the
+    way in and its float outputs back to fp32 (the loss is computed in fp32, as for the
+    other setups)."""
+    model.to(dtype)
+
+    def cast(value, to):
+        return map_tensors(lambda t: t.to(to) if t.is_floating_point() else t, value)
+    model.register_forward_pre_hook(lambda m, args, kwargs: (cast(args, dtype), cast(kwargs, dtype)),
+                                    with_kwargs=True)
+    model.register_forward_hook(lambda m, args, out: cast(out, torch.float32))
 
 
 @contextlib.contextmanager
@@ -384,8 +411,10 @@ def compare(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int
         loss_fn: ``loss_fn(output, target) -> scalar``. Default: cross-entropy over the
             output's last dimension, in fp32.
         steps (int): optimizer steps per run.
-        setups: names from ``ampc.validate.SETUPS`` (the default) or ``"ampc.fp8"`` (its
-            nn.Linear layers need in and out features that are multiples of 16), each
+        setups: names from ``ampc.validate.SETUPS`` (the default), ``"ampc.fp8"`` (its
+            nn.Linear layers need in and out features that are multiples of 16), or the
+            contrasts ``"torch.amp.noscale"`` (torch.amp without loss scaling) and ``"pure"``
+            (16-bit weights and a plain optimizer, no master weights), each
             optionally suffixed ``@fp16`` or ``@bf16`` (``"ampc.master@fp16"``).
         dtype: the default 16-bit dtype: torch.bfloat16 on the CPU, torch.float16 on CUDA.
         device (str): "cpu" or "cuda"; default: cuda when available.
