@@ -18,7 +18,7 @@ import torch
 from . import ops
 
 __all__ = ["MOMENTS", "PRESETS", "decode_moments", "encode_moments", "layout_of",
-           "to_torch_state", "state_bytes"]
+           "to_torch_state", "state_bytes", "scales_fit", "shard_blocks"]
 
 MOMENTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
 _KIND = {v: k for k, v in MOMENTS.items()}
@@ -65,14 +65,50 @@ def decode_moments(state: dict) -> tuple[torch.Tensor, torch.Tensor]:
     if m.dtype != torch.uint8:
         return m.float(), v.float()
     tm, tv = _tables(m.device)
-    idx = torch.arange(m.numel(), device=m.device) // ops.QBLOCK
-    fm = (state["exp_avg_scale"] / _M_MAX)[idx]
-    fv = (state["exp_avg_sq_scale"] / _V_MAX)[idx]
+    idx = _block_index(m.shape, state["exp_avg_scale"], m.device)
+    fm = (state["exp_avg_scale"].reshape(-1) / _M_MAX)[idx]
+    fv = (state["exp_avg_sq_scale"].reshape(-1) / _V_MAX)[idx]
     c = m.reshape(-1).long()
     mag = tm[c & 127] * fm
     mf = torch.where(c >= 128, -mag, mag)
     s = tv[v.reshape(-1).long()] * fv
     return mf.reshape(m.shape), (s * s).reshape(v.shape)
+
+
+def shard_blocks(shape, shards):
+    """Blocks of the largest of `shards` Shard(0) shards of a tensor of `shape` (torch.chunk's
+    cut: ceil(rows / shards) rows): the row length of its per-shard scales (see
+    ampc._distributed.lean_scales)."""
+    rows = shape[0] if len(shape) else 0
+    if not rows:
+        return 0
+    per_row = torch.Size(shape).numel() // rows
+    return -(-(-(-rows // shards)) * per_row // ops.QBLOCK)
+
+
+def scales_fit(scales, shape):
+    """Whether `scales` are those of 8-bit codes of `shape`: ceil(numel / QBLOCK) of them,
+    or (shards, shard_blocks) of a Shard(0) sharding."""
+    if not isinstance(scales, torch.Tensor):
+        return False
+    if scales.dim() == 2:
+        return scales.shape[0] >= 1 and scales.shape[1] == shard_blocks(shape, scales.shape[0])
+    return scales.numel() == -(-torch.Size(shape).numel() // ops.QBLOCK)
+
+
+def _block_index(shape, scales, device):
+    """For each element of codes of `shape`, the index of its block's scale in
+    scales.reshape(-1): blocks of the whole tensor, or of each Shard(0) shard when the
+    scales are per shard (2-d)."""
+    n = torch.Size(shape).numel()
+    i = torch.arange(n, device=device)
+    if scales.dim() != 2:
+        return i // ops.QBLOCK
+    shards, width = scales.shape
+    per_row = n // shape[0] if n else 1
+    chunk = -(-shape[0] // shards) * per_row       # elements of every shard but the last
+    shard = i // chunk
+    return shard * width + (i - shard * chunk) // ops.QBLOCK
 
 
 def encode_moments(m: torch.Tensor, v: torch.Tensor, kind: str, step: torch.Tensor | None = None,

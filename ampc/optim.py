@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import _distributed, ops
-from .lean_state import MOMENTS, PRESETS, decode_moments, encode_moments, layout_of
+from .lean_state import (MOMENTS, PRESETS, decode_moments, encode_moments, layout_of,
+                         scales_fit, shard_blocks)
 
 __all__ = ["Adam", "AdamW"]
 
@@ -273,7 +274,11 @@ class Adam(torch.optim.Optimizer):
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         state["exp_avg"] = zeros(MOMENTS[moments])
         state["exp_avg_sq"] = zeros(MOMENTS[moments])
-        if moments == "8bit":
+        if moments == "8bit" and _distributed.is_dtensor(p):     # per-shard blocks
+            name = f"ampc.optim.{type(self).__name__}"
+            state["exp_avg_scale"] = _distributed.lean_scales(name, p, ops.QBLOCK)
+            state["exp_avg_sq_scale"] = _distributed.lean_scales(name, p, ops.QBLOCK)
+        elif moments == "8bit":
             blocks = -(-p.numel() // ops.QBLOCK)
             state["exp_avg_scale"] = torch.zeros(blocks, device=p.device)
             state["exp_avg_sq_scale"] = torch.zeros(blocks, device=p.device)
@@ -291,10 +296,6 @@ class Adam(torch.optim.Optimizer):
     def _step_lean(self, group, live, control):
         """One adam_lean call per (device, dtypes, layout) of the params with grads."""
         name = f"ampc.optim.{type(self).__name__}"
-        if live and _distributed.is_dtensor(live[0][1]):
-            raise NotImplementedError(f"{name}: the lean state (moments={group['moments']!r}, "
-                                      f"kahan_summation={group['kahan_summation']}) does not "
-                                      "take DTensor params yet")
         state = self.state
         fresh = [(i, p) for i, p, _ in live if "exp_avg" not in state[p]]
         for i, p in fresh:      # every check before any allocation
@@ -310,20 +311,38 @@ class Adam(torch.optim.Optimizer):
                 s = self._init_lean_state(group, p, s.get("master"))
             moments, weight = layout_of(s)
             key = (p.device, p.dtype, g.dtype, moments, weight)
-            buckets.setdefault(key, []).append((p, g, s))
+            buckets.setdefault(key, []).append((i, p, g, s))
         beta1, beta2 = (float(b) for b in group["betas"])
         seed = int(group["seed"]) if group["stochastic_rounding"] else 0
         for (device, _, _, moments, weight), items in buckets.items():
-            params = [p for p, _, _ in items]
-            grads = [g if g.is_contiguous() else g.contiguous() for _, g, _ in items]
-            states = [s for _, _, s in items]
-            get = lambda k: [s[k] for s in states]  # noqa: E731
+            indices = [i for i, _, _, _ in items]
+            params = [p for _, p, _, _ in items]
+            grads = [g for _, _, g, _ in items]
+            states = [s for _, _, _, s in items]
+            q8 = moments == "8bit"
+            keys = ["step", "exp_avg", "exp_avg_sq"] + (
+                ["master"] if weight == "master" else ["compensation"] if weight == "kahan"
+                else [])
+            lists = {k: [s[k] for s in states] for k in keys}
+            if q8:
+                lists["exp_avg_scale"] = [s["exp_avg_scale"] for s in states]
+                lists["exp_avg_sq_scale"] = [s["exp_avg_sq_scale"] for s in states]
+            if _distributed.is_dtensor(params[0]):      # the kernel on the local shards
+                scales = {k: lists.pop(k) for k in ("exp_avg_scale", "exp_avg_sq_scale")
+                          if k in lists}
+                params_d = params
+                params, grads, lists = _distributed.local_lists(name, indices, params, grads,
+                                                                lists)
+                for k, v in scales.items():
+                    lists[k] = [_distributed.local_scales(name, i, p, t, ops.QBLOCK)
+                                for i, p, t in zip(indices, params_d, v)]
+            grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+            get = lists.__getitem__
             inv_scale, clip, found_inf = self._control(device, control)
             lr = group["lr"]
             if isinstance(lr, torch.Tensor) and lr.device != device:
                 lr = lr.to(device, non_blocking=True)
             targets = [p if p.is_contiguous() else p.detach().contiguous() for p in params]
-            q8 = moments == "8bit"
             ops.adam_lean(
                 targets, grads, get("exp_avg"), get("exp_avg_sq"), get("step"), lr=lr,
                 masters=get("master") if weight == "master" else None,
@@ -614,11 +633,12 @@ class Adam(torch.optim.Optimizer):
         if moments == "8bit":
             blocks = -(-p.numel() // ops.QBLOCK)
             for key in ("exp_avg_scale", "exp_avg_sq_scale"):
-                t = saved.get(key)
-                if not isinstance(t, torch.Tensor) or t.numel() != blocks:
+                if not scales_fit(saved.get(key), p.shape):
                     raise ValueError(f"{name}: param {i} has 8-bit moments but its '{key}' is "
-                                     f"not {blocks} scales: the checkpoint is damaged or of "
-                                     "another layout")
+                                     f"not {blocks} scales (nor those of a sharding along "
+                                     "dim 0): the checkpoint is damaged or of another layout")
+        if self._is_lean(group) and _distributed.is_dtensor(p):
+            self._check_saved_sharded(name, i, p, group, saved)
         if self._is_lean(group):
             want = self._lean_layout(group, p)[1]
         else:
@@ -635,13 +655,45 @@ class Adam(torch.optim.Optimizer):
             raise ValueError(f"{name}: kahan_summation=True needs torch.bfloat16 params; "
                              f"param {i} is torch.float16")
 
+    def _check_saved_sharded(self, name, i, p, group, saved):
+        """The lean state of a DTensor param loads only as it was saved: the same moments
+        kind, each tensor a DTensor laid out like this optimizer's (DCP reshards the
+        elementwise tensors; per-shard 8-bit scales of another sharding are refused)."""
+        moments = self._lean_layout(group, p)[0]
+        if layout_of(saved)[0] != moments:
+            raise ValueError(f"{name}: param {i} is a DTensor with {moments} moments, but the "
+                             f"checkpoint holds {layout_of(saved)[0]} moments; sharded lean "
+                             "state loads only in its own layout (load it into a single "
+                             "process to convert it)")
+        for key in ("exp_avg", "exp_avg_sq", "master", "compensation"):
+            if key in saved and not _distributed.is_dtensor(saved[key]):
+                raise ValueError(f"{name}: '{key}' of param {i} is a plain tensor but the param "
+                                 "is a DTensor (load sharded state with "
+                                 "torch.distributed.checkpoint)")
+        if moments == "8bit":
+            shards = p.device_mesh.size()
+            for key in ("exp_avg_scale", "exp_avg_sq_scale"):
+                t = saved[key]
+                want = (shards, shard_blocks(p.shape, shards)) if len(p.placements) == 1 and \
+                    p.placements[0].is_shard(0) else (-(-p.numel() // ops.QBLOCK),)
+                if not _distributed.is_dtensor(t) or tuple(t.shape) != want:
+                    raise ValueError(f"{name}: '{key}' of param {i} is not the per-shard "
+                                     f"scales of this sharding (shape {want}, a DTensor): a "
+                                     "checkpoint of another number of ranks holds other "
+                                     "blocks; load it into a single process, which "
+                                     "converts it (docs/lean_state.md)")
+
     def _load_lean(self, state, group, p, saved):
         """saved (any layout, checked) converted into this optimizer's layout for p."""
         moments, weight = self._lean_layout(group, p)
         state.clear()
         state["step"] = _step_of(saved, p)
+        dtensor = _distributed.is_dtensor(p)
         if "exp_avg" in saved:
-            if layout_of(saved)[0] == moments:  # the same layout: the tensors as saved
+            if layout_of(saved)[0] == moments and (
+                    moments != "8bit" or dtensor
+                    or saved["exp_avg_scale"].shape == (-(-p.numel() // ops.QBLOCK),)):
+                # the same layout: the tensors as saved
                 for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
                     if key in saved:
                         state[key] = saved[key].to(p.device, copy=True)
