@@ -51,7 +51,10 @@ OPTIONS = {
     "8bit": dict(moments="8bit"),                                    # fp32 params
     "kahan_8bit": dict(moments="8bit", kahan_summation=True),        # bf16 params
     "bf16_moments": dict(moments="bf16", master_weights=True),       # bf16 params
+    "lean": dict(state="lean"),     # bf16 params written by stochastic rounding, 8-bit
 }
+
+_SHARD_KEYED = ("bf16_moments", "lean")    # random bits keyed by the index in the shard
 
 
 def dtype_of(name):
@@ -129,6 +132,16 @@ def _runs(rank, name, ckpt):
     dcp.load(sd, checkpoint_id=ckpt)
     model.load_state_dict(sd["model"])
     set_optimizer_state_dict(model, opt, sd["optim"])
+    # a state of another layout (plain tensors, as torch.load gives) is refused, unchanged
+    before = local_state(model, opt)
+    plain = opt.state_dict()
+    plain["state"] = {k: {n: full(t) for n, t in v.items()} for k, v in plain["state"].items()}
+    try:
+        opt.load_state_dict(plain)
+        out["refused"] = None
+    except ValueError as e:
+        out["refused"] = str(e)
+    out["unchanged"] = before, local_state(model, opt)
     out["resumed"] = train(model, opt, 3, rank, dtype, first=3, clip=0.5), \
         [full(p) for p in model.parameters()], local_state(model, opt)
     return out
@@ -174,7 +187,7 @@ def test_fsdp2_lean_step_matches_ddp(runs):
         # the skip at the planted inf and the scale: the same on both ranks and as DDP
         assert trace == ddp_trace, aligned
         assert_same_bits(r0["fsdp", aligned], r1["fsdp", aligned], "rank 0 vs rank 1")
-        if aligned and name != "bf16_moments":
+        if aligned and name not in _SHARD_KEYED:
             assert_same_bits(params, ddp_params, "fsdp vs ddp, blocks aligned")
         else:
             assert 0 < _max_diff(params, ddp_params) <= _TOLERANCE, (aligned, name)
@@ -192,6 +205,13 @@ def test_dcp_save_load_resumes_bit_exactly(runs):
     _, _, ranks = runs
     for r in ranks:
         assert_same_bits(r["resumed"], (r["clipped"][0][3:],) + r["clipped"][1:], "resumed")
+
+
+def test_sharded_load_of_plain_tensors_is_refused_before_anything_changes(runs):
+    _, _, ranks = runs
+    for r in ranks:
+        assert "is a plain tensor but the param is a DTensor" in r["refused"]
+        assert_same_bits(*r["unchanged"], "state after the refused load")
 
 
 def test_two_rank_checkpoint_loads_into_one_process(runs, tmp_path):
