@@ -5,8 +5,8 @@ DCP save and load resuming bit for bit, and a 2-rank checkpoint loaded into one 
 Under FSDP2 8-bit moments are quantized in blocks of each rank's shard. Where a shard
 starts on a block boundary of the whole tensor, its blocks are the whole tensor's and
 the step is bit-equal to DDP's; where it does not, the blocks hold other elements, their
-absmax scales differ, and so do the quantization errors: those params are compared
-within a tolerance (see _ALIGNED)."""
+absmax scales differ, and so do the quantization errors: that run is compared within a
+tolerance (see _TOLERANCE)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -97,6 +97,33 @@ def local_state(model, opt):
                 local[k] = local[k].reshape(-1)[:need]
         out.append((st, decode_moments(local)))
     return out
+
+
+def _replicated(rank):
+    """8-bit moments of a Replicate DTensor param: whole-tensor blocks, replicated scales;
+    the step of a plain tensor with the same values, bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    mesh = init_device_mesh("cpu", (WORLD,))
+    torch.manual_seed(0)
+    w, grads = torch.randn(64, 100), [torch.randn(64, 100) for _ in range(3)]
+    out = []
+    for sharded in (True, False):
+        p = nn.Parameter(distribute_tensor(w.clone(), mesh, [Replicate()]) if sharded
+                         else w.clone())
+        opt = ampc.optim.AdamW([p], lr=LR, moments="8bit")
+        for g in grads:
+            p.grad = distribute_tensor(g, mesh, [Replicate()]) if sharded else g.clone()
+            opt.step()
+        out.append([full(p)] + [full(opt.state[p][k]) for k in
+                                ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")])
+    return out
+
+
+def test_replicated_dtensor_8bit_step_is_the_plain_step(tmp_path):
+    for sharded, plain in run_ranks(_replicated, tmp_path=tmp_path):
+        assert sharded[3].shape == (25,)        # 6400 elements: 25 blocks of the whole
+        assert_same_bits(sharded, plain, "Replicate DTensor vs plain")
 
 
 def _runs(rank, name, ckpt):
