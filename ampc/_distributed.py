@@ -24,6 +24,8 @@ from itertools import repeat
 import torch
 import torch.distributed as dist
 
+from .lean_state import shard_blocks
+
 __all__ = ["is_dtensor", "check_group", "local_lists", "split_grads", "agree_found_inf",
            "global_norm", "refuse_sharded_model", "watch_params", "lean_scales",
            "local_scales"]
@@ -116,12 +118,6 @@ def local_lists(who, indices, params, grads, states):
             {k: v if k == "step" else _locals(v) for k, v in states.items()})
 
 
-def _shard_rows(p):
-    """Rows (dim 0) of the largest shard of p under Shard(0), as torch.chunk cuts them."""
-    rows, shards = p.shape[0], p.device_mesh.size()
-    return -(-rows // shards) if rows else 0
-
-
 def lean_scales(who, p, qblock):
     """Zero block scales of 8-bit moments for the DTensor param p: Replicate on a 1-d mesh,
     one scale a block of the whole tensor, replicated; Shard(0), a (shards, blocks) DTensor
@@ -137,17 +133,17 @@ def lean_scales(who, p, qblock):
                                   f"Replicate on a 1-d mesh (FSDP2's fully_shard); this param "
                                   f"is {placements} on a {mesh.ndim}-d mesh: use moments="
                                   "'bf16' or 'fp32' for it")
-    per_row = p.numel() // p.shape[0] if p.shape[0] else 0
-    blocks = -(-_shard_rows(p) * per_row // qblock)
     shards = mesh.size()
+    blocks = shard_blocks(p.shape, shards)
     local = torch.zeros(1, blocks, device=p.to_local().device)
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
                               shape=(shards, blocks), stride=(blocks, 1))
 
 
 def local_scales(who, i, p, scales, qblock):
-    """The scales of rank's shard of p, a 1-d view of exactly its blocks."""
-    if not is_dtensor(scales) or scales.device_mesh != p.device_mesh:
+    """The scales of this rank's shard of p, a 1-d view of exactly its blocks."""
+    if not is_dtensor(scales) or not (scales.device_mesh is p.device_mesh
+                                      or scales.device_mesh == p.device_mesh):
         raise ValueError(f"{who}: the 8-bit scales of param {i} are not a DTensor on the "
                          "param's mesh (a checkpoint loaded without "
                          "torch.distributed.checkpoint?)")

@@ -82,8 +82,9 @@ def shard_blocks(shape, shards):
     rows = shape[0] if len(shape) else 0
     if not rows:
         return 0
-    per_row = torch.Size(shape).numel() // rows
-    return -(-(-(-rows // shards)) * per_row // ops.QBLOCK)
+    shard_rows = -(-rows // shards)
+    elements = shard_rows * (torch.Size(shape).numel() // rows)
+    return -(-elements // ops.QBLOCK)
 
 
 def scales_fit(scales, shape):
