@@ -43,6 +43,8 @@ class Model(L.LightningModule):
         params = self.parameters()
         if self.optimizer == "ampc":
             return ampc.optim.AdamW(params, lr=1e-2)
+        if self.optimizer == "lean":    # bf16 weights written by stochastic rounding, no master
+            return ampc.optim.AdamW(params, lr=1e-2, state="lean")
         if self.optimizer == "fused":
             return torch.optim.AdamW(params, lr=1e-2, fused=True)
         return torch.optim.AdamW(params, lr=1e-2, foreach=False)
@@ -180,10 +182,11 @@ def test_clip_by_value_unscales_first():
     torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("precision,master,fp8", [("16-mixed", False, False),
-                                                  ("bf16-mixed", True, False),
-                                                  ("bf16-mixed", False, True)])
-def test_resume_from_checkpoint_equals_uninterrupted(tmp_path, precision, master, fp8):
+@pytest.mark.parametrize("precision,master,fp8,optimizer", [("16-mixed", False, False, "ampc"),
+                                                            ("bf16-mixed", True, False, "ampc"),
+                                                            ("bf16-mixed", True, False, "lean"),
+                                                            ("bf16-mixed", False, True, "ampc")])
+def test_resume_from_checkpoint_equals_uninterrupted(tmp_path, precision, master, fp8, optimizer):
     def plugin():
         scaler = None
         if precision == "16-mixed":     # a short growth interval: the scale moves every few steps
@@ -194,9 +197,9 @@ def test_resume_from_checkpoint_equals_uninterrupted(tmp_path, precision, master
     plant = precision == "16-mixed"     # bf16 has no scaler to skip an overflow
     outputs = 16 if fp8 else 4          # FP8 GEMMs: multiples of 16
     fit = functools.partial(_fit, outputs=outputs)
-    whole, t_whole = fit(Model("ampc", plant_inf=plant, outputs=outputs), max_epochs=2,
+    whole, t_whole = fit(Model(optimizer, plant_inf=plant, outputs=outputs), max_epochs=2,
                          plugins=[plugin()])
-    first, t_first = fit(Model("ampc", plant_inf=plant, outputs=outputs), max_epochs=1,
+    first, t_first = fit(Model(optimizer, plant_inf=plant, outputs=outputs), max_epochs=1,
                          plugins=[plugin()])
     path = tmp_path / "epoch1.ckpt"
     t_first.save_checkpoint(path)
@@ -209,7 +212,7 @@ def test_resume_from_checkpoint_equals_uninterrupted(tmp_path, precision, master
         assert not torch.equal(checkpoint["AmpcPrecision.fp8_state"]["net.0.fp8_fwd_scale"],
                                torch.ones(2))
     # a differently initialized model: everything must come from the checkpoint
-    rest, t_rest = fit(Model("ampc", plant_inf=plant, seed=1, outputs=outputs), max_epochs=2,
+    rest, t_rest = fit(Model(optimizer, plant_inf=plant, seed=1, outputs=outputs), max_epochs=2,
                        ckpt_path=str(path), plugins=[plugin()])
     assert torch.equal(torch.cat([first, rest]), whole)
     for a, b in zip(t_rest.lightning_module.parameters(), t_whole.lightning_module.parameters()):
@@ -246,6 +249,21 @@ def test_master_weights_memory_against_lightning_bf16_mixed():
     # the master-weight run trains: same start, losses close to the fp32-weight run's
     assert torch.equal(ours[0], theirs[0])
     torch.testing.assert_close(ours, theirs, rtol=5e-2, atol=5e-2)
+
+
+def test_lean_state_through_master_weights():
+    # an optimizer made with state="lean" in configure_optimizers: master_weights=True casts
+    # the model, the optimizer keeps no fp32 copy, and the run follows the master-weight run
+    lean, t_lean = _fit(Model("lean"), plugins=[AmpcPrecision("bf16-mixed", "cpu",
+                                                               master_weights=True)])
+    master, t_master = _fit(Model("ampc"), plugins=[AmpcPrecision("bf16-mixed", "cpu",
+                                                                   master_weights=True)])
+    net, opt = t_lean.lightning_module.net, t_lean.optimizers[0]
+    assert net[0].weight.dtype == torch.bfloat16 and net[2].weight.dtype == torch.float32
+    assert all("master" not in s for s in opt.state.values()) and len(opt.state) == 6
+    assert state_bytes(opt) < state_bytes(t_master.optimizers[0])
+    assert torch.equal(lean[0], master[0])
+    torch.testing.assert_close(lean, master, rtol=5e-2, atol=5e-2)
 
 
 def test_fp16_master_weights_with_clipping_as_by_hand():
