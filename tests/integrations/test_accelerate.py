@@ -46,8 +46,10 @@ def _train(acc, optimizer="ampc", plant_inf=False, clip=None, steps=None, seed=0
     """Accelerate's loop; returns (losses, skipped flags, model, optimizer)."""
     torch.manual_seed(seed)
     net = _net()
-    opt = (ampc.optim.AdamW(net.parameters(), lr=1e-2) if optimizer == "ampc"
-           else torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True))
+    opts = {"ampc": lambda p: ampc.optim.AdamW(p, lr=1e-2),
+            "lean": lambda p: ampc.optim.AdamW(p, lr=1e-2, state="lean"),
+            "fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True)}
+    opt = opts[optimizer](net.parameters())
     net, opt, loader = acc.prepare(net, opt, _loader())
     if state is not None:
         acc.load_state(state)
@@ -131,6 +133,29 @@ def test_master_weights_state_and_losses():
     assert 2 * w + s < 2 * tw + ts + copies
     assert torch.equal(ours[0], theirs[0])
     torch.testing.assert_close(ours, theirs, rtol=5e-2, atol=5e-2)
+
+
+def test_lean_state_through_master_weights(tmp_path):
+    # an optimizer made with state="lean": cast like master weights, no fp32 copy kept, and
+    # save_state / load_state resume it bit-exactly (its stochastic rounding included)
+    acc = use_ampc(_fresh_accelerator("bf16"), master_weights=True)
+    lean, _, net, opt = _train(acc, optimizer="lean")
+    master, _, _, m_opt = _train(use_ampc(_fresh_accelerator("bf16"), master_weights=True))
+    assert net[0].weight.dtype == torch.bfloat16
+    assert all("master" not in s for s in opt.optimizer.state.values())
+    assert state_bytes(opt.optimizer) < state_bytes(m_opt.optimizer)
+    torch.testing.assert_close(lean, master, rtol=5e-2, atol=5e-2)
+    a = use_ampc(_fresh_accelerator("bf16"), master_weights=True)
+    first, _, _, _ = _train(a, optimizer="lean", steps=(0, 3))
+    a.save_state(str(tmp_path / "state"))
+    b = use_ampc(_fresh_accelerator("bf16"), master_weights=True)
+    rest, _, net_rest, _ = _train(b, optimizer="lean", steps=(3, 6), seed=1,
+                                  state=str(tmp_path / "state"))
+    whole, _, net_whole, _ = _train(use_ampc(_fresh_accelerator("bf16"), master_weights=True),
+                                    optimizer="lean", steps=(0, 6))
+    assert torch.equal(torch.cat([first, rest]), whole)
+    for p, q in zip(net_rest.parameters(), net_whole.parameters()):
+        assert torch.equal(p, q)
 
 
 def test_policy_and_fp8():
