@@ -22,16 +22,10 @@ import _harness as H
 
 ampc = H.import_ampc()
 from ampc.lean_state import state_bytes  # noqa: E402
+from bench_lean_quality import LEAN      # noqa: E402
 
-ARMS = {  # name -> None (torch.amp) or ampc.prepare options
-    "torch.amp + fused AdamW": None,
-    "ampc master": {},
-    "master + 8bit": dict(moments="8bit"),
-    "SR + bf16 moments": dict(master_weights=False, stochastic_rounding=True, moments="bf16"),
-    "Kahan + bf16 moments": dict(master_weights=False, kahan_summation=True, moments="bf16"),
-    "Kahan + 8bit": dict(master_weights=False, kahan_summation=True, moments="8bit"),
-    'state="lean"': dict(state="lean"),
-}
+# name -> None (torch.amp) or ampc.prepare options: the lean settings of bench_lean_quality
+ARMS = {"torch.amp + fused AdamW": None, **{("ampc master" if k == "master" else k): v for k, v in LEAN.items()}}
 PEAK_ARMS = ("torch.amp + fused AdamW", "ampc master", 'state="lean"')
 
 
