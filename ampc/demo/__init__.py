@@ -1,5 +1,5 @@
 """python -m ampc.demo: a character-level GPT trained on the source of Python's standard
-library five ways, side by side, in about three minutes on any machine.
+library six ways, side by side, in about three minutes on any machine.
 
   fp32              fp32 weights, torch.optim.AdamW(fused=True)
   torch.amp         torch.autocast (+ torch.amp.GradScaler for fp16), torch AdamW
@@ -7,6 +7,11 @@ library five ways, side by side, in about three minutes on any machine.
   ampc master       ampc.prepare: 16-bit weights, fp32 master weights in ampc.optim.AdamW
   ampc auto         a precision per module chosen by ampc.autoprecision.search on this
                     machine (its search time is counted in its speed), ampc.optim.AdamW
+  ampc lean         ampc.prepare with ampc.optim.AdamW(state="lean"): 16-bit weights written
+                    by stochastic rounding, no master copy, 8-bit moments
+
+Each run's row also gives its state bytes a parameter (weights, grads, optimizer state),
+measured from its tensors by ampc.lean_state.state_bytes.
 
 The text is read at run time from the running interpreter's standard library (every
 tenth file held out for validation). All runs start from the same weights and see the

@@ -11,7 +11,7 @@ import torch
 import ampc
 from ampc import autoprecision, validate
 from ampc.__main__ import cpu_model
-from ampc.validate._compare import DEFAULT_DTYPE
+from ampc.validate._compare import DEFAULT_DTYPE, LEAN_SETUP
 
 from ._model import SIZES, batch_maker, model_maker, sample
 from ._report import describe_plan, result_rows, results_table, write_all
@@ -28,8 +28,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(
         prog="python -m ampc.demo",
         description="A character-level GPT trained on Python's standard library with fp32, "
-                    "torch.amp, the ampc drop-in, ampc master weights and a precision per "
-                    "module chosen by ampc.autoprecision, side by side.")
+                    "torch.amp, the ampc drop-in, ampc master weights, a precision per "
+                    "module chosen by ampc.autoprecision and the lean state (state=\"lean\"), "
+                    "side by side.")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="default: cuda when torch sees a GPU, else cpu")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16"], default="auto",
@@ -127,7 +128,7 @@ def search_plan(job, train, ratio, log):
 
 
 def train_runs(job, plan, train, val, log):
-    """The five runs and fp32's second seed in lockstep (ampc.validate.compare): a busy
+    """The six runs and fp32's second seed in lockstep (ampc.validate.compare): a busy
     machine slows every run alike, and all stop at the same step when the time is up."""
     t0 = time.perf_counter()
     limit = job.deadline - t0 - AFTER_S if job.on_time else float("inf")
@@ -135,7 +136,7 @@ def train_runs(job, plan, train, val, log):
         model_maker(job.size), job.batches(train, job.seed), steps=job.steps, dtype=job.dtype,
         device=job.device, lr=LR, seeds=(job.seed, job.seed + 1),
         val_batches=[job.batches(val, job.seed + 1)(k) for k in range(VAL_BATCHES)],
-        time_limit=limit, setups=validate.SETUPS + (plan,))
+        time_limit=limit, setups=validate.SETUPS + (plan, LEAN_SETUP))
     if report.config["steps"] < job.steps:
         log(f"all runs stopped after {report.config['steps']} steps, to finish in "
             f"{job.budget:.0f} s")
@@ -154,7 +155,9 @@ def report_results(job, report, train, search_s, train_s, log):
     log("step ms: median of forward + backward + optimizer step (ampc auto: plus its "
         f"{search_s:.1f} s of search over the {steps} steps); peak MiB: memory the run "
         "added at its peak (" + ("torch.cuda.max_memory_allocated" if job.device == "cuda"
-                                 else "resident set") + "); train loss: mean of the last "
+                                 else "resident set") + "); state B/param: weights, grads "
+        "and optimizer state a parameter after the last step (ampc.lean_state.state_bytes); "
+        "ampc lean: state=\"lean\", 8-bit moments and no master; train loss: mean of the last "
         f"{report.window} steps")
     log()
     log("validation against fp32 (ampc.validate.compare):")

@@ -3,11 +3,13 @@ from __future__ import annotations  # "X | None" hints on Python 3.9 too; none e
 
 import os
 
+from ampc.lean_state import state_bytes
 from ampc.validate._report import NO_MATPLOTLIB, fmt, format_table, write_outputs
 
 LABELS = {"fp32": "fp32", "torch.amp": "torch.amp", "ampc": "ampc drop-in",
-          "ampc.master": "ampc master weights", "ampc.auto": "ampc auto"}
-HEADER = ["setup", "tokens/s", "step ms", "peak MiB", "train loss", "val loss",
+          "ampc.master": "ampc master weights", "ampc.auto": "ampc auto",
+          "ampc.lean": "ampc lean"}
+HEADER = ["setup", "tokens/s", "step ms", "peak MiB", "state B/param", "train loss", "val loss",
           "speed vs torch.amp", "memory vs torch.amp"]
 
 
@@ -40,8 +42,10 @@ def describe_plan(plan, search_s, dname, ratio, log):
 
 
 def result_rows(report, tokens, search_s, steps):
-    """One row a run: throughput, step time, memory and losses, against torch.amp's run.
-    The auto arm pays for its search: spread over the ``steps`` it trained."""
+    """One row a run: throughput, step time, memory, state bytes a parameter and losses,
+    against torch.amp's run. The auto arm pays for its search: spread over the ``steps``
+    it trained. State bytes: the weights, grads and optimizer state the trained run holds,
+    measured from its tensors (ampc.lean_state.state_bytes)."""
     amp = next(r for r in report.runs if r.kind == "torch.amp")
     amp_tps = tokens / (amp.median_ms() / 1e3)
     rows = []
@@ -50,6 +54,7 @@ def result_rows(report, tokens, search_s, steps):
         tps = tokens / (ms / 1e3)
         rows.append({"setup": LABELS[r.kind] + ("" if r.kind == "fp32" else f" {r.dtype}"),
                      "tokens_per_s": tps, "step_ms": ms, "peak_mib": r.peak_mib,
+                     "state_bytes_per_param": state_bytes(r.model, r.optimizer)["total_per_param"],
                      "train_loss": sum(r.losses[-report.window:]) / report.window,
                      "val_loss": r.val_loss, "speed_vs_torch_amp": tps / amp_tps,
                      "memory_vs_torch_amp": (r.peak_mib / amp.peak_mib
@@ -60,7 +65,8 @@ def result_rows(report, tokens, search_s, steps):
 def results_table(rows):
     return format_table(HEADER, [
         [row["setup"], f"{row['tokens_per_s']:,.0f}", f"{row['step_ms']:.1f}",
-         fmt(row["peak_mib"], ".1f"), f"{row['train_loss']:.4f}", fmt(row["val_loss"]),
+         fmt(row["peak_mib"], ".1f"), f"{row['state_bytes_per_param']:.2f}",
+         f"{row['train_loss']:.4f}", fmt(row["val_loss"]),
          f"{row['speed_vs_torch_amp']:.2f}x", fmt(row["memory_vs_torch_amp"], ".2f")]
         for row in rows])
 

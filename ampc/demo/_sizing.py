@@ -7,7 +7,7 @@ import time
 import torch
 
 from ampc.__main__ import cpu_model
-from ampc.validate._compare import train_one
+from ampc.validate._compare import LEAN_SETUP, train_one
 
 from ._model import SIZES, batch_maker, model_maker
 from ._text import VOCAB
@@ -61,7 +61,7 @@ def process_seconds():
 
 
 def prober(train, device, dtype, lr):
-    """probe(size): (seconds of one step of all six runs, seconds of the search), from real
+    """probe(size): (seconds of one step of all seven runs, seconds of the search), from real
     steps of each kind: the fastest of five after one to warm up (the first steps of a run
     are slower, and a busy machine adds noise that only lengthens steps; the lockstep
     training stops on time if this was too hopeful)."""
@@ -70,12 +70,12 @@ def prober(train, device, dtype, lr):
         batches = [tuple(t.to(device) for t in batch_maker(train, context, batch, 99)(k))
                    for k in range(6)]
         t = {}
-        for kind in ("fp32", "torch.amp", "ampc", "ampc.master"):
+        for kind in ("fp32", "torch.amp", "ampc", "ampc.master", LEAN_SETUP):
             run = train_one(kind, dtype, model_maker(size), batches, lr=lr, device=device)
             t[kind] = min(run.step_ms[1:]) / 1e3
         # ampc auto: about the drop-in's step (its modules at fp32 or 16 bits, each the faster)
-        return (2 * t["fp32"] + t["torch.amp"] + 2 * t["ampc"] + t["ampc.master"],
-                SEARCH_FIXED_S + SEARCH_STEPS * t["fp32"])
+        runs = 2 * t["fp32"] + t["torch.amp"] + 2 * t["ampc"] + t["ampc.master"] + t[LEAN_SETUP]
+        return (runs, SEARCH_FIXED_S + SEARCH_STEPS * t["fp32"])
     return probe
 
 
@@ -98,7 +98,7 @@ def choose(args, speeds, probe, seconds_left, log):
         # each run also evaluates VAL_BATCHES forward passes (a third of a step each)
         steps = int((seconds_left() - AFTER_S - search_s) / per_step - VAL_BATCHES / 3)
         log(f"  {size:<6} {SIZES[size][0]:>3} wide x {SIZES[size][1]} layers: "
-            f"{per_step * 1e3:,.0f} ms per step of all six runs, about {search_s:.0f} s of "
+            f"{per_step * 1e3:,.0f} ms per step of all seven runs, about {search_s:.0f} s of "
             f"search -> {max(steps, 0)} steps fit")
         if chosen and steps < MIN_STEPS:
             break

@@ -2,7 +2,8 @@
 
 ``compare`` trains the same model on the same batches in fp32 and under each
 mixed-precision setup (torch.amp, ampc.autocast + GradScaler, ampc master weights; fp16 or
-bf16; and, by name, ampc.fp8, with FP8 GEMMs) and reports how far each loss curve drifts
+bf16; and, by name, ampc.fp8, with FP8 GEMMs, and ampc.lean, ampc.prepare with
+state="lean") and reports how far each loss curve drifts
 from fp32's, next to fp32's own run-to-run spread, with gradient-norm ratios, skipped steps and the loss scale.
 ``layers`` runs one step both ways and ranks the modules by the error they add, with the
 ``ampc.policy.module_scope`` lines that keep the worst ones in fp32. ``fp16_ready`` says,

@@ -14,6 +14,9 @@ Setups (each in float16 or bfloat16):
   pure         (by name) the model cast to the 16-bit dtype, torch AdamW on its 16-bit
                weights (no fp32 master copy, no autocast, no GradScaler); float inputs are cast
                to the dtype on the way in and the output back to fp32 for the loss
+  ampc.lean    (by name) ampc.prepare with ampc.optim.AdamW(state="lean"): 16-bit weights
+               written by stochastic rounding (no master copy), 8-bit moments (see
+               ampc.lean_state), ampc.GradScaler (fp16)
 
 Every run builds its model with ``make_model()`` right after ``torch.manual_seed(seed)``,
 so all runs of one seed start from the same weights, and every run sees the same batches.
@@ -45,7 +48,8 @@ PLAN_SETUP = "ampc.auto"      # an ampc.autoprecision.Plan given as a setup
 NOSCALE_SETUP = "torch.amp.noscale"
 PURE_SETUP = "pure"
 CONTRAST_SETUPS = (NOSCALE_SETUP, PURE_SETUP)   # what mixed precision guards against
-ALL_SETUPS = SETUPS + (FP8_SETUP,) + CONTRAST_SETUPS
+LEAN_SETUP = "ampc.lean"
+ALL_SETUPS = SETUPS + (FP8_SETUP, LEAN_SETUP) + CONTRAST_SETUPS
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
@@ -234,8 +238,9 @@ class Trainer:
             if kind == FP8_SETUP:
                 ampc.fp8.convert(model)     # FP8 from the first step, for a bare Linear too
             self.opt = ampc.optim.AdamW(model.parameters(), lr=lr)
-        else:
-            model, self.opt = ampc.prepare(model, ampc.optim.AdamW, dtype, lr=lr)
+        else:       # ampc.master, ampc.lean
+            lean = {"state": "lean"} if kind == LEAN_SETUP else {}
+            model, self.opt = ampc.prepare(model, ampc.optim.AdamW, dtype, lr=lr, **lean)
         if fp16 and kind != "torch.amp":
             self.scaler = ampc.GradScaler(device)
         self.model = model
@@ -412,7 +417,9 @@ def compare(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int
             output's last dimension, in fp32.
         steps (int): optimizer steps per run.
         setups: names from ``ampc.validate.SETUPS`` (the default), ``"ampc.fp8"`` (its
-            nn.Linear layers need in and out features that are multiples of 16), or the
+            nn.Linear layers need in and out features that are multiples of 16),
+            ``"ampc.lean"`` (ampc master weights' setup with ``state="lean"``: no master
+            copy, stochastic rounding, 8-bit moments), or the
             contrasts ``"torch.amp.noscale"`` (torch.amp without loss scaling) and ``"pure"``
             (16-bit weights and a plain optimizer, no master weights), each
             optionally suffixed ``@fp16`` or ``@bf16`` (``"ampc.master@fp16"``).

@@ -11,7 +11,7 @@ from typing import Any
 class Run:
     """One training run: per-step curves and what it cost."""
     name: str
-    kind: str                 # fp32, torch.amp, ampc or ampc.master
+    kind: str                 # fp32 or a setup's name (torch.amp, ampc.master, ...)
     dtype: str                # fp32, fp16 or bf16
     seed: int
     losses: list = field(default_factory=list)

@@ -23,21 +23,37 @@ def test_short_demo_tracks_fp32_and_writes_outputs(tmp_path, capsys):
     names = list(rows)
     assert names[:4] == ["fp32", "torch.amp bf16", "ampc drop-in bf16",
                          "ampc master weights bf16"]
-    # the plan's region: bf16 where some module measured faster in bf16, else fp32
+    # the plan's region: a 16-bit type where some module measured faster in it, else fp32
     auto = names[4]
-    assert auto in ("ampc auto bf16", "ampc auto fp32") and len(names) == 5
+    assert auto in ("ampc auto bf16", "ampc auto fp16", "ampc auto fp32")
+    assert names[5:] == ["ampc lean bf16"]
     fp32 = rows["fp32"]["val_loss"]
-    for name in ("ampc drop-in bf16", "ampc master weights bf16", auto):
+    for name in ("ampc drop-in bf16", "ampc master weights bf16", auto, "ampc lean bf16"):
         assert abs(rows[name]["val_loss"] - fp32) / fp32 < 0.02, name
     plan = data["plan"]
     assert {u["choice"] for u in plan["units"]} <= {"fp32", "bf16", "fp16", "fp8"}
     assert data["search_s"] > 0 and "ampc.autoprecision:" in printed
-    assert (out / "plan.json").stat().st_size > 100 and "module_scope" in (out / "plan.txt").read_text()
+    assert (out / "plan.json").stat().st_size > 100
+    # the plan's code: the scopes to paste, or, for an all-fp32 plan, that there are none
+    pasted = (out / "plan.txt").read_text()
+    if any(u["choice"] != "fp32" for u in plan["units"]):
+        assert "module_scope" in pasted
+    else:
+        assert "every module fp32: nothing to set" in pasted
     # it learned: the first step's loss is about ln(98) = 4.6
     first = data["compare"]["runs"][0]["losses"][0]
     assert first > 4 and rows["fp32"]["train_loss"] < first - 0.8
     assert data["config"]["steps"] == 30 and data["config"]["size"] == "micro"
     assert all(r["tokens_per_s"] > 0 and r["peak_mib"] is not None for r in rows.values())
+    # state bytes a parameter, measured: 16 for fp32 and torch.amp (fp32 weights, grads and
+    # two moments) and ampc master (bf16 weight and grad, fp32 master and moments); most of
+    # the micro model's tensors are under 4,096 elements and keep fp32 moments in the lean
+    # arm too: its saving is the master's 4 bytes and some more
+    per = {name: r["state_bytes_per_param"] for name, r in rows.items()}
+    for name in ("fp32", "torch.amp bf16", "ampc master weights bf16"):
+        assert abs(per[name] - 16) < 0.1, (name, per[name])
+    assert per["ampc lean bf16"] < per["ampc master weights bf16"] - 3.5
+    assert "state B/param" in printed
     assert "speed vs torch.amp" in printed and "within spread" in printed
     assert "sample from the ampc master-weight model" in printed
     for name in ("demo.txt", "demo.json", "layers.txt", "layers.json", "plan.txt"):
