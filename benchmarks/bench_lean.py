@@ -2,12 +2,20 @@
 master-weight step.
 
     python benchmarks/bench_lean.py [--device cpu|cuda] [--cache cold|warm] [--threads N] [--reps N] [--json]
+                                    [--anchors DIR]
 
 One optimizer step, timed with the optimizers' own step() (Python included), in one run, interleaved:
   lean     ampc.optim.AdamW(state="lean") on bf16 params: 8-bit moments, stochastic rounding, no master
   kahan    ampc.optim.AdamW(moments="8bit", kahan_summation=True) on bf16 params: a bf16 compensation
   master   ampc.optim.AdamW on bf16 params with fp32 master weights (today's master-weight step)
   torch    torch.optim.AdamW(fused=True) on fp32 params
+and, with --anchors DIR (or AMPC_BENCH_ANCHORS=DIR; a folder with torchao and torch-optimi in it, e.g. from
+`pip install --no-deps --target DIR torchao torch-optimi`, so that they cannot replace the torch in use):
+  torchao  torchao.optim.AdamW8bit(bf16_stochastic_round=True) on bf16 params: 8-bit moments, the lean preset's
+           layout (its step goes through torch.compile: the first step of each case compiles)
+  optimi   optimi.AdamW(kahan_sum=True) on bf16 params: moments in the params' dtype, as optimi keeps them, and a bf16
+           Kahan compensation
+An anchor that does not import or does not run here is left out with a line saying why.
 Workloads: one tensor of 1M, 10M and 100M params (2-d, 1024 columns), and 1,000 small 2-d tensors of 1k-16k
 elements (64 columns; those under 4,096 elements keep fp32 moments, as the lean options do by default).
 Per arm: median ms and the spread of the interleaved reps (the 25th and 75th percentiles), torch ms / arm
@@ -17,6 +25,7 @@ its fraction of the roofline: torch's in-place mul_ over a large fp32 tensor tim
 access pattern. Before timing, the lean arm is checked: a step with lr = 0 and weight decay 0 leaves the
 bf16 params unchanged, and its moments decode to within the 8-bit codes' step of torch's.
 """
+import os
 import statistics
 import sys
 
@@ -51,13 +60,49 @@ ARMS = {
 }
 
 
+ANCHORS = {
+    "torchao": lambda params: __import__("torchao.optim", fromlist=["AdamW8bit"]).AdamW8bit(
+        params, lr=1e-3, bf16_stochastic_round=True),
+    "optimi": lambda params: __import__("optimi").AdamW(params, lr=1e-3, kahan_sum=True),
+}
+
+
+def anchors_from(folder, dev) -> list:
+    """The anchors that import and take a step here, from `folder` (searched after everything else, so
+    that it cannot shadow torch); a line on stderr for each that does not."""
+    if not folder:
+        return []
+    sys.path.append(folder)
+    ok = []
+    for name, build in ANCHORS.items():
+        try:
+            params = params_of([(64, 1024)], bf16, dev)
+            build(params).step()
+            ok.append(name)
+        except Exception as e:      # an anchor's own failure, whatever it is, leaves it out
+            print(f"anchor {name}: left out, it does not run here: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0] if str(e) else ''}"[:300], file=sys.stderr)
+    return ok
+
+
 def make(arm, shapes, dev):
     if arm == "torch":
         params = params_of(shapes, torch.float32, dev)
         return params, torch.optim.AdamW(params, lr=1e-3, fused=True)
+    if arm in ANCHORS:
+        params = params_of(shapes, bf16, dev)
+        return params, ANCHORS[arm](params)
     dtype, kw = ARMS[arm]
     params = params_of(shapes, dtype, dev)
     return params, ampc.optim.AdamW(params, lr=1e-3, **kw)
+
+
+def nbytes(t) -> int:
+    """A tensor's bytes; a tensor subclass (torchao's 8-bit state) counts the tensors it is made of."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(nbytes(getattr(t, n)) for n in names)
+    return t.nbytes
 
 
 def bytes_moved(params, opt) -> int:
@@ -66,7 +111,8 @@ def bytes_moved(params, opt) -> int:
     for p in params:
         state = opt.state[p]
         total += p.grad.nbytes + p.nbytes * (1 if "master" in state else 2)
-        total += 2 * sum(t.nbytes for k, t in state.items() if k != "step")
+        total += 2 * sum(nbytes(t) for k, t in state.items()
+                         if k != "step" and isinstance(t, torch.Tensor))
     return total
 
 
@@ -101,6 +147,8 @@ def quartiles(ts):
 def main() -> int:
     p = H.common_args(__doc__)
     p.add_argument("--cases", default="1M,10M,100M,1000 small")
+    p.add_argument("--anchors", default=os.environ.get("AMPC_BENCH_ANCHORS", ""),
+                   help="a folder holding torchao and torch-optimi: time them too")
     args = H.parse(p)
     dev = args.device
     err = validate(dev)
@@ -112,7 +160,7 @@ def main() -> int:
     hdr = H.header(args, roof)
     hdr["op"] = "AdamW step: lean (8-bit moments) vs master weights vs torch fused fp32"
     rows = []
-    arms = ["lean", "kahan", "master", "torch"]
+    arms = ["lean", "kahan", "master", "torch"] + anchors_from(args.anchors, dev)
     for case in args.cases.split(","):
         shapes = shapes_of(case)
         made = {a: make(a, shapes, dev) for a in arms}
@@ -132,7 +180,8 @@ def main() -> int:
         del made
     H.report(hdr, rows, args.json, [
         "lean: ampc.optim.AdamW(state='lean'); kahan: moments='8bit', kahan_summation=True; master: "
-        "ampc.optim.AdamW with fp32 masters; torch: torch.optim.AdamW(fused=True) on fp32 params",
+        "ampc.optim.AdamW with fp32 masters; torch: torch.optim.AdamW(fused=True) on fp32 params; torchao: "
+        "AdamW8bit(bf16_stochastic_round=True), optimi: AdamW(kahan_sum=True), both on bf16 params",
         "q1/q3: quartiles of the interleaved reps; B/param moved counted from the tensors (grad read, param "
         "written and, without a master, read; state read and written); roofline: in-place mul_ over 512 MiB"])
     return 0

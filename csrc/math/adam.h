@@ -125,21 +125,26 @@ AMPC_HD float ampc_max_nan(float a, float b)
 AMPC_HD void ampc_adam_element(float g, float *p, float *m, float *v, float *vmax,
                                const struct ampc_adam_coef *c)
 {
+    /* Each choice is computed both ways and selected (the unused value is dropped), so a
+     * loop that calls this with the flags unknown at compile time still vectorizes: a
+     * compiler may not run an fma only under a condition that varies per lane. */
+    const int flags = c->flags;
     float w = *p;
     g = g * c->inv_scale;
     g = g * c->clip_coef;
-    if (c->flags & AMPC_ADAM_MAXIMIZE)
-        g = -g;
-    if (c->flags & AMPC_ADAM_L2)
-        g = fmaf(w, c->wd, g);
-    if (c->flags & AMPC_ADAM_DECAY)
-        w = w * c->decay;
+    g = (flags & AMPC_ADAM_MAXIMIZE) ? -g : g;
+    float g_l2 = fmaf(w, c->wd, g);
+    g = (flags & AMPC_ADAM_L2) ? g_l2 : g;
+    float w_decayed = w * c->decay;
+    w = (flags & AMPC_ADAM_DECAY) ? w_decayed : w;
     float mm = *m;
-    mm = c->w1 < 0.5f ? fmaf(c->w1, g - mm, mm) : fmaf(c->w1 - 1.0f, g - mm, g);
+    float m_from_m = fmaf(c->w1, g - mm, mm);
+    float m_from_g = fmaf(c->w1 - 1.0f, g - mm, g);
+    mm = c->w1 < 0.5f ? m_from_m : m_from_g;
     float vv = fmaf(c->w2 * g, g, *v * c->beta2);
     *m = mm;
     *v = vv;
-    if (c->flags & AMPC_ADAM_AMSGRAD) {
+    if (flags & AMPC_ADAM_AMSGRAD) {
         vv = ampc_max_nan(*vmax, vv);
         *vmax = vv;
     }

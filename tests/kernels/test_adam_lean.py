@@ -126,8 +126,10 @@ def test_fp32_moments_match_torch_adamw(decoupled):
         assert_same(v[k], opt.state[b]["exp_avg_sq"], f"exp_avg_sq {k}")
 
 
-@pytest.mark.parametrize("master", [True, False], ids=["master", "fp32"])
-def test_fp32_moments_match_adam_master(master):
+@pytest.mark.parametrize("weights", ["master", "fp32", "master_fp32_params"])
+def test_fp32_moments_match_adam_master(weights):
+    """Also a master over fp32 params: the param is written from it, as adam_master does."""
+    master = weights.startswith("master")
     gen = torch.Generator().manual_seed(1)
     sizes = [1, 17, 300, 70001]
     masters = [torch.randn(n, generator=gen) for n in sizes]
@@ -135,7 +137,7 @@ def test_fp32_moments_match_adam_master(master):
     runs = []
     for op in (ampc.ops.adam_lean, ampc.ops.adam_master):
         ms = [x.clone() for x in masters] if master else None
-        ps = [x.to(bf16) if master else x.clone() for x in masters]
+        ps = [x.to(bf16) if weights == "master" else x.clone() for x in masters]
         m, v = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
         st = [torch.zeros(1) for _ in sizes]
         for _ in range(3):
@@ -401,15 +403,21 @@ def test_kahan_tracks_fp32_master_over_many_steps():
 
 CHECK_PATHS = r"""
 import hashlib, torch, ampc
-f32, bf16, u8 = torch.float32, torch.bfloat16, torch.uint8
+f32, f16, bf16, u8 = torch.float32, torch.float16, torch.bfloat16, torch.uint8
 h = hashlib.sha256()
-for kind in ("f32", "bf16", "q8"):
-    for weights in ("fp32", "master", "sr", "kahan", "rne"):
+# every layout the CPU loops compile with constant kinds, and others that take the loop with
+# kinds read at run time (fp16 params, fp32 grads, Adam's L2, maximize, a small beta1)
+SHAPES = {"adamw": (bf16, dict(weight_decay=0.1)),
+          "others": (f32, dict(weight_decay=0.1, decoupled=False, maximize=True, beta1=0.3))}
+for shape, (gdt, kw) in SHAPES.items():
+  for kind in ("f32", "bf16", "q8"):
+    for weights in ("fp32", "master", "sr", "kahan", "rne", "master_sr", "f16_master", "f16_sr"):
         gen = torch.Generator().manual_seed(7)
         sizes = [1, 15, 255, 257, 1000, 65536 + 9]
         w = [torch.randn(n, generator=gen) for n in sizes]
-        params = [x if weights == "fp32" else x.to(bf16) for x in w]
-        masters = [x.clone() for x in w] if weights == "master" else None
+        pdt = f32 if weights == "fp32" else f16 if weights.startswith("f16") else bf16
+        params = [x.to(pdt) for x in w]
+        masters = [x.clone() for x in w] if "master" in weights else None
         comps = [torch.zeros(n, dtype=bf16) for n in sizes] if weights == "kahan" else None
         dt = {"f32": f32, "bf16": bf16, "q8": u8}[kind]
         m = [torch.zeros(n, dtype=dt) for n in sizes]
@@ -418,13 +426,12 @@ for kind in ("f32", "bf16", "q8"):
               else [None, None])
         steps = [torch.zeros(1) for _ in sizes]
         for k in range(3):
-            grads = [torch.randn(n, generator=gen).to(bf16) * 10.0 ** -k for n in sizes]
+            grads = [torch.randn(n, generator=gen).to(gdt) * 10.0 ** -k for n in sizes]
             ampc.ops.adam_lean(params, grads, m, v, steps, lr=1e-2, masters=masters,
                                compensations=comps, exp_avg_scales=sc[0],
-                               exp_avg_sq_scales=sc[1], weight_decay=0.1,
-                               stochastic=weights == "sr", seed=5,
+                               exp_avg_sq_scales=sc[1], stochastic="sr" in weights, seed=5,
                                inv_scale=torch.full((1,), 0.37),
-                               clip_coef=torch.full((1,), 0.9))
+                               clip_coef=torch.full((1,), 0.9), **kw)
         for t in params + m + v + (masters or []) + (comps or []) + (sc[0] or []) + \
                 (sc[1] or []) + steps:
             h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
