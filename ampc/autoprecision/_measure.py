@@ -11,6 +11,8 @@ would). Against the unit's own fp32 run this gives, separately:
              inference, here per example so that errors of opposite sign do not cancel)
   dgrad err  ||dx_c - dx|| / ||dx||, the gradient it passes to the layers before it
   wgrad err  ||dw_c - dw|| / ||dw||, over its own parameters
+  noise      the batch-to-batch spread of the unit's fp32 input and weight gradients
+             over the batches (ampc._numerics.noise): what an error is judged against
   fp16       the fractions of its activations and scaled gradients that overflow
              (|v| > 65504) or underflow (non-zero, rounding to zero)
 
@@ -26,6 +28,7 @@ from . import _units
 from .._numerics.capture import Call, capture
 from .._numerics.errors import FP16_MAX, fp16_range, loss_error, rel_error
 from .._numerics.model import float_tensors
+from .._numerics.noise import Spread
 from .._numerics.unit import run_unit
 
 
@@ -124,18 +127,29 @@ def _copies(units, options):
     return copies
 
 
-def _warm_up(copies, tallies, rec, device, recipe, scale, slow):
-    """A first call of each candidate (fp8's amax history starts there), noting those that
-    fail and, with ``slow``, those whose first call takes ``slow`` times fp32's second."""
-    warm = {}
+def _warm_up(copies, tallies, rec, device, recipe, scale, slow, k=3):
+    """A first call of each candidate (fp8's amax history starts there; a first call of a
+    shape also pays for kernel selection and allocation), noting those that fail. With
+    ``slow``, every candidate that ran is then timed ``k`` more times, interleaved with the
+    others so that a busy machine slows all alike, and one whose fastest time is ``slow``
+    times fp32's is noted too slow: warm time against warm time, never a first call."""
+    ran = {}
     for c, m in copies.items():
+        s = scale if c == "fp16" else 1.0
         try:
-            warm[c] = run_at(m, c, rec, device, recipe, scale if c == "fp16" else 1.0)[3]
+            run_at(m, c, rec, device, recipe, s)
+            ran[c] = (m, s)
         except RuntimeError as e:
             tallies[c].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    base = run_at(copies["fp32"], "fp32", rec, device, recipe, 1.0)[3]
-    for c, t in warm.items():
-        if slow and c != "fp32" and t > slow * max(base, 1e-4):
+    if not slow or "fp32" not in ran:
+        return
+    best = dict.fromkeys(ran, math.inf)
+    for _ in range(k):
+        for c, (m, s) in ran.items():
+            best[c] = min(best[c], run_at(m, c, rec, device, recipe, s)[3])
+    base = best["fp32"]
+    for c, t in best.items():
+        if c != "fp32" and t > slow * max(base, 1e-4):
             tallies[c].too_slow = f"too slow here: {t / base:.0f}x fp32's time"
 
 
@@ -168,16 +182,20 @@ def _measure_unit(copies, tallies, rec, step, device, recipe, scale, repeats, fi
                   dgrad_err=rel_error(dx, ref_dx), wgrad_err=rel_error(dw, ref_dw),
                   underflow=under, overflow=over)
         tally.times.append(t)
+    return ref_dx, ref_dw
 
 
 def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, slow=None):
     """{name: {candidate: result}} for the units (name -> module) of ``model`` at their
     ``options`` (name -> candidates), and the loss scale used for fp16. Each run is timed
     ``repeats`` times per batch and the fastest kept (a busy machine only adds time). With
-    ``slow``, a candidate whose first call takes ``slow`` times fp32's is not measured
+    ``slow``, a candidate whose warm time (fastest of a few interleaved runs after a first
+    call) is ``slow`` times fp32's is not measured
     further for that unit (fp16 GEMMs on most CPUs)."""
     copies = _copies(units, options)
     tallies = {n: {c: Tally() for c in options[n]} for n in units}
+    # fp32's own batch-to-batch spread of the unit's input and weight gradients
+    spreads = {n: {"dgrad_noise": Spread(), "wgrad_noise": Spread()} for n in units}
     ref_model = copy.deepcopy(model)
     scale = None
     for k, batch in enumerate(batches):
@@ -190,6 +208,13 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, 
                 continue               # not called on this batch
             if k == 0:
                 _warm_up(copies[name], tallies[name], rec, device, recipe, scale, slow)
-            _measure_unit(copies[name], tallies[name], rec, step, device, recipe, scale, repeats,
-                          first=k == 0)
-    return {n: {c: t.result() for c, t in tallies[n].items()} for n in units}, scale or 65536.0
+            ref_dx, ref_dw = _measure_unit(copies[name], tallies[name], rec, step, device, recipe,
+                                           scale, repeats, first=k == 0)
+            spreads[name]["dgrad_noise"].add(ref_dx)
+            spreads[name]["wgrad_noise"].add(ref_dw)
+    out = {n: {c: t.result() for c, t in tallies[n].items()} for n in units}
+    for n in units:
+        noise = {k: s.value() for k, s in spreads[n].items()}
+        for r in out[n].values():
+            r.update(noise)
+    return out, scale or 65536.0

@@ -20,7 +20,7 @@ import torch
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 from . import _units
 from ._monitor import Monitor
-from ._solve import Budget
+from ._solve import Budget, noise_ratio
 from ._units import Reason
 from .._numerics.model import expression
 from ..validate import compare, format_table
@@ -264,8 +264,8 @@ class Plan:
 
     def table(self) -> str:
         cands = self.data["candidates"]
-        header = (["module", "type", "choice", "loss err", "dgrad err", "wgrad err"]
-                  + [f"ms {c}" for c in cands] + ["why not lower"])
+        header = (["module", "type", "choice", "loss err", "dgrad err", "wgrad err",
+                   "wgrad noise", "err/noise"] + [f"ms {c}" for c in cands] + ["why not lower"])
         rows = []
         for u in self:
             r = u.figures()
@@ -275,14 +275,17 @@ class Plan:
             if not why and u.choice == "fp32" and len(u.options) > 1:
                 why = "fp32: the cheapest within the summed budget"
             rows.append([u.module, u.type, u.choice, _fmt(r.get("loss_err")),
-                         _fmt(r.get("dgrad_err")), _fmt(r.get("wgrad_err"))] + times + [why or "-"])
+                         _fmt(r.get("dgrad_err")), _fmt(r.get("wgrad_err")),
+                         _fmt(r.get("wgrad_noise")), _fmt(noise_ratio(r, "wgrad_err"))]
+                        + times + [why or "-"])
         d = self.data
         b = d["budget"]
         lines = [f"ampc.autoprecision plan: {len(self.units)} modules on {d['device']} "
                  f"({d.get('where', '')}), objective {d['objective']}, region {self.dtype}, "
                  f"ops outside these modules {self.rest}; "
                  f"budget per step: loss {b['loss']:g}, grad {b['grad']:g}, "
-                 f"wgrad {b['wgrad']:g} (relative to fp32)",
+                 f"wgrad {b['wgrad']:g} (relative to fp32), gradients also within "
+                 f"{b.get('noise_fraction', 0):g} of fp32's batch-to-batch spread",
                  format_table(header, rows)]
         pred = d.get("predicted") or {}
         if pred:
@@ -292,7 +295,8 @@ class Plan:
         if m:
             lines.append(f"measured (whole model, forward + backward): {self._saving(m)}; "
                          f"loss err {_fmt(m['loss_err'])}, grad err "
-                         f"{_fmt(m['grad_err'])}, worst wgrad err {_fmt(m['wgrad_err'])} "
+                         f"{_fmt(m['grad_err'])} (fp32's batch-to-batch spread "
+                         f"{_fmt(m.get('grad_noise'))}), worst wgrad err {_fmt(m['wgrad_err'])} "
                          f"({m['wgrad_worst'] or '-'})")
         for step in d.get("backoffs", []):
             lines.append(f"backed off: {step['module']} {step['from']} -> {step['to']} "

@@ -17,6 +17,7 @@ from ._solve import ERRORS, Budget, Over, order, raise_one, solve
 from ._units import Reason
 from .._numerics.errors import rel_error
 from .._numerics.model import call_model, default_loss, to_device
+from .._numerics.noise import spread
 
 OBJECTIVES = ("time", "memory")
 SLOW = 4.0       # a candidate whose matmul is this many times slower than fp32 is not tried
@@ -149,7 +150,7 @@ class WorkingCopy:
 def check_plan(work, batches, loss_fn, plan, ref, device):
     """The whole plan on ``work`` (a :class:`WorkingCopy`) against fp32 over the batches:
     loss error, error of all weight gradients together, the worst unit's weight-gradient
-    error, and step times."""
+    error, fp32's batch-to-batch spread of the weight gradients, and step times."""
     m = work.under(plan)
     scale = plan.data.get("loss_scale", 1.0) if plan.needs_scaler() else 1.0
 
@@ -190,6 +191,8 @@ def check_plan(work, batches, loss_fn, plan, ref, device):
             "grad_err": sum(grad_errs) / len(grad_errs),
             "wgrad_err": worst_err, "wgrad_worst": worst,
             "unit_wgrad": {u: sum(e) / len(e) for u, e in unit_errs.items()},
+            # fp32's own batch-to-batch spread of all weight gradients: grad_err's yardstick
+            "grad_noise": spread([list(g.values()) for _, g, _ in ref]),
             "plan_ms": 1e3 * min(times)}
 
 
@@ -350,6 +353,9 @@ def _check_whole(model, batches, loss_fn, plan, measured, budget, objective, dev
     if objective == "time" and plan.dtype != "fp32":
         result = _fastest(work, batches, loss_fn, plan, ref, device, result, fp32_ms,
                           budget, notes)
+    note = _wgrad_note(result, plan, measured, budget)
+    if note:
+        notes.append(note)
     result.pop("unit_wgrad")
     result["fp32_ms"] = fp32_ms
     plan.data["measured"] = result
@@ -406,15 +412,37 @@ def _null():
 
 
 def _over(result, budget):
-    """Which whole-plan error is over the budget (an :class:`Over`), or None. (One unit's
+    """Which whole-plan error is over the budget (an :class:`Over`), or None: the loss error
+    against the fixed loss budget, the error of all weight gradients together against the
+    grad budget or ``noise_fraction`` of fp32's batch-to-batch spread of them. (One unit's
     weight-gradient error in the whole plan also carries every later unit's dgrad error:
-    it is reported, and the units' own wgrad errors are held to the budget one by one, in
-    the search.)"""
+    it is held to the budget by :func:`_wgrad_note`, and the units' own wgrad errors one
+    by one, in the search.)"""
     if not (result["loss_err"] <= budget.loss):
         return Over("loss_err", result["loss_err"], budget.loss)
-    if not (result["grad_err"] <= budget.grad):
-        return Over("grad_err", result["grad_err"], budget.grad)
+    limit = budget.limit("grad_err", result.get("grad_noise"))
+    if not (result["grad_err"] <= limit):
+        return Over("grad_err", result["grad_err"], limit)
     return None
+
+
+def _wgrad_note(result, plan, measured, budget):
+    """A note for each unit whose weight gradient, in the whole plan, is over its limit (the
+    wgrad budget or ``noise_fraction`` of its own batch-to-batch spread), or None when none
+    is. The whole-plan back-off holds loss and grad; this says plainly what it left."""
+    if plan.dtype == "fp32":
+        return None        # fp32 throughout: nothing is off (the figures are an earlier plan's)
+    over = []
+    for name, e in result.get("unit_wgrad", {}).items():
+        noise = measured[name]["fp32"].get("wgrad_noise")
+        limit = budget.limit("wgrad_err", noise)
+        if not (e <= limit):
+            over.append(f"{name} {e:.2g} > {limit:.2g}")
+    if not over:
+        return None
+    return (f"in the whole plan {len(over)} module(s) have weight-gradient errors over their "
+            f"limit (wgrad budget or {budget.noise_fraction:g} of fp32's batch-to-batch "
+            f"spread): " + ", ".join(over[:5]) + (" ..." if len(over) > 5 else ""))
 
 
 def _worst(plan, result, over):

@@ -27,21 +27,40 @@ class Budget:
            the same way; the whole plan: the error of all weight gradients together)
     wgrad: any one unit's weight gradient (each unit on its own, and in the whole plan)
 
+    noise_fraction: a gradient error (a unit's dgrad and wgrad, the whole plan's grad) also
+           passes when it is at most this fraction of fp32's own batch-to-batch spread of
+           that gradient over the search's batches (ampc._numerics.noise). At 0.5 the
+           error adds at most a quarter to the variance SGD's gradient already has (about
+           what a batch a fifth smaller would); 0 judges by the fixed figures alone.
+
     The defaults let a typical network run bf16 throughout (a bf16 GEMM adds about 1e-2
     to the per-example loss and 3e-3 to its gradients) and refuse what is broken: an
     output past fp16's range (infinite error), gradients that underflow (error near 1),
-    a norm whose input bf16 cannot resolve (error near 1).
+    a norm whose input bf16 cannot resolve (error near 1): errors the spread of a few
+    batches cannot excuse (the spread is at most about 1.4, half of it 0.7).
     """
     loss: float = 0.05
     grad: float = 0.25
     wgrad: float = 0.05
+    noise_fraction: float = 0.5
 
     def __post_init__(self):
         for k, v in asdict(self).items():
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+            low_ok = k == "noise_fraction" and v == 0
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and (v > 0 or low_ok)
                     and math.isfinite(v)):
-                raise ValueError(f"ampc.autoprecision.Budget: {k} must be a positive number, "
-                                 f"got {v!r}")
+                raise ValueError(f"ampc.autoprecision.Budget: {k} must be a positive number"
+                                 f"{' or 0' if k == 'noise_fraction' else ''}, got {v!r}")
+
+    def limit(self, key: str, noise: float | None = None) -> float:
+        """The most ``key`` ("loss_err", "dgrad_err", "wgrad_err" or the whole plan's
+        "grad_err") may be, given fp32's batch-to-batch spread ``noise`` of that gradient
+        (None: not measured, the fixed figure alone)."""
+        fixed = {"loss_err": self.loss, "dgrad_err": self.grad, "grad_err": self.grad,
+                 "wgrad_err": self.wgrad}[key]
+        if key == "loss_err" or noise is None or not math.isfinite(noise):
+            return fixed
+        return max(fixed, self.noise_fraction * noise)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -69,14 +88,23 @@ def fits_alone(r, budget):
         return r["too_slow"]
     if r.get("error"):
         return r["error"] if r["error"].startswith("too slow") else "does not run here"  # plans saved before "too_slow"
-    for key, limit in (("loss_err", budget.loss), ("dgrad_err", budget.grad),
-                       ("wgrad_err", budget.wgrad)):
+    for key in ("loss_err", "dgrad_err", "wgrad_err"):
         v = _err(r, key)
         if not math.isfinite(v):
             return f"{key.split('_')[0]} error not finite"
+        limit = budget.limit(key, r.get(key.replace("_err", "_noise")))
         if v > limit:
-            return f"{key.split('_')[0]} err {v:.1e} > {limit:g}"
+            return f"{key.split('_')[0]} err {v:.1e} > {limit:.2g}"
     return None
+
+
+def noise_ratio(r, key):
+    """A candidate's ``key`` error ("dgrad_err", "wgrad_err") over fp32's batch-to-batch
+    spread of that gradient, or None where either is not measured."""
+    v, noise = r.get(key), r.get(key.replace("_err", "_noise"))
+    if v is None or not noise:
+        return None
+    return v / noise
 
 
 def cost_of(r, objective):
