@@ -133,37 +133,39 @@ def _warm_up(copies, tallies, rec, device, recipe, scale, slow, k=3):
     ``slow``, every candidate that ran is then timed ``k`` more times, interleaved with the
     others so that a busy machine slows all alike, and one whose fastest time is ``slow``
     times fp32's is noted too slow: warm time against warm time, never a first call."""
-    ran = {}
+    ran = []
     for c, m in copies.items():
-        s = scale if c == "fp16" else 1.0
         try:
-            run_at(m, c, rec, device, recipe, s)
-            ran[c] = (m, s)
+            run_at(m, c, rec, device, recipe, scale if c == "fp16" else 1.0)
+            ran.append(c)
         except RuntimeError as e:
             tallies[c].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
     if not slow or "fp32" not in ran:
         return
-    best = dict.fromkeys(ran, math.inf)
-    for _ in range(k):
-        for c, (m, s) in ran.items():
-            best[c] = min(best[c], run_at(m, c, rec, device, recipe, s)[3])
+    best = {c: r[3] for c, r in _interleaved(copies, ran, rec, device, recipe, scale, k).items()}
     base = best["fp32"]
     for c, t in best.items():
         if c != "fp32" and t > slow * max(base, 1e-4):
             tallies[c].too_slow = f"too slow here: {t / base:.0f}x fp32's time"
 
 
-def _fastest(m, c, rec, device, recipe, scale, repeats):
-    """run_at's result, its time the fastest of ``repeats`` runs."""
-    y, dx, dw, t = run_at(m, c, rec, device, recipe, scale)
-    for _ in range(repeats - 1):
-        t = min(t, run_at(m, c, rec, device, recipe, scale)[3])
-    return y, dx, dw, t
+def _interleaved(copies, live, rec, device, recipe, scale, repeats):
+    """{candidate: run_at's result} for the ``live`` candidates, each time the fastest of
+    ``repeats`` runs taken round-robin over the candidates (a busy machine then slows all
+    of them alike, rather than whichever ran while it was busy)."""
+    out = {}
+    for _ in range(repeats):
+        for c in live:
+            r = run_at(copies[c], c, rec, device, recipe, scale if c == "fp16" else 1.0)
+            out[c] = r if c not in out else out[c][:3] + (min(out[c][3], r[3]),)
+    return out
 
 
 def _measure_unit(copies, tallies, rec, step, device, recipe, scale, repeats, first):
     """Adds one batch's errors and times of every candidate of one unit to its tallies."""
-    ref_y, ref_dx, ref_dw, t32 = _fastest(copies["fp32"], "fp32", rec, device, recipe, 1.0, repeats)
+    live = [c for c in copies if c == "fp32" or not (tallies[c].error or tallies[c].too_slow)]
+    runs = _interleaved(copies, live, rec, device, recipe, scale, repeats)
+    ref_y, ref_dx, ref_dw, t32 = runs["fp32"]
     tallies["fp32"].add(out_err=0.0, loss_err=0.0,
                         dgrad_err=0.0 if any(g is not None for g in ref_dx) else None,
                         wgrad_err=0.0 if ref_dw else None)
@@ -172,10 +174,9 @@ def _measure_unit(copies, tallies, rec, step, device, recipe, scale, repeats, fi
         tally = tallies[c]
         if first:
             tally.bytes = unit_bytes(rec, m, c)
-        if c == "fp32" or tally.error or tally.too_slow:
+        if c not in runs or c == "fp32":
             continue
-        s = scale if c == "fp16" else 1.0
-        y, dx, dw, t = _fastest(m, c, rec, device, recipe, s, repeats)
+        y, dx, dw, t = runs[c]
         under, over = unit_fp16_range(rec, ref_dw, scale) if c == "fp16" else (None, None)
         tally.add(out_err=rel_error([y], [ref_y]),
                   loss_err=loss_error(y, ref_y, rec.grad, step.loss),
@@ -188,7 +189,8 @@ def _measure_unit(copies, tallies, rec, step, device, recipe, scale, repeats, fi
 def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, slow=None):
     """{name: {candidate: result}} for the units (name -> module) of ``model`` at their
     ``options`` (name -> candidates), and the loss scale used for fp16. Each run is timed
-    ``repeats`` times per batch and the fastest kept (a busy machine only adds time). With
+    ``repeats`` times per batch, interleaved over the candidates, and the fastest kept (a
+    busy machine only adds time). With
     ``slow``, a candidate whose warm time (fastest of a few interleaved runs after a first
     call) is ``slow`` times fp32's is not measured
     further for that unit (fp16 GEMMs on most CPUs)."""

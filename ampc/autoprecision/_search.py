@@ -13,7 +13,7 @@ import torch.distributed as dist
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 from . import _measure, _units
 from ._plan import Plan, VERSION, param_shapes
-from ._solve import ERRORS, Budget, Over, order, raise_one, solve
+from ._solve import ERRORS, MARGIN, Budget, Over, clearly_faster, order, raise_one, solve
 from ._units import Reason
 from .._numerics.errors import rel_error
 from .._numerics.model import call_model, default_loss, to_device
@@ -21,7 +21,6 @@ from .._numerics.noise import spread
 
 OBJECTIVES = ("time", "memory")
 SLOW = 4.0       # a candidate whose matmul is this many times slower than fp32 is not tried
-TIE = 1.05       # whole-model times within 5% of each other count as equal
 
 
 def _matmul_ms(choice, device, n=512, reps=20, seconds=0.2):
@@ -364,18 +363,21 @@ def _check_whole(model, batches, loss_fn, plan, measured, budget, objective, dev
 def _whole_low(work, batches, loss_fn, plan, ref, device, result, measured, budget, notes):
     """Small modules time slower in 16 bits one by one (each pays its casts) than they run
     in a model that stays in 16 bits between them. So the whole model is also measured
-    with every module at its least precise candidate that fits the budget; the faster of
-    the two whole-model times wins."""
+    with every module at its least precise candidate that fits the budget; that plan wins
+    unless the modules' own choice measured clearly faster (by more than MARGIN)."""
     low, _ = solve(measured, budget, "memory")
     if low == plan.choices:
         return result
     mine = plan.choices
     plan.set_choices(low, Reason.WHOLE_MODEL)
     other = check_plan(work, batches, loss_fn, plan, ref, device)
-    if other["plan_ms"] * TIE < result["plan_ms"] and _over(other, budget) is None:
+    # the least precise plan needs the least memory: it wins unless the modules' own
+    # choice measured clearly faster (by more than MARGIN)
+    if _over(other, budget) is None and not clearly_faster(result["plan_ms"], other["plan_ms"]):
         notes.append(f"the modules one by one chose {_count(mine)}; the whole model measured "
-                     f"faster with {_count(low)} ({other['plan_ms']:.1f} against "
-                     f"{result['plan_ms']:.1f} ms per step): taken")
+                     f"{other['plan_ms']:.1f} ms per step with {_count(low)} against "
+                     f"{result['plan_ms']:.1f} ms (no more than {MARGIN:.0%} slower, "
+                     f"less memory): taken")
         return other
     plan.set_choices(mine, Reason.SOLVED)
     return result
@@ -389,16 +391,16 @@ def _count(choices):
 
 
 def _fastest(work, batches, loss_fn, plan, ref, device, result, fp32_ms, budget, notes):
-    """The time objective, for the whole model: the ops outside the units at the region
-    dtype or in fp32, whichever measured faster (within the budget); and fp32 throughout
-    when the plan measured slower than fp32 all the same."""
+    """The time objective, for the whole model: the ops outside the units in fp32 only when
+    that measured clearly faster (by more than MARGIN, within the budget) than at the region
+    dtype; and fp32 throughout only when fp32 measured clearly faster than the plan."""
     plan.data["rest"] = "fp32"
     other = check_plan(work, batches, loss_fn, plan, ref, device)
-    if other["plan_ms"] < result["plan_ms"] / TIE and _over(other, budget) is None:
+    if clearly_faster(other["plan_ms"], result["plan_ms"]) and _over(other, budget) is None:
         result = other
     else:
         plan.data["rest"] = plan.dtype
-    if result["plan_ms"] > fp32_ms * TIE:
+    if clearly_faster(fp32_ms, result["plan_ms"]):
         notes.append(f"the whole plan measured {result['plan_ms']:.1f} ms per step against "
                      f"{fp32_ms:.1f} ms for fp32: every module kept in fp32")
         plan.set_choices(dict.fromkeys(plan.choices, "fp32"), Reason.ALL_FP32)

@@ -15,6 +15,19 @@ from dataclasses import asdict, dataclass
 
 ERRORS = ("loss_err", "dgrad_err", "wgrad_err")
 
+# Timing decisions and noise: a choice that needs more memory (a higher precision, fp32 for
+# the ops outside the units, fp32 throughout) wins on time only when it measured faster by
+# more than this fraction; within it the choice that needs less memory wins. Times are the
+# fastest of interleaved runs, which a busy machine moves by a few percent: a choice flips
+# only where two candidates' times are about MARGIN apart.
+MARGIN = 0.10
+
+
+def clearly_faster(ms: float, than: float, margin: float = MARGIN) -> bool:
+    """Whether ``ms`` beats ``than`` by more than ``margin``: only then does a choice that
+    needs more memory win on time."""
+    return ms * (1 + margin) < than
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -112,10 +125,10 @@ def cost_of(r, objective):
     return math.inf if v is None else v
 
 
-def order(options, objective, tie=0.05):
-    """The candidates of one unit cheapest first; with the time objective, times within
-    ``tie`` of each other count as equal (timing noise) and the one using fewer bytes,
-    then with less error, goes first."""
+def order(options, objective, margin=MARGIN):
+    """The candidates of one unit cheapest first; with the time objective, a candidate not
+    :func:`clearly_faster` than another counts as equal to it (timing noise) and the one
+    using fewer bytes, then with less error, goes first."""
     def key(c):
         r = options[c]
         return (r["bytes"], _err(r, "loss_err") + _err(r, "dgrad_err") + _err(r, "wgrad_err"))
@@ -125,7 +138,8 @@ def order(options, objective, tie=0.05):
     out = []
     while names:
         best = cost_of(options[names[0]], objective)
-        group = [c for c in names if cost_of(options[c], objective) <= best * (1 + tie)]
+        group = [c for c in names if not clearly_faster(best, cost_of(options[c], objective),
+                                                        margin)]
         group.sort(key=key)
         out += group
         names = [c for c in names if c not in group]

@@ -1,12 +1,16 @@
-"""The "too slow here" cut of ampc.autoprecision's measurement compares warm times: a
-candidate's first call (kernel selection, allocation, fp8's first amax) is not its cost."""
+"""Timing in ampc.autoprecision: the "too slow here" cut compares warm times (a
+candidate's first call, with its kernel selection, allocation and fp8's first amax, is not
+its cost), and timing noise within the margin cannot flip a choice: within it, the choice
+that needs less memory wins."""
+import random
 import time
 
 import pytest
 import torch
 from torch import nn
 
-from ampc.autoprecision import _measure, search
+from ampc.autoprecision import _measure, _search, _solve, search
+from ampc.autoprecision._solve import order
 
 
 class SlowFirstCall(nn.Linear):
@@ -51,3 +55,68 @@ def test_three_identical_linears_same_verdict():
     for c in tried:
         verdicts = {n: "too_slow" in plan.unit(n).options[c] for n in ("0", "2", "4")}
         assert len(set(verdicts.values())) == 1, (c, verdicts, plan.table())
+
+
+# ---- the margin: timing noise cannot flip a choice ----
+
+def _options(fp32_ms, bf16_ms):
+    zero = {"loss_err": 0.0, "dgrad_err": 0.0, "wgrad_err": 0.0}
+    return {"fp32": dict(zero, ms=fp32_ms, bytes=400),
+            "bf16": dict(zero, loss_err=1e-3, ms=bf16_ms, bytes=200)}
+
+
+def test_less_memory_wins_unless_clearly_slower():
+    assert _solve.MARGIN == 0.10
+    m = _solve.MARGIN
+    # bf16 needs half the memory: it goes first until it is more than MARGIN slower
+    assert order(_options(1.0, 1.0), "time")[0] == "bf16"
+    assert order(_options(1.0, 1.0 + 0.99 * m), "time")[0] == "bf16"
+    assert order(_options(1.0, 1.0 + 1.01 * m), "time")[0] == "fp32"
+    assert order(_options(1.0 + 5 * m, 1.0), "time")[0] == "bf16"
+    assert order(_options(1.0, 1.0 + 1.01 * m), "memory")[0] == "bf16"
+    assert _solve.clearly_faster(1.0, 1.0 + 1.01 * m)
+    assert not _solve.clearly_faster(1.0, 1.0 + 0.99 * m)
+
+
+def _search_with_jitter(monkeypatch, jitter, seed):
+    """search (time objective) on a small model with every timing replaced: each unit at
+    fp32 and at bf16 takes 1 ms, the whole model 10 ms whatever its plan, each time times
+    a random factor in [1 - jitter, 1 + jitter] (seeded)."""
+    rng = random.Random(seed)
+    real_run, real_step = _measure.run_at, _search.whole_step
+
+    def run_at(*args):
+        y, dx, dw, _ = real_run(*args)
+        return y, dx, dw, 1e-3 * rng.uniform(1 - jitter, 1 + jitter)
+
+    def whole_step(*args):
+        loss, grads, _ = real_step(*args)
+        return loss, grads, 1e-2 * rng.uniform(1 - jitter, 1 + jitter)
+    monkeypatch.setattr(_measure, "run_at", run_at)
+    monkeypatch.setattr(_search, "whole_step", whole_step)
+    monkeypatch.setattr(_search, "probe", lambda candidates, device: {})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 8))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g))
+               for _ in range(2)]
+    plan = search(model, batches, candidates=("fp32", "bf16"), objective="time", repeats=2)
+    return plan.choices, plan.rest
+
+
+def test_same_plan_whatever_the_timing_noise(monkeypatch):
+    # every comparison is between equal true times: noise of +-4% moves a ratio by at most
+    # about 8%, under the 10% margin, so the choice needing less memory (bf16, and bf16 for
+    # the ops outside the units) wins in every draw
+    plans = {str(_search_with_jitter(monkeypatch, 0.4 * _solve.MARGIN, seed)) for seed in range(6)}
+    assert plans == {str(({"0": "bf16", "2": "bf16", "4": "bf16"}, "bf16"))}, plans
+
+
+def test_without_the_margin_noise_flips_choices(monkeypatch):
+    # the control: with no margin (the faster time always wins) the same noise decides
+    strict = lambda ms, than, margin=None: ms < than        # noqa: E731
+    monkeypatch.setattr(_solve, "clearly_faster", strict)
+    monkeypatch.setattr(_search, "clearly_faster", strict)
+    plans = {str(_search_with_jitter(monkeypatch, 0.4 * _solve.MARGIN, seed)) for seed in range(6)}
+    assert len(plans) > 1, plans
