@@ -48,10 +48,13 @@ class Step:
 
 
 def capture(model: torch.nn.Module, batch: tuple, loss_fn: Callable, names: Iterable[str],
-            region: Callable[[], Any] = contextlib.nullcontext) -> Step:
+            region: Callable[[], Any] = contextlib.nullcontext,
+            state: dict[str, torch.Tensor] | None = None) -> Step:
     """One forward (inside ``region()``) and backward of ``model`` on ``(inputs, target)``,
     dropout seeded with 0, recording the first call of each module in ``names`` (qualified
-    names, '' for the model itself). The model's own ``.grad`` are left as they were."""
+    names, '' for the model itself). The model's own ``.grad`` are left as they were. With
+    ``state`` (every parameter and buffer by qualified name) the model runs on those tensors
+    instead of its own (see :func:`call_model`), and the gradients are theirs."""
     modules = dict(model.named_modules())
     calls: dict[str, Call] = {}
     handles = []
@@ -76,7 +79,8 @@ def capture(model: torch.nn.Module, batch: tuple, loss_fn: Callable, names: Iter
         pre, post = hooks(name)
         handles.append(modules[name].register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(modules[name].register_forward_hook(post))
-    params = list(model.named_parameters(remove_duplicate=False))
+    params = (list(model.named_parameters(remove_duplicate=False)) if state is None
+              else [(n, t) for n, t in state.items() if t.requires_grad])
     saved = [p.grad for _, p in params]
     try:
         inputs, target = batch
@@ -84,7 +88,7 @@ def capture(model: torch.nn.Module, batch: tuple, loss_fn: Callable, names: Iter
             p.grad = None
         torch.manual_seed(0)                    # the same dropout draws in every run
         with region():
-            out = call_model(model, inputs)
+            out = call_model(model, inputs, state)
         loss = loss_fn(out, target)
         loss.backward()
         copies: dict[int, torch.Tensor] = {}

@@ -33,12 +33,19 @@ def default_loss(output: Any, target: torch.Tensor | None) -> torch.Tensor:
     return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
-def call_model(model: torch.nn.Module, inputs: Any) -> Any:
+def call_model(model: torch.nn.Module, inputs: Any, state: dict[str, torch.Tensor] | None = None
+               ) -> Any:
     """``model(**inputs)`` for a dict of keyword arguments (a tokenizer's output),
-    ``model(*inputs)`` for a tuple or list of positional arguments, else ``model(inputs)``."""
+    ``model(*inputs)`` for a tuple or list of positional arguments, else ``model(inputs)``.
+    With ``state`` (qualified name -> tensor), the model runs on those tensors in place of
+    its own parameters and buffers (``torch.func.functional_call``)."""
     if isinstance(inputs, Mapping):
-        return model(**inputs)
-    return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
+        args, kwargs = (), dict(inputs)
+    else:
+        args, kwargs = (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
+    if state is None:
+        return model(*args, **kwargs)
+    return torch.func.functional_call(model, state, args, kwargs)
 
 
 def first_float(value: Any) -> torch.Tensor | None:

@@ -1,10 +1,11 @@
 """Monitor: the plan re-checked during training.
 
 Every ``every`` steps it takes the next ``sample`` modules of the plan (in turn, so that
-all are seen over len(plan) / sample checks), runs the step's batch through an fp32
-shadow of the model (a copy, so that batch-norm statistics and the optimizer are not
-touched) and measures each sampled module at its planned precision against fp32, as
-search() did. A module leaves the budget when its error, added to the others' errors from
+all are seen over len(plan) / sample checks), runs the step's batch through the model in
+fp32 on stand-ins for its state (its parameters as new leaves on the same storage, so that
+the backward fills neither their ``.grad`` nor reaches a hook DDP put on them; its buffers
+as copies, so that batch-norm statistics do not move) and measures a copy of each sampled
+module, and of no other, at its planned precision against fp32, as search() did. A module leaves the budget when its error, added to the others' errors from
 the search, would put the plan over it (its weight-gradient error on its own); after
 ``patience`` such checks in a row it is raised (fp8 -> bf16, bf16/fp16 -> fp32) or a
 warning is given, as ``action`` says. It counts as back inside only once its error is
@@ -49,6 +50,26 @@ def _agree(ratios):
     return {n: (math.inf if v >= 1e30 else v) for n, v in zip(ratios, t.tolist())}
 
 
+def _stand_ins(model):
+    """{qualified name: tensor} to run ``model`` on without touching it: each parameter as
+    a new leaf on the same storage (nothing copied), each buffer as a copy."""
+    state, seen = {}, {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        state[n] = seen.setdefault(id(p), p.detach().requires_grad_(p.requires_grad))
+    for n, b in model.named_buffers(remove_duplicate=False):
+        state[n] = seen.setdefault(id(b), b.clone())
+    return state
+
+
+def _tensors(module):
+    return list(module.parameters()) + list(module.buffers())
+
+
+def _bytes(tensors):
+    seen = {id(t): t for t in tensors}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
 class Monitor:
     """Re-measures the modules of an applied plan during training (see the module's doc)."""
 
@@ -76,6 +97,7 @@ class Monitor:
         self.out = set()        # modules currently outside the budget
         self.history = []       # {"step", "module", "choice", "errors", "ratio"}
         self.decisions = []     # {"step", "module", "from", "to", "ratio", "action"}
+        self.copied_bytes = 0   # what the last check copied: the buffers, the checked modules
 
     def allowance(self, name: str) -> dict[str, float]:
         """{error: limit} for one module: the budget less the other modules' errors."""
@@ -146,14 +168,18 @@ class Monitor:
         return d
 
     def measure(self, batch: tuple, names: list[str]) -> dict[str, dict[str, float | None]]:
-        """{name: errors at its planned precision} on ``batch``, against an fp32 shadow."""
-        shadow = copy.deepcopy(self.applied.model)
-        units = dict(shadow.named_modules())
+        """{name: errors at its planned precision} on ``batch``, against fp32. Copies only
+        the model's buffers and the modules in ``names`` (``copied_bytes`` says how much)."""
+        model = self.applied.model
+        state = _stand_ins(model)
+        units = {n: copy.deepcopy(model.get_submodule(n)) for n in names}
+        self.copied_bytes = _bytes(model.buffers()) + sum(_bytes(_tensors(m))
+                                                          for m in units.values())
         batch = tuple(batch)
         plan = self.plan
         recipe = _units.fp8_recipe(plan.data.get("fp8_recipe")) if "fp8" in plan.choices.values() else None
         with torch.random.fork_rng(devices=[]):
-            step = capture(shadow, batch, self.loss_fn, names)
+            step = capture(model, batch, self.loss_fn, names, state=state)
             scale = _measure.loss_scale_for(step)      # where GradScaler would be now
             out = {}
             for name in names:

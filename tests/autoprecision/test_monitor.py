@@ -128,3 +128,56 @@ def test_two_ranks_get_the_same_plan(tmp_path):
     from distributed.test_distributed import run_ranks
     a, b = run_ranks(_rank_search, tmp_path=tmp_path)
     assert a == b
+
+
+def _tensor_bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_monitor_copies_only_the_modules_it_checks():
+    import copy
+    from ampc._numerics.capture import capture
+    from ampc._numerics.errors import loss_error, rel_error
+    from ampc.autoprecision import _measure
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Linear(512, 512),
+                          nn.ReLU(), nn.Linear(512, 4))
+    data = batches(3)
+    plan = search(model, data[:2], candidates=("fp32", "bf16"), objective="memory", repeats=1)
+    assert plan.choice("1") == "bf16" and plan.choice("5") == "bf16"
+    monitor = plan.apply(model).monitor(every=1, sample=2)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)           # as if between backward and step
+    hits = []
+    model[3].weight.register_hook(lambda g: hits.append(g))   # as DDP hooks its parameters
+    stats = (model[1].running_mean.clone(), model[1].num_batches_tracked.clone())
+    checked = ["1", "5"]
+    errors = monitor.measure(data[2], checked)
+
+    # the copy: the model's buffers (batch norm's statistics) and the two modules checked
+    whole = _tensor_bytes(list(model.parameters()) + list(model.buffers()))
+    expected = _tensor_bytes(model.buffers()) + sum(
+        _tensor_bytes(list(model[int(n)].parameters()) + list(model[int(n)].buffers()))
+        for n in checked)
+    print(f"\nmonitor check copies {monitor.copied_bytes} bytes of the model's {whole}")
+    # buffers 2 x 512 fp32 + an int64 count; the norm's 2 x 512 weights and its buffers;
+    # the last Linear's 512 x 4 + 4
+    assert monitor.copied_bytes == expected == 4104 + (4096 + 4104) + 4 * (512 * 4 + 4)
+    assert monitor.copied_bytes < 0.02 * whole
+    # the model is untouched: gradients, statistics, its parameters' hooks
+    assert all(bool((p.grad == 7.0).all()) for p in model.parameters())
+    assert torch.equal(model[1].running_mean, stats[0])
+    assert torch.equal(model[1].num_batches_tracked, stats[1])
+    assert hits == []
+
+    # the figures are those of a check on a whole copy of the model (as it was measured)
+    shadow = copy.deepcopy(model)
+    with torch.random.fork_rng(devices=[]):
+        step = capture(shadow, data[2], nn.functional.cross_entropy, checked)
+        for n in checked:
+            m, rec = shadow.get_submodule(n), step.calls[n]
+            y0, dx0, dw0, _ = _measure.run_at(m, "fp32", rec, "cpu", None, 1.0)
+            y, dx, dw, _ = _measure.run_at(m, "bf16", rec, "cpu", None, 1.0)
+            assert errors[n] == {"loss_err": loss_error(y, y0, rec.grad, step.loss),
+                                 "dgrad_err": rel_error(dx, dx0), "wgrad_err": rel_error(dw, dw0)}
+            assert errors[n]["dgrad_err"] > 0
