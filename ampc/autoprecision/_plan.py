@@ -133,7 +133,8 @@ def _check_record(data):
         Budget(**budget)
     except (TypeError, ValueError) as e:
         raise _bad(f"budget {dict(budget)!r} is not a budget: {e}") from None
-    missing = [f.name for f in fields(Budget) if f.name not in budget]
+    # noise_fraction came later: a plan saved without it was judged by the fixed figures
+    missing = [f.name for f in fields(Budget) if f.name not in budget and f.name != "noise_fraction"]
     if missing:
         raise _bad(f"budget lacks {', '.join(missing)}")
     units = data.get("units")
@@ -245,7 +246,8 @@ class Plan:
 
     @property
     def budget(self) -> Budget:
-        return Budget(**self.data["budget"])
+        # a plan saved before noise_fraction was judged by the fixed figures alone
+        return Budget(**{"noise_fraction": 0.0, **self.data["budget"]})
 
     def needs_scaler(self) -> bool:
         """An fp16 choice needs loss scaling (GradScaler)."""
@@ -285,7 +287,7 @@ class Plan:
                  f"ops outside these modules {self.rest}; "
                  f"budget per step: loss {b['loss']:g}, grad {b['grad']:g}, "
                  f"wgrad {b['wgrad']:g} (relative to fp32), gradients also within "
-                 f"{b.get('noise_fraction', 0):g} of fp32's batch-to-batch spread",
+                 f"{self.budget.noise_fraction:g} of fp32's batch-to-batch spread",
                  format_table(header, rows)]
         pred = d.get("predicted") or {}
         if pred:
