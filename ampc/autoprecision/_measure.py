@@ -127,12 +127,20 @@ def _copies(units, options):
     return copies
 
 
-def _warm_up(copies, tallies, rec, device, recipe, scale, slow, k=3):
+def _signature(module, rec):
+    """What makes two units time alike: their type, parameter shapes and argument shapes."""
+    return (type(module).__name__, tuple(tuple(p.shape) for p in module.parameters()),
+            tuple((tuple(t.shape), t.dtype) for t in float_tensors((rec.args, rec.kwargs))))
+
+
+def _warm_up(copies, tallies, rec, device, recipe, scale, slow, verdict=None, k=3):
     """A first call of each candidate (fp8's amax history starts there; a first call of a
     shape also pays for kernel selection and allocation), noting those that fail. With
     ``slow``, every candidate that ran is then timed ``k`` more times, interleaved with the
     others so that a busy machine slows all alike, and one whose fastest time is ``slow``
-    times fp32's is noted too slow: warm time against warm time, never a first call."""
+    times fp32's is noted too slow: warm time against warm time, never a first call.
+    Returns that verdict ({candidate: why too slow}); given one (a unit timed alike was
+    judged already), it is taken as is, so that identical units get one verdict."""
     ran = []
     for c, m in copies.items():
         try:
@@ -141,12 +149,16 @@ def _warm_up(copies, tallies, rec, device, recipe, scale, slow, k=3):
         except RuntimeError as e:
             tallies[c].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
     if not slow or "fp32" not in ran:
-        return
-    best = {c: r[3] for c, r in _interleaved(copies, ran, rec, device, recipe, scale, k).items()}
-    base = best["fp32"]
-    for c, t in best.items():
-        if c != "fp32" and t > slow * max(base, 1e-4):
-            tallies[c].too_slow = f"too slow here: {t / base:.0f}x fp32's time"
+        return verdict
+    if verdict is None:
+        best = {c: r[3] for c, r in _interleaved(copies, ran, rec, device, recipe, scale, k).items()}
+        base = best["fp32"]
+        verdict = {c: f"too slow here: {t / base:.0f}x fp32's time" for c, t in best.items()
+                   if c != "fp32" and t > slow * max(base, 1e-4)}
+    for c, why in verdict.items():
+        if c in ran:
+            tallies[c].too_slow = why
+    return verdict
 
 
 def _interleaved(copies, live, rec, device, recipe, scale, repeats):
@@ -190,16 +202,17 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, 
     """{name: {candidate: result}} for the units (name -> module) of ``model`` at their
     ``options`` (name -> candidates), and the loss scale used for fp16. Each run is timed
     ``repeats`` times per batch, interleaved over the candidates, and the fastest kept (a
-    busy machine only adds time). With
-    ``slow``, a candidate whose warm time (fastest of a few interleaved runs after a first
-    call) is ``slow`` times fp32's is not measured
-    further for that unit (fp16 GEMMs on most CPUs)."""
+    busy machine only adds time). With ``slow``, a candidate whose warm time (fastest of a
+    few interleaved runs after a first call) is ``slow`` times fp32's is not measured
+    further for that unit (fp16 GEMMs on most CPUs); units of one type, parameter shapes
+    and argument shapes are judged once, the first of them for all."""
     copies = _copies(units, options)
     tallies = {n: {c: Tally() for c in options[n]} for n in units}
     # fp32's own batch-to-batch spread of the unit's input and weight gradients
     spreads = {n: {"dgrad_noise": Spread(), "wgrad_noise": Spread()} for n in units}
     ref_model = copy.deepcopy(model)
     scale = None
+    verdicts = {}      # _signature -> the too-slow verdict of the first unit timed alike
     for k, batch in enumerate(batches):
         step = capture(ref_model, batch, loss_fn, list(units))
         if scale is None:
@@ -209,7 +222,9 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, 
             if rec is None or not rec.returned:
                 continue               # not called on this batch
             if k == 0:
-                _warm_up(copies[name], tallies[name], rec, device, recipe, scale, slow)
+                sig = _signature(units[name], rec)
+                verdicts[sig] = _warm_up(copies[name], tallies[name], rec, device, recipe, scale,
+                                         slow, verdicts.get(sig))
             ref_dx, ref_dw = _measure_unit(copies[name], tallies[name], rec, step, device, recipe,
                                            scale, repeats, first=k == 0)
             spreads[name]["dgrad_noise"].add(ref_dx)
