@@ -1,6 +1,8 @@
-"""ampc.autoprecision's bookkeeping against the number of units: Plan.apply, find_units, the solver.
+"""ampc.autoprecision's bookkeeping against the number of units: Plan.apply, find_units, the solver;
+and with --gpt2, search() itself on a GPT-2-shaped model.
 
     python benchmarks/bench_plan.py [--sizes 1000,10000] [--reps 3] [--json]
+    python benchmarks/bench_plan.py --gpt2 [--layers 12] [--seq 64] [--batch 2] [--load]
 
 A plan is bookkeeping around the model: applying it or finding its units should cost time
 in proportion to the number of modules, so that a model of 10,000 Linears (a deep MoE, a
@@ -12,7 +14,15 @@ of the model (parsing included) and ``find_units(model)``. There is no torch cou
 linearity is read from the time per unit across sizes. ``solve`` takes measurements drawn
 at random (seeded) whose summed errors are over the budget when each unit takes its
 cheapest candidate, so that the solver makes about one move per unit.
+
+--gpt2 builds transformers' GPT2LMHeadModel from a fresh GPT2Config (GPT-2 small's shape: 768 wide,
+12 heads, a 50,257-word tied head; --layers of them) and times ``search`` on two batches of random
+tokens, candidates fp32 and bf16, with the memory objective (no timing inside: the same plan every time)
+and the time objective; then one Monitor check of two modules on the applied plan (its time and the bytes
+it copies against the model's). With --load the time-objective search runs a second time beside a
+process that keeps one core busy, and the two plans are compared unit by unit.
 """
+import multiprocessing
 import random
 import json
 import statistics
@@ -23,7 +33,7 @@ import torch.nn as nn
 import _harness as H
 
 ampc = H.import_ampc()
-from ampc.autoprecision import Plan  # noqa: E402  (after the harness finds ampc)
+from ampc.autoprecision import Plan, search  # noqa: E402  (after the harness finds ampc)
 from ampc.autoprecision._solve import Budget, solve  # noqa: E402
 from ampc.autoprecision._units import find_units  # noqa: E402
 
@@ -54,10 +64,88 @@ def measured_of(units, seed=0):
             for k in range(units)}
 
 
+def _burn(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def gpt2(args):
+    """search() on a GPT-2-shaped model; the figures as a dict."""
+    import torch
+    import transformers
+    from transformers.pytorch_utils import Conv1D
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=args.layers, n_positions=max(args.seq, 64),
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
+        batches.append((ids[:, :-1], ids[:, 1:]))
+    kw = dict(candidates=("fp32", "bf16"), repeats=2, units=(Conv1D, torch.nn.Linear, torch.nn.LayerNorm))
+    out = {"model": f"GPT2LMHeadModel, {args.layers} layers, n_embd {cfg.n_embd}, vocab {cfg.vocab_size}, "
+                    f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters",
+           "batches": f"2 x ({args.batch} x {args.seq} random tokens)"}
+    plans = {}
+    for objective in ("memory", "time"):
+        t0 = time.perf_counter()
+        plans[objective] = search(model, batches, objective=objective, **kw)
+        out[f"search_s_{objective}"] = time.perf_counter() - t0
+        out[f"choices_{objective}"] = _counts(plans[objective])
+    if args.load:
+        burner = multiprocessing.Process(target=_burn, args=(3600,))
+        burner.start()
+        try:
+            t0 = time.perf_counter()
+            loaded = search(model, batches, objective="time", **kw)
+            out["search_s_time_loaded"] = time.perf_counter() - t0
+        finally:
+            burner.terminate()
+            burner.join()
+        quiet = plans["time"]
+        out["choices_time_loaded"] = _counts(loaded)
+        out["units_differing_under_load"] = [n for n in quiet.choices
+                                             if quiet.choices[n] != loaded.choices[n]]
+        out["rest_quiet_loaded"] = [quiet.rest, loaded.rest]
+    plan = plans["memory"]
+    monitor = plan.apply(model).monitor(every=1, sample=2)
+    out["model_mb"] = sum(t.numel() * t.element_size()
+                          for t in list(model.parameters()) + list(model.buffers())) / 2**20
+    units = [u.module for u in plan]
+    # a check of the first two modules, and of the last two (the final norm and the head,
+    # whose weight is the tied 50,257 x 768 embedding: the largest a check copies)
+    for where, names in (("first", units[:2]), ("last", units[-2:])):
+        t0 = time.perf_counter()
+        monitor.measure(batches[0], names)
+        out[f"monitor_check_{where}"] = (f"{names}: {time.perf_counter() - t0:.2f} s, copied "
+                                         f"{monitor.copied_bytes / 2**20:.2f} MiB")
+    return out
+
+
+def _counts(plan):
+    counts = {}
+    for c in plan.choices.values():
+        counts[c] = counts.get(c, 0) + 1
+    return counts
+
+
 def main():
     p = H.common_args(__doc__)
     p.add_argument("--sizes", default="1000,10000")
+    p.add_argument("--gpt2", action="store_true", help="time search() on a GPT-2-shaped model instead")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--load", action="store_true", help="with --gpt2: search again beside a busy core")
     args = H.parse(p)
+    if args.gpt2:
+        out = dict(H.machine(args.device), **gpt2(args))
+        print(json.dumps(out, indent=1) if args.json else
+              "\n".join(f"{k}: {v:.2f}" if isinstance(v, float) else f"{k}: {v}"
+                        for k, v in out.items()))
+        return
     reps = args.reps or 3
     rows = []
     Plan.from_json(plan_text(model_of(2))).apply(model_of(2))   # first use loads ampc.fp8: not timed
