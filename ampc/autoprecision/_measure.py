@@ -198,6 +198,19 @@ def _measure_unit(copies, tallies, rec, step, device, recipe, scale, repeats, fi
     return ref_dx, ref_dw
 
 
+def _pool_times(out, groups):
+    """Gives the units of each group (one type, parameter shapes and argument shapes: the
+    same work) the fastest time any of them measured at each candidate: the minimum over
+    all their runs, which a busy machine moves far less than one unit's few, and one
+    choice for them all."""
+    for names in groups:
+        for c in out[names[0]]:
+            times = [out[n][c]["ms"] for n in names if c in out[n] and out[n][c]["ms"] is not None]
+            for n in names:
+                if times and c in out[n] and out[n][c]["ms"] is not None:
+                    out[n][c]["ms"] = min(times)
+
+
 def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, slow=None):
     """{name: {candidate: result}} for the units (name -> module) of ``model`` at their
     ``options`` (name -> candidates), and the loss scale used for fp16. Each run is timed
@@ -205,7 +218,8 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, 
     busy machine only adds time). With ``slow``, a candidate whose warm time (fastest of a
     few interleaved runs after a first call) is ``slow`` times fp32's is not measured
     further for that unit (fp16 GEMMs on most CPUs); units of one type, parameter shapes
-    and argument shapes are judged once, the first of them for all."""
+    and argument shapes are judged once, the first of them for all, and share the fastest
+    time any of them measured (the repeated blocks of a transformer)."""
     copies = _copies(units, options)
     tallies = {n: {c: Tally() for c in options[n]} for n in units}
     # fp32's own batch-to-batch spread of the unit's input and weight gradients
@@ -213,6 +227,7 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, 
     ref_model = copy.deepcopy(model)
     scale = None
     verdicts = {}      # _signature -> the too-slow verdict of the first unit timed alike
+    alike = {}         # _signature -> the units timed alike
     for k, batch in enumerate(batches):
         step = capture(ref_model, batch, loss_fn, list(units))
         if scale is None:
@@ -223,6 +238,7 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, 
                 continue               # not called on this batch
             if k == 0:
                 sig = _signature(units[name], rec)
+                alike.setdefault(sig, []).append(name)
                 verdicts[sig] = _warm_up(copies[name], tallies[name], rec, device, recipe, scale,
                                          slow, verdicts.get(sig))
             ref_dx, ref_dw = _measure_unit(copies[name], tallies[name], rec, step, device, recipe,
@@ -230,6 +246,7 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, 
             spreads[name]["dgrad_noise"].add(ref_dx)
             spreads[name]["wgrad_noise"].add(ref_dw)
     out = {n: {c: t.result() for c, t in tallies[n].items()} for n in units}
+    _pool_times(out, alike.values())
     for n in units:
         noise = {k: s.value() for k, s in spreads[n].items()}
         for r in out[n].values():

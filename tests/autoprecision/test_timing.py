@@ -120,3 +120,32 @@ def test_without_the_margin_noise_flips_choices(monkeypatch):
     monkeypatch.setattr(_search, "clearly_faster", strict)
     plans = {str(_search_with_jitter(monkeypatch, 0.4 * _solve.MARGIN, seed)) for seed in range(6)}
     assert len(plans) > 1, plans
+
+
+def test_units_timed_alike_share_the_fastest_time(monkeypatch):
+    # three identical Linears and one of another shape; each run's time is drawn at
+    # random (a busy machine): the identical ones get the fastest timed run of all three
+    rng = random.Random(0)
+    real_run = _measure.run_at
+    drawn = {}      # (copy of a unit, candidate) -> its times, the first an untimed warm-up
+
+    def run_at(module, choice, *args):
+        y, dx, dw, _ = real_run(module, choice, *args)
+        t = rng.uniform(1e-3, 2e-3)
+        drawn.setdefault((id(module), choice), (module, []))[1].append(t)
+        return y, dx, dw, t
+    monkeypatch.setattr(_measure, "run_at", run_at)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 8))
+    batches = [(torch.randn(8, 32), torch.randint(0, 8, (8,))) for _ in range(2)]
+    units = dict(model.named_children())
+    measured, _ = _measure.measure(model, batches, _measure_loss, units,
+                                   dict.fromkeys(units, ["fp32", "bf16"]), "cpu", None, repeats=2)
+    for c in ("fp32", "bf16"):
+        timed = {m.out_features: [] for (_, cc), (m, _) in drawn.items() if cc == c}
+        for (_, cc), (m, ts) in drawn.items():
+            if cc == c:
+                timed[m.out_features].append(min(ts[1:]))
+        assert {measured[n][c]["ms"] for n in ("0", "1", "2")} == {1e3 * min(timed[32])}
+        assert len(timed[32]) == 3 and len(set(timed[32])) == 3      # they did differ
+        assert measured["3"][c]["ms"] == 1e3 * min(timed[8])
