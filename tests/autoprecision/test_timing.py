@@ -149,3 +149,47 @@ def test_units_timed_alike_share_the_fastest_time(monkeypatch):
         assert {measured[n][c]["ms"] for n in ("0", "1", "2")} == {1e3 * min(timed[32])}
         assert len(timed[32]) == 3 and len(set(timed[32])) == 3      # they did differ
         assert measured["3"][c]["ms"] == 1e3 * min(timed[8])
+
+
+def _search_under_late_load(monkeypatch):
+    """search (time objective) where the plan truly takes 0.8 of fp32's step, and the
+    machine gets twice as slow for everything after fp32's reference was timed (its
+    first five whole steps: a warm-up and two runs over the two batches)."""
+    calls = {"n": 0}
+    real_step = _search.whole_step
+
+    def whole_step(model, batch, loss_fn, region, device):
+        loss, grads, _ = real_step(model, batch, loss_fn, region, device)
+        calls["n"] += 1
+        load = 1.0 if calls["n"] <= 5 else 2.0
+        return loss, grads, load * (1e-2 if region is _search._null else 8e-3)
+    monkeypatch.setattr(_search, "whole_step", whole_step)
+    monkeypatch.setattr(_search, "probe", lambda candidates, device: {})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g))
+               for _ in range(2)]
+    return search(model, batches, candidates=("fp32", "bf16"), objective="time", repeats=1)
+
+
+def test_plan_against_fp32_timed_turn_about(monkeypatch):
+    # turn about, both steps see the doubled load: the plan (0.8 of fp32) is kept
+    plan = _search_under_late_load(monkeypatch)
+    m = plan.data["measured"]
+    assert plan.dtype != "fp32" and m["plan_ms"] == pytest.approx(16.0)
+    assert m["fp32_ms"] == pytest.approx(20.0)
+    assert not any("every module kept in fp32" in n for n in plan.data["notes"])
+
+
+def test_timed_apart_the_late_load_flips_the_plan(monkeypatch):
+    # the control: fp32's time taken from its reference (before the load came) against the
+    # plan's under load: 10 ms against 16, and the whole plan goes to fp32
+    def apart(ref_model, work, plan, batches, loss_fn, device, rounds=3):
+        return 1e3 * 1e-2, 1e3 * min(_search.whole_step(work.under(plan), b, loss_fn,
+                                                        plan.autocast, device)[2]
+                                     for b in batches)
+    monkeypatch.setattr(_search, "race", apart)
+    plan = _search_under_late_load(monkeypatch)
+    assert plan.dtype == "fp32"
+    assert any("every module kept in fp32" in n for n in plan.data["notes"])
