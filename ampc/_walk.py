@@ -28,7 +28,8 @@ def map_tensors(fn, value):
         if all(items[k] is v for k, v in value.items()):
             return value
         out = value.copy()      # keeps a dict subclass (OrderedDict, defaultdict) and its extras
-        out.update(items)
+        for k, v in items.items():
+            out[k] = v          # item by item: a transformers ModelOutput refuses update()
         return out
     return value
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .._walk import map_tensors
 from .model import call_model, detached, first_float
 
 
@@ -34,10 +35,13 @@ class Call:
 @dataclass
 class Step:
     """What :func:`capture` recorded: the loss, each named module's first :class:`Call`, and
-    every parameter's gradient by qualified name (shared parameters under each name)."""
+    every parameter's gradient by qualified name (shared parameters under each name), and
+    the model's output (detached) and the target the loss was computed from."""
     loss: float
     calls: dict[str, Call]
     grads: dict[str, torch.Tensor]
+    output: Any = None
+    target: Any = None
 
     def module_grads(self, model: torch.nn.Module, name: str) -> list[torch.Tensor]:
         """The gradients of the parameters ``name`` holds itself (not its children's)."""
@@ -99,4 +103,6 @@ def capture(model: torch.nn.Module, batch: tuple, loss_fn: Callable, names: Iter
             h.remove()
         for (_, p), g in zip(params, saved):
             p.grad = g
-    return Step(loss.detach().float().item(), calls, grads)
+    # the output detached, not copied: nothing writes to it after the step
+    return Step(loss.detach().float().item(), calls, grads,
+                map_tensors(lambda t: t.detach(), out), target)

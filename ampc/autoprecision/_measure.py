@@ -24,7 +24,7 @@ import copy
 import math
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
-from . import _units
+from . import _loss, _units
 from .._numerics.capture import Call, capture
 from .._numerics.errors import FP16_MAX, fp16_range, loss_error, rel_error
 from .._numerics.model import float_tensors
@@ -211,7 +211,8 @@ def _pool_times(out, groups):
                     out[n][c]["ms"] = min(times)
 
 
-def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, slow=None):
+def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, slow=None,
+            loss=None):
     """{name: {candidate: result}} for the units (name -> module) of ``model`` at their
     ``options`` (name -> candidates), and the loss scale used for fp16. Each run is timed
     ``repeats`` times per batch, interleaved over the candidates, and the fastest kept (a
@@ -219,7 +220,11 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, 
     few interleaved runs after a first call) is ``slow`` times fp32's is not measured
     further for that unit (fp16 GEMMs on most CPUs); units of one type, parameter shapes
     and argument shapes are judged once, the first of them for all, and share the fastest
-    time any of them measured (the repeated blocks of a transformer)."""
+    time any of them measured (the repeated blocks of a transformer).
+
+    With ``loss`` (an ``_loss.Tally``), the loss is measured as a unit too, on each step's
+    recorded output, and its figures come back under ``_loss.NAME``; not when the model
+    returns a loss it computed itself (the loss then ran inside the model)."""
     copies = _copies(units, options)
     tallies = {n: {c: Tally() for c in options[n]} for n in units}
     # fp32's own batch-to-batch spread of the unit's input and weight gradients
@@ -245,10 +250,14 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, 
                                            scale, repeats, first=k == 0)
             spreads[name]["dgrad_noise"].add(ref_dx)
             spreads[name]["wgrad_noise"].add(ref_dw)
+        if loss is not None and not _loss.owns_loss(step.output):
+            loss.add(step, scale)
     out = {n: {c: t.result() for c, t in tallies[n].items()} for n in units}
     _pool_times(out, alike.values())
     for n in units:
         noise = {k: s.value() for k, s in spreads[n].items()}
         for r in out[n].values():
             r.update(noise)
+    if loss is not None and loss.times["fp32"]:
+        out[_loss.NAME] = loss.result()
     return out, scale or 65536.0

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
-from . import _units
+from . import _loss, _units
 from ._monitor import Monitor
 from ._solve import Budget, noise_ratio
 from ._units import Reason
-from .._numerics.model import expression
+from .._numerics.model import default_loss, expression
 from ..validate import compare, format_table
 
 if TYPE_CHECKING:
@@ -148,6 +148,12 @@ def _check_record(data):
         if name in names:
             raise _bad(f"units[{k}]: module {name!r} appears twice")
         names.add(name)
+    loss = data.get("loss")
+    if loss is not None and not isinstance(loss, Unit):
+        _check_unit("loss", loss)
+        if loss["choice"] not in _loss.CANDIDATES:
+            raise _bad(f"loss.choice must be one of {', '.join(_loss.CANDIDATES)}, "
+                       f"got {loss['choice']!r}")
 
 
 def _fmt(v, spec=".1e"):
@@ -172,7 +178,10 @@ class Plan:
 
     def __init__(self, data: Mapping[str, Any]) -> None:
         _check_record(data)     # every field, before anything reads one
-        self.data = {k: v for k, v in data.items() if k != "units"}
+        self.data = {k: v for k, v in data.items() if k not in ("units", "loss")}
+        loss = data.get("loss")
+        # the loss unit (None: not measured; the loss runs as loss_fn does)
+        self._loss = loss if isinstance(loss, Unit) or loss is None else Unit.from_dict(loss)
         self._units = {}
         self._counts = Counter()
         for d in data.get("units", []):
@@ -196,17 +205,32 @@ class Plan:
         return name in self._units
 
     def unit(self, name: str) -> Unit:
-        """The record of module ``name`` (KeyError when the plan has none)."""
+        """The record of module ``name``, or of the loss (``"(loss)"``); KeyError when the
+        plan has none."""
+        if name == _loss.NAME and self._loss is not None:
+            return self._loss
         return self._units[name]
 
     def choice(self, name: str) -> str:
-        return self._units[name].choice
+        return self.unit(name).choice
+
+    @property
+    def loss_unit(self) -> Unit | None:
+        """The loss's record (module ``"(loss)"``), or None when the loss was not measured
+        (a plan saved before, ``search(loss_unit=False)``, a model returning its own loss)."""
+        return self._loss
 
     def set_choice(self, name: str, choice: str, reason: Reason = Reason.SET) -> Unit:
         """The one way a unit's choice changes; returns its new record."""
         if choice not in _units.CANDIDATES:
             raise ValueError(f"ampc.autoprecision.Plan: choice must be one of "
                              f"{', '.join(_units.CANDIDATES)}, got {choice!r}")
+        if name == _loss.NAME and self._loss is not None:
+            if choice not in _loss.CANDIDATES:
+                raise ValueError(f"ampc.autoprecision.Plan: the loss's choice must be one "
+                                 f"of {', '.join(_loss.CANDIDATES)}, got {choice!r}")
+            self._loss = replace(self._loss, choice=choice, reason=Reason(reason))
+            return self._loss
         old = self._units[name]
         new = replace(old, choice=choice, reason=Reason(reason))
         self._units[name] = new
@@ -221,7 +245,24 @@ class Plan:
 
     @property
     def choices(self) -> dict[str, str]:
+        """{module: choice} (the modules only)."""
         return {n: u.choice for n, u in self._units.items()}
+
+    @property
+    def decisions(self) -> dict[str, str]:
+        """:attr:`choices` and, where the plan measured it, the loss's (``"(loss)"``)."""
+        out = self.choices
+        if self._loss is not None:
+            out[_loss.NAME] = self._loss.choice
+        return out
+
+    def loss(self, loss_fn: Callable | None = None) -> Callable:
+        """``loss_fn`` (default: cross-entropy over the last dim) run at the precision the
+        plan chose for the loss: ``loss = plan.loss(loss_fn)(model(x), y)``. A plan that did
+        not measure the loss returns ``loss_fn`` as it is."""
+        if self._loss is None:
+            return loss_fn or default_loss
+        return _loss.AtPrecision(loss_fn, self._loss.choice, self.device)
 
     @property
     def device(self) -> str:
@@ -250,11 +291,11 @@ class Plan:
         return Budget(**{"noise_fraction": 0.0, **self.data["budget"]})
 
     def needs_scaler(self) -> bool:
-        """An fp16 choice needs loss scaling (GradScaler)."""
-        return self._uses("fp16")
+        """An fp16 choice (a module's or the loss's) needs loss scaling (GradScaler)."""
+        return self._uses("fp16") or (self._loss is not None and self._loss.choice == "fp16")
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Plan) and self.choices == other.choices and \
+        return isinstance(other, Plan) and self.decisions == other.decisions and \
             self.dtype == other.dtype
 
     def __repr__(self) -> str:
@@ -269,7 +310,7 @@ class Plan:
         header = (["module", "type", "choice", "loss err", "dgrad err", "wgrad err",
                    "wgrad noise", "err/noise"] + [f"ms {c}" for c in cands] + ["why not lower"])
         rows = []
-        for u in self:
+        for u in self.units + ([self._loss] if self._loss is not None else []):
             r = u.figures()
             times = [_fmt(u.options[c].get("ms"), ".2f") if c in u.options else "n/a"
                      for c in cands]
@@ -324,7 +365,10 @@ class Plan:
     # ---- JSON ----
 
     def _record(self):
-        return dict(self.data, units=[u.as_dict() for u in self])
+        out = dict(self.data, units=[u.as_dict() for u in self])
+        if self._loss is not None:
+            out["loss"] = self._loss.as_dict()
+        return out
 
     def as_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(self._record()))
@@ -374,19 +418,34 @@ class Plan:
                       "for fqn, module in model.named_modules():",
                       "    if fp8_filter(module, fqn):",
                       "        ampc.fp8.convert(module)"]
-        step = "loss = loss_fn(model(x), y)"
+        step, loss = self._loss_lines(dev)
         if region == "fp32":          # no autocast region at all
-            lines += ["", f"# each step (every module fp32: nothing to set): {step}"]
+            lines += ["", f"# each step (every module fp32: nothing to set): {step}"] + loss
             return "\n".join(lines)
         ctx = f'ampc.autocast("{dev}", dtype={_torch_dtype(_units.DTYPES[region])})'
         if self.rest == "fp32":
             ctx += ", ampc.policy.scope(dtype=torch.float32)"
         if fp8:
             ctx += ", ampc.fp8.autocast(recipe=ampc.fp8.DelayedScaling(), modules=())"
-        lines += ["", f"# each step: with {ctx}: {step}"]
+        lines += ["", f"# each step: with {ctx}: {step}"] + loss
         if self.needs_scaler():
             lines.append(f'# fp16 choices need loss scaling: scaler = ampc.GradScaler("{dev}")')
         return "\n".join(lines)
+
+    def _loss_lines(self, dev):
+        """The step's model line and the lines computing the loss at its precision."""
+        if self._loss is None:
+            return "loss = loss_fn(model(x), y)", []
+        c = self._loss.choice
+        if c == "fp32":
+            return "out = model(x)", ["# then, outside it: loss = loss_fn(out.float(), y)"]
+        dt = _torch_dtype(_units.DTYPES[c])
+        ops = "{" + ", ".join(f'"{o}": "lower_precision_fp"' for o in _loss.LOSS_OPS) + "}"
+        return "out = model(x)", [
+            f"# then the loss in {c}: with ampc.autocast(\"{dev}\", dtype={dt}), "
+            f"ampc.policy.scope(dtype={dt}, ops=LOSS_OPS): "
+            f"loss = loss_fn(out.to({dt}), y).float()",
+            f"LOSS_OPS = {ops}"]
 
     # ---- using it ----
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
-from . import _measure, _units
+from . import _loss, _measure, _units
 from ._plan import Plan, VERSION, param_shapes
 from ._solve import ERRORS, MARGIN, Budget, Over, clearly_faster, order, raise_one, solve
 from ._units import Reason
@@ -154,9 +154,10 @@ def check_plan(work, batches, loss_fn, plan, ref, device):
     error, fp32's batch-to-batch spread of the weight gradients, and step times."""
     m = work.under(plan)
     scale = plan.data.get("loss_scale", 1.0) if plan.needs_scaler() else 1.0
+    plan_loss = plan.loss(loss_fn)
 
     def scaled_loss(out, target):
-        return loss_fn(out, target) * scale
+        return plan_loss(out, target) * scale
     loss_errs, grad_errs, times = [], [], []
     unit_errs = {}
     owners = {}
@@ -202,7 +203,7 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
            budget: Budget | dict | None = None, objective: str = "time",
            units: Iterable[type] | None = None, device: str | None = None,
            fp8_recipe: str = "delayed", sensitivity: bool = True, check: bool = True,
-           max_backoffs: int = 12, repeats: int = 2) -> Plan:
+           max_backoffs: int = 12, repeats: int = 2, loss_unit: bool = True) -> Plan:
     """Chooses a precision for each module of ``model`` from measured error and measured
     cost, under an error budget, and checks the whole choice.
 
@@ -225,6 +226,11 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
         sensitivity (bool): False treats every candidate as exact (a control: what a
             plan chosen on cost alone looks like).
         repeats (int): timed runs per unit, candidate and batch (the fastest is kept).
+        loss_unit (bool): measure the loss (with the log-softmax inside it) as a unit of
+            its own, "(loss)" in the plan, at fp32, bf16 or fp16 (not fp8); use the
+            result through ``plan.loss(loss_fn)``. False leaves the loss out of the plan
+            (it runs as ``loss_fn`` does). A model that returns its own loss (given labels)
+            computes it inside, under the modules' choices: no loss unit then.
         check (bool): measure the whole plan against fp32 and back off the worst
             contributor until it fits the budget: one module per round for 4 rounds, then
             2, 4, ... per round, at most ``max_backoffs`` rounds (12: up to 60 modules),
@@ -247,19 +253,22 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     device = device or (params[0].device.type if params else "cpu")
     batches = [tuple(to_device(b, device)) for b in batches]
     found, options, notes = _units_and_options(model, units, candidates, objective, device)
+    tally = _loss.Tally(loss_fn, candidates, device, repeats) if loss_unit else None
     with torch.random.fork_rng(devices=[]):
         measured, loss_scale = _measure.measure(model, batches, loss_fn, found, options, device,
                                                 _units.fp8_recipe(fp8_recipe), repeats,
-                                                slow=SLOW if objective == "time" else None)
+                                                slow=SLOW if objective == "time" else None,
+                                                loss=tally)
     if not sensitivity:
         _blind(measured)
     plan = _first_plan(found, measured, budget, objective, candidates, fp8_recipe, loss_scale,
-                       device, notes)
+                       device, notes, _loss.loss_name(loss_fn))
     if check:
         _check_whole(model, batches, loss_fn, plan, measured, budget, objective, device,
                      max_backoffs)
-    plan.data["predicted"] = {"fp32_ms": sum(u.options["fp32"]["ms"] or 0.0 for u in plan),
-                              "plan_ms": sum(u.figures()["ms"] or 0.0 for u in plan)}
+    every = plan.units + ([plan.loss_unit] if plan.loss_unit else [])
+    plan.data["predicted"] = {"fp32_ms": sum(u.options["fp32"]["ms"] or 0.0 for u in every),
+                              "plan_ms": sum(u.figures()["ms"] or 0.0 for u in every)}
     plan.data["search_s"] = time.perf_counter() - t_start
     return _broadcast(plan)
 
@@ -286,17 +295,34 @@ def _blind(measured):
                 r[k] = 0.0 if r.get(k) is not None else None
 
 
-def _first_plan(found, measured, budget, objective, candidates, fp8_recipe, loss_scale, device,
-                notes):
-    """The solver's plan, unit by unit, before any whole-model check."""
+def solve_with_loss(measured, budget, objective):
+    """``solve``, then the loss back at fp32 where lowering it buys too little
+    (``_loss.keep_fp32``): the reason goes to its rejected candidates."""
     choice, rejected = solve(measured, budget, objective)
+    why = _loss.keep_fp32(measured, choice, objective)
+    if why is not None:
+        rejected[_loss.NAME][choice[_loss.NAME]] = why
+        choice[_loss.NAME] = "fp32"
+    return choice, rejected
+
+
+def _first_plan(found, measured, budget, objective, candidates, fp8_recipe, loss_scale, device,
+                notes, loss_name):
+    """The solver's plan, unit by unit (the loss one of them, where measured), before any
+    whole-model check."""
+    choice, rejected = solve_with_loss(measured, budget, objective)
     units = [{"module": n, "type": type(m).__name__, "kind": _units.kind(m), "choice": choice[n],
               "shapes": param_shapes(m),
               "options": measured[n], "rejected": rejected[n]} for n, m in found.items()]
+    loss = None
+    if _loss.NAME in measured:
+        loss = {"module": _loss.NAME, "type": loss_name, "kind": _loss.KIND,
+                "choice": choice[_loss.NAME], "options": measured[_loss.NAME],
+                "rejected": rejected[_loss.NAME]}
     return Plan({"version": VERSION, "device": device, "where": _where(device),
                  "objective": objective, "budget": budget.as_dict(), "candidates": list(candidates),
                  "fp8_recipe": fp8_recipe, "loss_scale": loss_scale, "notes": notes,
-                 "backoffs": [], "units": units})
+                 "backoffs": [], "units": units, "loss": loss})
 
 
 def _fp32_reference(model, batches, loss_fn, device):
@@ -315,11 +341,12 @@ def race(ref_model, work, plan, batches, loss_fn, device, rounds=RACE_ROUNDS):
     reference made the plan look slower than fp32 (and a whole plan flip to fp32); turn
     about, both see the same machine."""
     m = work.under(plan)
+    plan_loss = plan.loss(loss_fn)
     best = {"fp32": math.inf, "plan": math.inf}
     for _ in range(rounds):
         for b in batches:
             best["fp32"] = min(best["fp32"], whole_step(ref_model, b, loss_fn, _null, device)[2])
-            best["plan"] = min(best["plan"], whole_step(m, b, loss_fn, plan.autocast, device)[2])
+            best["plan"] = min(best["plan"], whole_step(m, b, plan_loss, plan.autocast, device)[2])
     return 1e3 * best["fp32"], 1e3 * best["plan"]
 
 
@@ -337,7 +364,7 @@ def _back_off(work, batches, loss_fn, plan, ref, device, result, measured, budge
                 break
             u = plan.unit(name)
             usable = [c for c in order(measured[name], objective) if c not in u.rejected]
-            new = raise_one(plan.choices, measured, usable, name)
+            new = raise_one(plan.decisions, measured, usable, name)
             plan.data["backoffs"].append({"module": name, "from": u.choice, "to": new,
                                           "why": str(over)})
             plan.set_choice(name, new, Reason.BACKED_OFF)
@@ -364,7 +391,7 @@ def _check_whole(model, batches, loss_fn, plan, measured, budget, objective, dev
         # fp32 throughout fits any budget: never hand back a plan known to be over it
         notes.append(f"the whole plan was still over the budget ({_over(result, budget)}) "
                      f"after {max_backoffs} rounds of back-off: every module kept in fp32")
-        plan.set_choices(dict.fromkeys(plan.choices, "fp32"), Reason.ALL_FP32)
+        plan.set_choices(dict.fromkeys(plan.decisions, "fp32"), Reason.ALL_FP32)
         result = dict(result, loss_err=0.0, grad_err=0.0, wgrad_err=0.0, wgrad_worst=None,
                       plan_ms=fp32_ms)
     if objective == "time" and plan.dtype != "fp32":
@@ -383,10 +410,10 @@ def _whole_low(work, batches, loss_fn, plan, ref, device, result, measured, budg
     in a model that stays in 16 bits between them. So the whole model is also measured
     with every module at its least precise candidate that fits the budget; that plan wins
     unless the modules' own choice measured clearly faster (by more than MARGIN)."""
-    low, _ = solve(measured, budget, "memory")
-    if low == plan.choices:
+    low, _ = solve_with_loss(measured, budget, "memory")
+    if low == plan.decisions:
         return result
-    mine = plan.choices
+    mine = plan.decisions
     plan.set_choices(low, Reason.WHOLE_MODEL)
     other = check_plan(work, batches, loss_fn, plan, ref, device)
     # the least precise plan needs the least memory: it wins unless the modules' own
@@ -424,7 +451,7 @@ def _fastest(work, batches, loss_fn, plan, ref, ref_model, device, result, budge
     if clearly_faster(fp32_ms, result["plan_ms"]):
         notes.append(f"the whole plan measured {result['plan_ms']:.1f} ms per step against "
                      f"{fp32_ms:.1f} ms for fp32: every module kept in fp32")
-        plan.set_choices(dict.fromkeys(plan.choices, "fp32"), Reason.ALL_FP32)
+        plan.set_choices(dict.fromkeys(plan.decisions, "fp32"), Reason.ALL_FP32)
         result = dict(result, plan_ms=fp32_ms, loss_err=0.0, grad_err=0.0, wgrad_err=0.0,
                       wgrad_worst=None)
     return result, fp32_ms
@@ -470,7 +497,8 @@ def _wgrad_note(result, plan, measured, budget):
 
 def _worst(plan, result, over):
     """The unit below fp32 that contributes most to what is over the budget."""
-    low = [u for u in plan if u.choice != "fp32"]
+    every = plan.units + ([plan.loss_unit] if plan.loss_unit else [])
+    low = [u for u in every if u.choice != "fp32"]
     if not low:
         return None
     key = "loss_err" if over.key == "loss_err" else "dgrad_err"

@@ -22,6 +22,7 @@ def describe_plan(plan, search_s, dname, ratio, log):
     log(f"ampc.autoprecision: {len(plan.units)} modules in {search_s:.1f} s: "
         + ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
         + f"; ops outside them {plan.rest}"
+        + (f"; the loss {plan.loss_unit.choice}" if plan.loss_unit is not None else "")
         + (f"; whole model forward + backward {m['plan_ms']:.0f} ms against fp32's "
            f"{m['fp32_ms']:.0f} ms" if m else ""))
     for note in plan.data.get("notes", []):

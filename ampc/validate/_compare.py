@@ -78,8 +78,11 @@ def parse_setup(spec, dtype):
 @runtime_checkable
 class PlanSetup(Protocol):
     """What a setup given as an object (an ampc.autoprecision.Plan) offers: a region dtype
-    name, whether it needs a GradScaler, ``apply(model)`` and its ``autocast()`` region."""
+    name, whether it needs a GradScaler, ``apply(model)``, its ``autocast()`` region and
+    ``loss(loss_fn)``, the loss at the precision the plan chose for it."""
     dtype: str
+
+    def loss(self, loss_fn: Any) -> Any: ...
 
     def apply(self, model: torch.nn.Module) -> Any: ...
 
@@ -201,7 +204,7 @@ class Trainer:
         plan = kind if _is_plan(kind) else None
         if plan is not None:
             kind, dtype = PLAN_SETUP, {"fp16": torch.float16}.get(plan.dtype, torch.bfloat16)
-        self.loss_fn = loss_fn or default_loss
+        self.loss_fn = plan.loss(loss_fn) if plan is not None else loss_fn or default_loss
         self.device = device
         dname = "fp32" if kind == "fp32" else DTYPE_NAMES[dtype]
         if plan is not None:
