@@ -220,7 +220,10 @@ def op_name(op: Op) -> str:
         if op in _labels:
             return op
         name = op.split("::", 1)[1] if op.startswith("aten::") else op
-        return name.split(".", 1)[0] if "::" not in name else name
+        name = name.split(".", 1)[0] if "::" not in name else name
+        # the Python name of an op whose aten name differs ("cross_entropy" is F.cross_entropy,
+        # aten's cross_entropy_loss): its policy must reach the op the call runs
+        return _ALIASES.get(name, name)
     if isinstance(op, torch._ops.OpOverload):
         op = op._overloadpacket
     if isinstance(op, torch._ops.OpOverloadPacket):

@@ -38,6 +38,22 @@ def test_policy_defaults_follow_torch_lists():
     assert len(policy.DEFAULTS["cuda"]) == 111 and len(policy.DEFAULTS["cpu"]) == 115
 
 
+def test_a_python_name_reaches_the_aten_op_it_calls():
+    # F.cross_entropy runs aten's cross_entropy_loss: a policy or a scope set under the
+    # Python name must change what the call does (it used to be kept, and ignored)
+    x, t = torch.randn(4, 10), torch.randint(0, 10, (4,))
+    assert policy.op_name("cross_entropy") == "cross_entropy_loss"
+    assert policy.op_name("__matmul__") == "matmul"
+    with ampc.autocast("cpu", dtype=torch.bfloat16):
+        assert F.cross_entropy(x, t).dtype == torch.float32
+        with policy.scope(ops={"cross_entropy": "lower_precision_fp"}):
+            assert F.cross_entropy(x, t).dtype == torch.bfloat16
+    policy.set_policy("cross_entropy", "lower_precision_fp", "cpu")
+    assert policy.get_policy(F.cross_entropy, "cpu") is P.LOWER_PRECISION_FP
+    with ampc.autocast("cpu", dtype=torch.bfloat16):
+        assert F.cross_entropy(x, t).dtype == torch.bfloat16
+
+
 def test_policy_table_prints_every_op(capsys):
     policy.print_table("cpu")
     assert capsys.readouterr().out == policy.table("cpu") + "\n"
