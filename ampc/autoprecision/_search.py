@@ -19,7 +19,7 @@ from .._numerics.errors import rel_error
 from .._numerics.model import call_model, default_loss, to_device
 from .._numerics.noise import spread
 
-RACE_ROUNDS = 3      # turns fp32 and the whole plan take in race()
+RACE_ROUNDS = 3      # turns each entrant takes in race()
 
 OBJECTIVES = ("time", "memory")
 SLOW = 4.0       # a candidate whose matmul is this many times slower than fp32 is not tried
@@ -335,19 +335,34 @@ def _fp32_reference(model, batches, loss_fn, device):
                        for (loss, g, t), b in zip(ref, batches)]
 
 
-def race(ref_model, work, plan, batches, loss_fn, device, rounds=RACE_ROUNDS):
-    """(fp32 ms, plan ms): fp32's step and the plan's run turn about, ``rounds`` times over
-    the batches, each the fastest it ran. Timed apart, a load that came after fp32's
-    reference made the plan look slower than fp32 (and a whole plan flip to fp32); turn
-    about, both see the same machine."""
-    m = work.under(plan)
-    plan_loss = plan.loss(loss_fn)
-    best = {"fp32": math.inf, "plan": math.inf}
+def race(entrants, batches, device, rounds=RACE_ROUNDS):
+    """{name: ms}: each entrant's step timed turn about, ``rounds`` turns each over the
+    batches, the fastest it ran. ``entrants`` maps a name to a ``setup()`` giving (model,
+    region, loss_fn), called before each of its turns. Timed apart, a load that came
+    between two timings made the later one look slower (and a whole plan flip to fp32);
+    turn about, every entrant sees the same machine."""
+    best = dict.fromkeys(entrants, math.inf)
     for _ in range(rounds):
-        for b in batches:
-            best["fp32"] = min(best["fp32"], whole_step(ref_model, b, loss_fn, _null, device)[2])
-            best["plan"] = min(best["plan"], whole_step(m, b, plan_loss, plan.autocast, device)[2])
-    return 1e3 * best["fp32"], 1e3 * best["plan"]
+        for name, setup in entrants.items():
+            model, region, fn = setup()
+            for b in batches:
+                best[name] = min(best[name], whole_step(model, b, fn, region, device)[2])
+    return {name: 1e3 * t for name, t in best.items()}
+
+
+def fp32_entrant(ref_model, loss_fn):
+    """A :func:`race` entrant: fp32's step on the reference model."""
+    return lambda: (ref_model, _null, loss_fn)
+
+
+def plan_entrant(work, plan, loss_fn, change=None):
+    """A :func:`race` entrant: the plan's step on the working copy, after ``change(plan)``
+    (which puts the plan in the form this entrant times)."""
+    def setup():
+        if change is not None:
+            change(plan)
+        return work.under(plan), plan.autocast, plan.loss(loss_fn)
+    return setup
 
 
 def _back_off(work, batches, loss_fn, plan, ref, device, result, measured, budget, objective,
@@ -409,23 +424,33 @@ def _whole_low(work, batches, loss_fn, plan, ref, device, result, measured, budg
     """Small modules time slower in 16 bits one by one (each pays its casts) than they run
     in a model that stays in 16 bits between them. So the whole model is also measured
     with every module at its least precise candidate that fits the budget; that plan wins
-    unless the modules' own choice measured clearly faster (by more than MARGIN)."""
+    unless the modules' own choice measured clearly faster (by more than MARGIN), the two
+    timed turn about (:func:`race`)."""
     low, _ = solve_with_loss(measured, budget, "memory")
     if low == plan.decisions:
         return result
     mine = plan.decisions
     plan.set_choices(low, Reason.WHOLE_MODEL)
     other = check_plan(work, batches, loss_fn, plan, ref, device)
+    if _over(other, budget) is not None:
+        plan.set_choices(mine, Reason.SOLVED)
+        return result
+    ms = race({"mine": plan_entrant(work, plan, loss_fn,
+                                    lambda p: p.set_choices(mine, Reason.SOLVED)),
+               "low": plan_entrant(work, plan, loss_fn,
+                                   lambda p: p.set_choices(low, Reason.WHOLE_MODEL))},
+              batches, device)
     # the least precise plan needs the least memory: it wins unless the modules' own
     # choice measured clearly faster (by more than MARGIN)
-    if _over(other, budget) is None and not clearly_faster(result["plan_ms"], other["plan_ms"]):
+    if not clearly_faster(ms["mine"], ms["low"]):
+        plan.set_choices(low, Reason.WHOLE_MODEL)
         notes.append(f"the modules one by one chose {_count(mine)}; the whole model measured "
-                     f"{other['plan_ms']:.1f} ms per step with {_count(low)} against "
-                     f"{result['plan_ms']:.1f} ms (no more than {MARGIN:.0%} slower, "
-                     f"less memory): taken")
-        return other
+                     f"{ms['low']:.1f} ms per step with {_count(low)} against "
+                     f"{ms['mine']:.1f} ms (timed turn about; no more than {MARGIN:.0%} "
+                     f"slower, less memory): taken")
+        return dict(other, plan_ms=ms["low"])
     plan.set_choices(mine, Reason.SOLVED)
-    return result
+    return dict(result, plan_ms=ms["mine"])
 
 
 def _count(choices):
@@ -438,16 +463,26 @@ def _count(choices):
 def _fastest(work, batches, loss_fn, plan, ref, ref_model, device, result, budget, notes):
     """The time objective, for the whole model: the ops outside the units in fp32 only when
     that measured clearly faster (by more than MARGIN, within the budget) than at the region
-    dtype; and fp32 throughout only when fp32 measured clearly faster than the plan, the
-    two timed turn about (:func:`race`). Returns (result, fp32 ms)."""
+    dtype; and fp32 throughout only when fp32 measured clearly faster than the plan. Each
+    pair is timed turn about (:func:`race`). Returns (result, fp32 ms)."""
     plan.data["rest"] = "fp32"
     other = check_plan(work, batches, loss_fn, plan, ref, device)
-    if clearly_faster(other["plan_ms"], result["plan_ms"]) and _over(other, budget) is None:
-        result = other
-    else:
-        plan.data["rest"] = plan.dtype
-    fp32_ms, plan_ms = race(ref_model, work, plan, batches, loss_fn, device)
-    result = dict(result, plan_ms=plan_ms)
+    plan.data["rest"] = plan.dtype
+    if _over(other, budget) is None:
+        ms = race({"region": plan_entrant(work, plan, loss_fn,
+                                          lambda p: p.data.update(rest=p.dtype)),
+                   "fp32": plan_entrant(work, plan, loss_fn,
+                                        lambda p: p.data.update(rest="fp32"))},
+                  batches, device)
+        if clearly_faster(ms["fp32"], ms["region"]):
+            plan.data["rest"] = "fp32"
+            result = other
+        else:
+            plan.data["rest"] = plan.dtype
+    ms = race({"fp32": fp32_entrant(ref_model, loss_fn),
+               "plan": plan_entrant(work, plan, loss_fn)}, batches, device)
+    fp32_ms = ms["fp32"]
+    result = dict(result, plan_ms=ms["plan"])
     if clearly_faster(fp32_ms, result["plan_ms"]):
         notes.append(f"the whole plan measured {result['plan_ms']:.1f} ms per step against "
                      f"{fp32_ms:.1f} ms for fp32: every module kept in fp32")

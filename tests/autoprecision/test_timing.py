@@ -185,11 +185,102 @@ def test_plan_against_fp32_timed_turn_about(monkeypatch):
 def test_timed_apart_the_late_load_flips_the_plan(monkeypatch):
     # the control: fp32's time taken from its reference (before the load came) against the
     # plan's under load: 10 ms against 16, and the whole plan goes to fp32
-    def apart(ref_model, work, plan, batches, loss_fn, device, rounds=3):
-        return 1e3 * 1e-2, 1e3 * min(_search.whole_step(work.under(plan), b, loss_fn,
-                                                        plan.autocast, device)[2]
-                                     for b in batches)
+    real_race = _search.race
+
+    def apart(entrants, batches, device, rounds=3):
+        if set(entrants) != {"fp32", "plan"}:
+            return real_race(entrants, batches, device, rounds)
+        model, region, fn = entrants["plan"]()
+        return {"fp32": 1e3 * 1e-2,
+                "plan": 1e3 * min(_search.whole_step(model, b, fn, region, "cpu")[2]
+                                  for b in batches)}
     monkeypatch.setattr(_search, "race", apart)
     plan = _search_under_late_load(monkeypatch)
     assert plan.dtype == "fp32"
     assert any("every module kept in fp32" in n for n in plan.data["notes"])
+
+
+class Burst:
+    """Fake step times for the whole-model decisions: ``ms(plan)`` for a plan's step, 10 ms
+    for fp32's; twice as slow while ``on`` (a burst of load). The losses and gradients are
+    the real step's."""
+
+    def __init__(self, monkeypatch, ms):
+        self.on, self.ms = False, ms
+        real_step = _search.whole_step
+
+        def whole_step(model, batch, loss_fn, region, device):
+            loss, grads, _ = real_step(model, batch, loss_fn, region, device)
+            plan = getattr(region, "__self__", None)
+            base = 10.0 if plan is None else self.ms(plan)
+            return loss, grads, 1e-3 * base * (2.0 if self.on else 1.0)
+        monkeypatch.setattr(_search, "whole_step", whole_step)
+
+    def during(self, fn, *args):
+        self.on = True
+        try:
+            return fn(*args)
+        finally:
+            self.on = False
+
+
+def _decision_setup():
+    """A model, batches, its per-unit plan (search without the whole-model check), the
+    measurements, fp32's reference and a working copy: what the whole-model decisions take."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g))
+               for _ in range(2)]
+    plan = search(model, batches, candidates=("fp32", "bf16"), objective="memory",
+                  repeats=1, check=False, loss_unit=False)
+    measured = {u.module: u.options for u in plan}
+    ref_model, ref = _search._fp32_reference(model, batches, _search.default_loss, "cpu")
+    return plan, measured, batches, ref_model, ref, _search.WorkingCopy(model)
+
+
+def test_the_ops_outside_the_units_are_decided_turn_about(monkeypatch):
+    # the plan's step takes 8 ms with the ops outside the units at the region dtype, 7.6 ms
+    # with them in fp32: not clearly faster, so the region dtype stays. A burst of load
+    # while the plan was first checked (16 ms) must not make fp32 look 2x faster
+    plan, measured, batches, ref_model, ref, work = _decision_setup()
+    assert plan.dtype == "bf16"
+    burst = Burst(monkeypatch, lambda p: 7.6 if p.data.get("rest") == "fp32" else 8.0)
+    result = burst.during(_search.check_plan, work, batches, _search.default_loss, plan, ref,
+                          "cpu")
+    assert result["plan_ms"] == pytest.approx(16.0)
+    result, fp32_ms = _search._fastest(work, batches, _search.default_loss, plan, ref,
+                                       ref_model, "cpu", result, _solve.Budget(), [])
+    assert plan.rest == "bf16" and plan.data["rest"] == "bf16"
+    assert result["plan_ms"] == pytest.approx(8.0) and fp32_ms == pytest.approx(10.0)
+    # and where fp32 outside the units is clearly faster (6 ms), it is taken
+    plan, measured, batches, ref_model, ref, work = _decision_setup()
+    burst.ms = lambda p: 6.0 if p.data.get("rest") == "fp32" else 8.0
+    result = _search.check_plan(work, batches, _search.default_loss, plan, ref, "cpu")
+    _search._fastest(work, batches, _search.default_loss, plan, ref, ref_model, "cpu", result,
+                     _solve.Budget(), [])
+    assert plan.rest == "fp32"
+
+
+def test_the_least_precise_plan_is_raced_against_the_modules_own(monkeypatch):
+    # the modules one by one chose fp32 (say); at every module's least precise candidate
+    # the whole model takes 8 ms, the modules' own choice 7.6 ms: not clearly faster, so
+    # the least precise plan (less memory) is taken, though a burst of load hit its check
+    plan, measured, batches, ref_model, ref, work = _decision_setup()
+    plan.set_choices(dict.fromkeys(plan.choices, "fp32"), _search.Reason.SOLVED)
+    burst = Burst(monkeypatch, lambda p: 8.0 if p.dtype == "bf16" else 7.6)
+    result = _search.check_plan(work, batches, _search.default_loss, plan, ref, "cpu")
+    real_check = _search.check_plan
+    monkeypatch.setattr(_search, "check_plan", lambda *a: burst.during(real_check, *a))
+    notes = []
+    result = _search._whole_low(work, batches, _search.default_loss, plan, ref, "cpu", result,
+                                measured, _solve.Budget(), notes)
+    assert set(plan.choices.values()) == {"bf16"}
+    assert result["plan_ms"] == pytest.approx(8.0)
+    assert any("timed turn about" in n for n in notes)
+    # where the modules' own choice is clearly faster (6 ms), it stays
+    plan.set_choices(dict.fromkeys(plan.choices, "fp32"), _search.Reason.SOLVED)
+    burst.ms = lambda p: 8.0 if p.dtype == "bf16" else 6.0
+    _search._whole_low(work, batches, _search.default_loss, plan, ref, "cpu", result, measured,
+                       _solve.Budget(), [])
+    assert set(plan.choices.values()) == {"fp32"}
