@@ -75,18 +75,25 @@ def region(choice: str, device: str) -> contextlib.AbstractContextManager:
 class AtPrecision:
     """``loss_fn`` run at ``choice``: the output's floating tensors cast to its dtype, the
     loss computed in :func:`region`, returned in fp32 (a GradScaler and ``.item()`` see the
-    same thing at every choice)."""
+    same thing at every choice). ``choice`` is a name, or a function giving it at each call
+    (a plan's record, which may change after the loss function was handed out)."""
 
-    def __init__(self, loss_fn: Callable | None, choice: str, device: str) -> None:
-        if choice not in CANDIDATES:
+    def __init__(self, loss_fn: Callable | None, choice: str | Callable[[], str],
+                 device: str) -> None:
+        if not callable(choice) and choice not in CANDIDATES:
             raise ValueError(f"ampc.autoprecision: the loss's choice must be one of "
                              f"{', '.join(CANDIDATES)}, got {choice!r}")
-        self.loss_fn, self.choice, self.device = loss_fn or default_loss, choice, device
-        self.dtype = _units.DTYPES[choice]
+        self.loss_fn, self._choice, self.device = loss_fn or default_loss, choice, device
+
+    @property
+    def choice(self) -> str:
+        return self._choice() if callable(self._choice) else self._choice
 
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
-        output = map_tensors(lambda t: t.to(self.dtype) if t.is_floating_point() else t, output)
-        with region(self.choice, self.device):
+        choice = self.choice
+        dtype = _units.DTYPES[choice]
+        output = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)
+        with region(choice, self.device):
             loss = self.loss_fn(output, target)
         return loss.float()
 

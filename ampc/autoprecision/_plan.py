@@ -262,7 +262,7 @@ class Plan:
         not measure the loss returns ``loss_fn`` as it is."""
         if self._loss is None:
             return loss_fn or default_loss
-        return _loss.AtPrecision(loss_fn, self._loss.choice, self.device)
+        return _loss.AtPrecision(loss_fn, lambda: self._loss.choice, self.device)
 
     @property
     def device(self) -> str:
@@ -590,8 +590,11 @@ class Applied:
         return list(self._by_region)
 
     def set(self, name: str, choice: str, reason: Reason = Reason.SET) -> None:
-        """Gives module ``name`` the precision ``choice`` (the plan's record changes too)."""
+        """Gives module ``name`` (or the loss, ``"(loss)"``) the precision ``choice`` (the
+        plan's record changes too; a ``plan.loss(...)`` made before follows it)."""
         self.plan.set_choice(name, choice, reason)
+        if name == _loss.NAME and self.plan.loss_unit is not None:
+            return
         self.place(name)
 
     def place(self, name: str) -> None:

@@ -102,6 +102,18 @@ def test_plan_loss_runs_the_loss_at_its_choice(lm_plan):
         assert fp32.loss()(x, y).item() == F.cross_entropy(x, y).item()
 
 
+def test_a_loss_handed_out_follows_the_plan(lm_plan):
+    p = copy.deepcopy(lm_plan)
+    fn = p.loss()
+    x, y = torch.randn(64, VOCAB), torch.randint(0, VOCAB, (64,))
+    assert fn(x, y).item() == F.cross_entropy(x.bfloat16(), y).float().item()
+    model = TinyLM()
+    applied = p.apply(model)
+    applied.set("(loss)", "fp32")                     # no module of that name: the loss's record
+    assert p.loss_unit.choice == "fp32" and fn.choice == "fp32"
+    assert fn(x, y).item() == F.cross_entropy(x, y).item()
+
+
 def test_a_loss_bf16_cannot_hold_is_kept_in_fp32_whatever_its_name():
     # a regression loss on targets near 1000: bf16's spacing there (8) swallows the
     # difference the loss measures, so its error is near 1; the name says nothing
