@@ -30,7 +30,7 @@ import torch
 import ampc
 from . import _units
 from ._solve import clearly_faster
-from .._numerics.errors import fp16_range, rel_error
+from .._numerics.errors import FP16_MAX, fp16_range, rel_error
 from .._numerics.model import default_loss, float_tensors
 from .._numerics.noise import Spread
 from .._walk import map_tensors
@@ -211,3 +211,11 @@ def keep_fp32(measured, choice, objective):
         return None
     return (f"saves {saved} bytes, under {SHARE:.0%} of the units' {total} at fp32"
             + (", and not clearly faster" if objective == "time" else ""))
+
+
+def explain_fp16(rejected, scale):
+    """The loss's fp16 rejection made plain where the loss scale is the cause: the first
+    gradient of the loss's backward is the scale itself, past fp16's range above 65504."""
+    if rejected.get("fp16") == "dgrad error not finite" and scale > FP16_MAX:
+        rejected["fp16"] = (f"dgrad error not finite: at the loss scale {scale:g} the loss's own "
+                            f"gradient (the scale) is past fp16's {FP16_MAX:g}")

@@ -316,6 +316,7 @@ def _first_plan(found, measured, budget, objective, candidates, fp8_recipe, loss
               "options": measured[n], "rejected": rejected[n]} for n, m in found.items()]
     loss = None
     if _loss.NAME in measured:
+        _loss.explain_fp16(rejected[_loss.NAME], loss_scale)
         loss = {"module": _loss.NAME, "type": loss_name, "kind": _loss.KIND,
                 "choice": choice[_loss.NAME], "options": measured[_loss.NAME],
                 "rejected": rejected[_loss.NAME]}

@@ -61,6 +61,10 @@ def test_the_loss_is_measured_and_lowered_where_its_logits_are_most_of_the_bytes
     assert 0.0 < bf16["loss_err"] < 0.05 and 0.0 < bf16["dgrad_err"] < 0.05
     assert bf16["bytes"] * 2 == u.options["fp32"]["bytes"] == 4 * 4 * 16 * VOCAB
     assert u.choice == "bf16"                 # half the logits' bytes, error in budget
+    # fp16 at the modules' loss scale: the loss's first gradient (the scale) overflows
+    assert lm_plan.data["loss_scale"] > 65504
+    assert u.options["fp16"]["dgrad_err"] == float("inf")
+    assert "the loss's own gradient (the scale) is past fp16's 65504" in u.rejected["fp16"]
     assert lm_plan.decisions["(loss)"] == "bf16" and "(loss)" not in lm_plan.choices
     assert "(loss)" in lm_plan.table() and "default_loss" in lm_plan.table()
 
