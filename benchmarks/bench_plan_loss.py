@@ -3,7 +3,7 @@ loss, and a training step's peak memory and time with the loss at fp32 against a
 
     python benchmarks/bench_plan_loss.py [--vocab 50257] [--width 256] [--layers 2] [--context 128] [--batch 4]
 
-Model: transformers' GPT2LMHeadModel from a fresh GPT2Config (dropout 0), random tokens. search() with the
+Model: bench_lean_memory's GPT2LMHeadModel (a fresh GPT2Config, dropout 0, a head a 64 wide), random tokens. search() with the
 memory objective (fp32 and bf16) picks every module's precision and the loss's; the step is then run twice
 per arm, the modules as the plan chose, the loss at fp32 (what torch.amp does: autocast keeps cross-entropy in
 fp32) and at the plan's choice: peak = the tensor bytes alive at the step's start + the highest running sum of
@@ -21,15 +21,7 @@ import torch.nn.functional as F
 import _harness as H
 
 ampc = H.import_ampc()
-from bench_lean_memory import peak_bytes  # noqa: E402
-
-
-def gpt2(args):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = GPT2Config(vocab_size=args.vocab, n_positions=args.context, n_embd=args.width, n_layer=args.layers,
-                     n_head=max(1, args.width // 64), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(cfg)
+from bench_lean_memory import gpt2, peak_bytes  # noqa: E402
 
 
 def lm_loss(out, tokens):

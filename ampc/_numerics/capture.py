@@ -35,8 +35,8 @@ class Call:
 @dataclass
 class Step:
     """What :func:`capture` recorded: the loss, each named module's first :class:`Call`, and
-    every parameter's gradient by qualified name (shared parameters under each name), and
-    the model's output (detached) and the target the loss was computed from."""
+    every parameter's gradient by qualified name (shared parameters under each name), and,
+    where asked for, the model's output (detached) and the target the loss was computed from."""
     loss: float
     calls: dict[str, Call]
     grads: dict[str, torch.Tensor]
@@ -53,12 +53,14 @@ class Step:
 
 def capture(model: torch.nn.Module, batch: tuple, loss_fn: Callable, names: Iterable[str],
             region: Callable[[], Any] = contextlib.nullcontext,
-            state: dict[str, torch.Tensor] | None = None) -> Step:
+            state: dict[str, torch.Tensor] | None = None, keep_output: bool = False) -> Step:
     """One forward (inside ``region()``) and backward of ``model`` on ``(inputs, target)``,
     dropout seeded with 0, recording the first call of each module in ``names`` (qualified
     names, '' for the model itself). The model's own ``.grad`` are left as they were. With
     ``state`` (every parameter and buffer by qualified name) the model runs on those tensors
-    instead of its own (see :func:`call_model`), and the gradients are theirs."""
+    instead of its own (see :func:`call_model`), and the gradients are theirs. With
+    ``keep_output`` the step keeps the model's output and the target (a loss measured on
+    its own needs them); otherwise the output is freed with the step's graph."""
     modules = dict(model.named_modules())
     calls: dict[str, Call] = {}
     handles = []
@@ -103,6 +105,8 @@ def capture(model: torch.nn.Module, batch: tuple, loss_fn: Callable, names: Iter
             h.remove()
         for (_, p), g in zip(params, saved):
             p.grad = g
+    if not keep_output:
+        return Step(loss.detach().float().item(), calls, grads)
     # the output detached, not copied: nothing writes to it after the step
     return Step(loss.detach().float().item(), calls, grads,
                 map_tensors(lambda t: t.detach(), out), target)

@@ -234,7 +234,7 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, 
     verdicts = {}      # _signature -> the too-slow verdict of the first unit timed alike
     alike = {}         # _signature -> the units timed alike
     for k, batch in enumerate(batches):
-        step = capture(ref_model, batch, loss_fn, list(units))
+        step = capture(ref_model, batch, loss_fn, list(units), keep_output=loss is not None)
         if scale is None:
             scale = loss_scale_for(step)
         for name in units:

@@ -215,6 +215,11 @@ class Plan:
         return self.unit(name).choice
 
     @property
+    def every_unit(self) -> list[Unit]:
+        """The records of the modules and, where measured, of the loss."""
+        return self.units + ([self._loss] if self._loss is not None else [])
+
+    @property
     def loss_unit(self) -> Unit | None:
         """The loss's record (module ``"(loss)"``), or None when the loss was not measured
         (a plan saved before, ``search(loss_unit=False)``, a model returning its own loss)."""
@@ -310,7 +315,7 @@ class Plan:
         header = (["module", "type", "choice", "loss err", "dgrad err", "wgrad err",
                    "wgrad noise", "err/noise"] + [f"ms {c}" for c in cands] + ["why not lower"])
         rows = []
-        for u in self.units + ([self._loss] if self._loss is not None else []):
+        for u in self.every_unit:
             r = u.figures()
             times = [_fmt(u.options[c].get("ms"), ".2f") if c in u.options else "n/a"
                      for c in cands]

@@ -266,9 +266,9 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     if check:
         _check_whole(model, batches, loss_fn, plan, measured, budget, objective, device,
                      max_backoffs)
-    every = plan.units + ([plan.loss_unit] if plan.loss_unit else [])
-    plan.data["predicted"] = {"fp32_ms": sum(u.options["fp32"]["ms"] or 0.0 for u in every),
-                              "plan_ms": sum(u.figures()["ms"] or 0.0 for u in every)}
+    plan.data["predicted"] = {
+        "fp32_ms": sum(u.options["fp32"]["ms"] or 0.0 for u in plan.every_unit),
+        "plan_ms": sum(u.figures()["ms"] or 0.0 for u in plan.every_unit)}
     plan.data["search_s"] = time.perf_counter() - t_start
     return _broadcast(plan)
 
@@ -533,8 +533,7 @@ def _wgrad_note(result, plan, measured, budget):
 
 def _worst(plan, result, over):
     """The unit below fp32 that contributes most to what is over the budget."""
-    every = plan.units + ([plan.loss_unit] if plan.loss_unit else [])
-    low = [u for u in every if u.choice != "fp32"]
+    low = [u for u in plan.every_unit if u.choice != "fp32"]
     if not low:
         return None
     key = "loss_err" if over.key == "loss_err" else "dgrad_err"

@@ -211,7 +211,7 @@ def test_an_fp16_loss_needs_the_scaler_and_the_python_says_how(lm_plan):
         pass                                            # every name is one a scope honours
 
 
-def test_verify_trains_with_the_plans_loss(lm_plan):
+def test_verify_trains_with_the_plans_loss(lm_plan, monkeypatch):
     def make_batch(step):
         g = torch.Generator().manual_seed(step)
         return (torch.randint(0, VOCAB, (4, 16), generator=g),
@@ -222,11 +222,8 @@ def test_verify_trains_with_the_plans_loss(lm_plan):
     def spy(self, output, target):
         seen.append(self.choice)
         return real(self, output, target)
-    _loss.AtPrecision.__call__ = spy
-    try:
-        report = lm_plan.verify(TinyLM, make_batch, steps=3, progress=False)
-    finally:
-        _loss.AtPrecision.__call__ = real
+    monkeypatch.setattr(_loss.AtPrecision, "__call__", spy)
+    report = lm_plan.verify(TinyLM, make_batch, steps=3, progress=False)
     assert seen and set(seen) == {"bf16"}
     auto = next(r for r in report.rows if r["setup"] == "ampc auto")
     assert auto["final_gap"] < 0.05
