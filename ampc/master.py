@@ -2,9 +2,11 @@
 
 ``prepare`` turns an fp32 model and an optimizer recipe into master-weight training:
 the model's weights become fp16 or bf16 (one fused cast for all of them), normalization
-layers stay fp32, and the optimizer keeps fp32 master weights that start from the
-original fp32 values, not from their rounded copies. ``fp32_state_dict`` writes those
-master weights back out as a plain fp32 ``state_dict`` for the original model.
+layers stay fp32 (torch's classes, and any module that normalises its input, such as a
+model's own RMSNorm: ``ampc._module_kinds``), and the optimizer keeps fp32 master weights
+that start from the original fp32 values, not from their rounded copies.
+``fp32_state_dict`` writes those master weights back out as a plain fp32 ``state_dict``
+for the original model.
 """
 from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
 
@@ -14,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import _distributed, ops
+from . import _distributed, _module_kinds, ops
 from ._walk import map_tensors
 from .optim import Adam
 
@@ -46,15 +48,22 @@ def _cast_outputs(dtype):
 
 
 def prepare(model: nn.Module, optimizer: Adam | Callable[..., Adam], dtype: torch.dtype = torch.bfloat16,
-            *, keep_fp32: tuple[type[nn.Module], ...] = NORM_LAYERS, cast_inputs: bool = True,
-            **optimizer_kwargs: Any) -> tuple[nn.Module, Adam]:
+            *, keep_fp32: tuple[type[nn.Module], ...] = NORM_LAYERS, detect_norms: bool = True,
+            cast_inputs: bool = True, **optimizer_kwargs: Any) -> tuple[nn.Module, Adam]:
     """Turns an fp32 ``model`` into a ``dtype`` model trained with fp32 master weights.
 
     Every floating parameter and buffer of the model is cast to ``dtype`` in one fused
-    call, except those of modules that are instances of ``keep_fp32`` (normalization
-    layers by default), which stay fp32 and run in fp32: their inputs are cast up and
-    their outputs back down. With ``cast_inputs`` the model's floating inputs are cast
-    to ``dtype`` as well, so an fp32 data pipeline needs no change.
+    call, except those of the modules kept in fp32, which stay fp32 and run in fp32: their
+    inputs are cast up and their outputs back down. Kept are the instances of
+    ``keep_fp32`` (torch's normalization layers by default) and, with ``detect_norms``,
+    every module found to normalise its input (transformers' ``LlamaRMSNorm`` and
+    ``T5LayerNorm``, timm's ``RmsNorm``, a model's own norm class): a module whose tensors
+    are all vectors (at most one dim larger than 1) and whose forward, run once on a tiny meta-tensor
+    input, calls a fused norm or reduces the input and scales by the result (rsqrt, sqrt,
+    div), with no matmul, and returns the input's shape. ``model.ampc_kept_fp32`` then
+    says which were kept and why: ``{module name: "keep_fp32" or "detected"}``. With
+    ``cast_inputs`` the model's floating inputs are cast to ``dtype`` as well, so an fp32
+    data pipeline needs no change.
 
     The fp32 tensors the weights were cast from become the optimizer's master weights
     (no copy, no rounding): training starts exactly where the fp32 model was.
@@ -65,7 +74,10 @@ def prepare(model: nn.Module, optimizer: Adam | Callable[..., Adam], dtype: torc
             params and ``**optimizer_kwargs`` and returns an ampc optimizer, or an ampc
             optimizer already made over ``model.parameters()`` that has taken no step.
         dtype (torch.dtype): torch.bfloat16 (default) or torch.float16.
-        keep_fp32 (tuple of module types): modules left in fp32. Default: NORM_LAYERS.
+        keep_fp32 (tuple of module types): modules left in fp32. Default: NORM_LAYERS;
+            add a norm class the detection misses: ``NORM_LAYERS + (MyNorm,)``.
+        detect_norms (bool): also keep the modules that normalise their input, whatever
+            their class. Default: True.
         cast_inputs (bool): cast the model's floating inputs to ``dtype``. Default: True.
 
     Returns:
@@ -82,12 +94,21 @@ def prepare(model: nn.Module, optimizer: Adam | Callable[..., Adam], dtype: torc
                          f"got {dtype}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"ampc.prepare: model must be an nn.Module, got {type(model).__name__}")
+    types = keep_fp32 if isinstance(keep_fp32, tuple) else (keep_fp32,)
+    if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
+        raise TypeError(f"ampc.prepare: keep_fp32 must be a tuple of nn.Module classes, "
+                        f"got {keep_fp32!r}")
+    if not isinstance(detect_norms, bool):
+        raise TypeError(f"ampc.prepare: detect_norms must be True or False, got {detect_norms!r}")
     _distributed.refuse_sharded_model(model)
     for name, p in model.named_parameters():
         if p.is_floating_point() and p.dtype != torch.float32:
             raise ValueError(f"ampc.prepare: parameter {name} is {p.dtype}; prepare takes "
                              "an fp32 model")
-    kept = [m for m in model.modules() if isinstance(m, keep_fp32)]
+    modules = dict(model.named_modules())
+    why = {n: "keep_fp32" if isinstance(m, types) else "detected" for n, m in modules.items()
+           if isinstance(m, types) or (detect_norms and _module_kinds.kind(m) == _module_kinds.NORM)}
+    kept = [modules[n] for n in why]
     kept_ids = {id(t) for m in kept for t in _own_tensors(m)}
     params = [p for p in model.parameters() if p.is_floating_point() and id(p) not in kept_ids]
     buffers = [(m, name, b) for m in model.modules() for name, b in m.named_buffers(recurse=False)
@@ -130,6 +151,7 @@ def prepare(model: nn.Module, optimizer: Adam | Callable[..., Adam], dtype: torc
         m.register_forward_hook(_cast_outputs(dtype))
     if cast_inputs:
         model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
+    model.ampc_kept_fp32 = why
     _distributed.watch_params(model, opt)
     return model, opt
 
