@@ -597,6 +597,8 @@ class Applied:
     def set(self, name: str, choice: str, reason: Reason = Reason.SET) -> None:
         """Gives module ``name`` (or the loss, ``"(loss)"``) the precision ``choice`` (the
         plan's record changes too; a ``plan.loss(...)`` made before follows it)."""
+        if choice == "fp8" and name in self.modules:   # fp8.convert would skip a Conv1D silently
+            _check_module(replace(self.plan.unit(name), choice=choice), self.modules[name])
         self.plan.set_choice(name, choice, reason)
         if name == _loss.NAME and self.plan.loss_unit is not None:
             return

@@ -219,8 +219,9 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
         objective: "time" (forward + backward time measured on this device; candidates
             whose matmul is 4x slower than fp32 here are not even tried) or "memory"
             (bytes of the module's weights and activations: deterministic).
-        units: module types to decide (default: Linear, convolutions, MultiheadAttention,
-            norms, Softmax).
+        units: module types to decide, only those (default: Linear, convolutions,
+            MultiheadAttention, norms, Softmax, and any module found to compute a GEMM or
+            a norm, such as GPT-2's Conv1D or Llama's RMSNorm).
         device: "cpu" or "cuda"; default: the model's.
         fp8_recipe: "delayed" (DelayedScaling) or "current" (Float8CurrentScaling).
         sensitivity (bool): False treats every candidate as exact (a control: what a
@@ -276,7 +277,7 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
 def _units_and_options(model, types, candidates, objective, device):
     """The units of ``model``, each one's candidates (less those too slow here), and the
     notes saying which were not tried."""
-    found = _units.find_units(model, tuple(types) if types else _units.UNIT_TYPES)
+    found = _units.find_units(model, tuple(types) if types else None)
     if not found:
         raise ValueError("ampc.autoprecision.search: the model has no module of the types "
                          "it decides (Linear, convolutions, attention, norms, softmax); "

@@ -1,13 +1,16 @@
 """The modules a plan decides, and what each choice means for one of them.
 
-A unit is a module whose type is in UNIT_TYPES (or that the caller names). Its choice is
+A unit is a module whose type is in UNIT_TYPES, or that computes a matmul, a convolution
+or a normalisation whatever its class (``ampc._module_kinds``: transformers' GPT-2 Conv1D,
+Llama's and T5's RMSNorm), or, when the caller names types, one of those. Its choice is
 one of CANDIDATES:
 
   fp32  the module's ops run in float32 (module_scope dtype=float32)
   bf16  its lower-precision ops (GEMMs, convolutions, attention) run in bfloat16, and for
   fp16  a norm or softmax module its reduction too (the op policy set to lower precision
         inside it, where autocast would otherwise keep it in fp32)
-  fp8   an nn.Linear whose GEMMs run in FP8 (ampc.fp8.Linear), the rest in bf16
+  fp8   an nn.Linear whose GEMMs run in FP8 (ampc.fp8.Linear), the rest in bf16; not
+        offered to other GEMMs (a Conv1D): ampc.fp8.convert swaps nn.Linear only
 
 Ops outside every unit (residual adds, a functional attention call, activations) run at
 the plan's region dtype under autocast's default policy.
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
+from .. import _module_kinds
 
 CANDIDATES = ("fp32", "bf16", "fp16", "fp8")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -50,12 +54,13 @@ class Reason(str, enum.Enum):
 
 
 def kind(module):
-    """'gemm', 'norm' or 'other' (a unit the caller named by type)."""
+    """'gemm', 'norm' (by class, else by what it computes) or 'other' (a unit the caller
+    named by type)."""
     if isinstance(module, GEMM_TYPES):
         return "gemm"
     if isinstance(module, NORM_TYPES):
         return "norm"
-    return "other"
+    return _module_kinds.kind(module) or "other"
 
 
 def fp8_capable(module):
@@ -69,9 +74,11 @@ def candidates_for(module, candidates):
     return [c for c in candidates if c != "fp8" or fp8_capable(module)]
 
 
-def find_units(model: nn.Module, types: tuple = UNIT_TYPES) -> dict[str, nn.Module]:
-    """{qualified name: module} of the units of ``model``, in module order. A unit inside
-    another unit (a Linear inside a MultiheadAttention) is left to its parent.
+def find_units(model: nn.Module, types: tuple | None = None) -> dict[str, nn.Module]:
+    """{qualified name: module} of the units of ``model``, in module order: the instances
+    of ``types``, or by default those of UNIT_TYPES and the modules found to compute a
+    GEMM or a norm. A unit inside another unit (a Linear inside a MultiheadAttention) is
+    left to its parent.
 
     named_modules walks depth first, so a unit's descendants come right after it: the one
     unit last entered is all that needs remembering (linear in the number of modules)."""
@@ -80,7 +87,7 @@ def find_units(model: nn.Module, types: tuple = UNIT_TYPES) -> dict[str, nn.Modu
         if inside is not None and name.startswith(inside):
             continue
         inside = None
-        if isinstance(module, types) and name:
+        if name and (isinstance(module, types) if types else kind(module) != "other"):
             units[name] = module
             inside = name + "."
     return units
