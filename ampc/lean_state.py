@@ -4,10 +4,18 @@ torch's AdamW state, and what the state of a model and its optimizer costs.
 
 A param's layout is its moments' kind (``"fp32"``, ``"bf16"`` or ``"8bit"``) and how its
 weight is kept (``"master"``: an fp32 master weight; ``"kahan"``: a bf16 compensation;
-``"none"``: the param alone). State keys, beside torch's ``step``, ``exp_avg`` and
-``exp_avg_sq``: ``exp_avg_scale`` and ``exp_avg_sq_scale`` (8-bit: one fp32 absmax a
-block of ``ampc.ops.QBLOCK``), ``master``, ``compensation``. The 8-bit codes are
-defined in csrc/math/lean.h (Note [8-bit moments]); ``decode`` below reads them.
+``"none"``: the param alone). State keys, beside torch's ``step``: the moments as
+``exp_avg`` and ``exp_avg_sq`` (fp32 or bf16 values, under torch's names) or, 8-bit,
+``exp_avg_codes`` and ``exp_avg_sq_codes`` (uint8) with ``exp_avg_scale`` and
+``exp_avg_sq_scale`` (one fp32 absmax a block of ``ampc.ops.QBLOCK``); ``master``,
+``compensation``. The codes are defined in csrc/math/lean.h (Note [8-bit moments]);
+``decode_moments`` below reads them.
+
+The codes are not under torch's names on purpose: ``torch.optim.AdamW.load_state_dict``
+casts any tensor it finds under ``exp_avg`` to the param's dtype, so codes there would
+be trained on as if they were moments. Under their own names torch finds no moments and
+its step raises. (Checkpoints written before this kept the codes under torch's names;
+``ampc`` still reads them.)
 """
 from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
 
@@ -17,8 +25,9 @@ import torch
 
 from . import ops
 
-__all__ = ["MOMENTS", "PRESETS", "decode_moments", "encode_moments", "layout_of",
-           "to_torch_state", "state_bytes", "scales_fit", "shard_blocks"]
+__all__ = ["MOMENTS", "PRESETS", "CODES", "decode_moments", "encode_moments", "layout_of",
+           "has_moments", "moment_keys", "upgrade_codes", "to_torch_state", "state_bytes",
+           "scales_fit", "shard_blocks"]
 
 MOMENTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
 _KIND = {v: k for k, v in MOMENTS.items()}
@@ -30,6 +39,9 @@ PRESETS = {
 }
 
 _M_MAX, _V_MAX = 480.0, 496.0
+
+# torch's moment names -> where 8-bit codes live instead (see the module docstring)
+CODES = {"exp_avg": "exp_avg_codes", "exp_avg_sq": "exp_avg_sq_codes"}
 
 
 def _table(mant_bits):
@@ -50,10 +62,36 @@ def _tables(device):
     return _TABLES[device]
 
 
+def has_moments(state: dict) -> bool:
+    """Whether one param's state holds moments (of any kind)."""
+    return "exp_avg" in state or "exp_avg_codes" in state
+
+
+def moment_keys(state: dict) -> tuple[str, str]:
+    """The keys of one param's moments: torch's names, or those of 8-bit codes."""
+    return ("exp_avg_codes", "exp_avg_sq_codes") if "exp_avg_codes" in state else \
+        ("exp_avg", "exp_avg_sq")
+
+
+def upgrade_codes(state: dict) -> dict:
+    """One param's saved state with 8-bit codes under their own names: a checkpoint from
+    before they moved out of torch's names (uint8 under ``exp_avg``) is read the same."""
+    m = state.get("exp_avg")
+    if not (isinstance(m, torch.Tensor) and m.dtype == torch.uint8):
+        return state
+    state = dict(state)
+    for key, code in CODES.items():
+        if key in state:
+            state[code] = state.pop(key)
+    return state
+
+
 def layout_of(state: dict) -> tuple[str, str]:
     """(moments, weight) of one param's optimizer state, read from what it holds."""
-    m = state.get("exp_avg")
+    m = state.get(moment_keys(state)[0])
     kind = _KIND.get(m.dtype, "?") if isinstance(m, torch.Tensor) else "fp32"
+    if "exp_avg_codes" in state and kind != "8bit":
+        kind = "?"
     weight = "master" if "master" in state else "kahan" if "compensation" in state else "none"
     return kind, weight
 
@@ -61,7 +99,8 @@ def layout_of(state: dict) -> tuple[str, str]:
 def decode_moments(state: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 exp_avg and exp_avg_sq of one param's state, whatever its kind: the values the
     next step starts from, bit for bit (the 8-bit decode is lean.h's)."""
-    m, v = state["exp_avg"], state["exp_avg_sq"]
+    state = upgrade_codes(state)
+    m, v = (state[k] for k in moment_keys(state))
     if m.dtype != torch.uint8:
         return m.float(), v.float()
     tm, tv = _tables(m.device)
@@ -139,9 +178,9 @@ def encode_moments(m: torch.Tensor, v: torch.Tensor, kind: str, step: torch.Tens
                       [torch.zeros(1, device=m.device)], lr=0.0, beta1=0.0, beta2=0.0,
                       exp_avg_scales=[sm], exp_avg_sq_scales=[sv])
         if key == "exp_avg":
-            out["exp_avg"], out["exp_avg_scale"] = cm, sm
+            out["exp_avg_codes"], out["exp_avg_scale"] = cm, sm
         else:
-            out["exp_avg_sq"], out["exp_avg_sq_scale"] = cv, sv
+            out["exp_avg_sq_codes"], out["exp_avg_sq_scale"] = cv, sv
     return out
 
 
@@ -152,7 +191,7 @@ def to_torch_state(optimizer) -> dict:
     sd = optimizer.state_dict()
     state = {}
     for k, s in sd["state"].items():
-        if "exp_avg" not in s:
+        if not has_moments(s):
             state[k] = dict(s)
             continue
         m, v = decode_moments(s)
@@ -169,7 +208,8 @@ _KINDS = ("weights", "grads", "masters", "compensation", "moments", "scales", "s
 
 def state_bytes(model: torch.nn.Module, optimizer=None) -> dict:
     """Persistent training-state bytes of a model and its optimizer, by kind, measured from
-    the tensors that exist (each tensor's elements, counted once if two names hold it):
+    the tensors that exist (each tensor's elements, counted once if two names hold it; a
+    tensor subclass by the tensors inside it):
     weights, grads (those allocated now), masters, compensation, moments (exp_avg,
     exp_avg_sq, max_exp_avg_sq), scales (of 8-bit moments), steps. Returns
     ``{"params": parameter count, "bytes": {kind: bytes}, "per_param": {kind: bytes a
@@ -180,7 +220,12 @@ def state_bytes(model: torch.nn.Module, optimizer=None) -> dict:
     def add(kind, t):
         if not isinstance(t, torch.Tensor):
             return
-        t = getattr(t, "_local_tensor", t)     # a DTensor: its shard
+        if hasattr(t, "__tensor_flatten__"):
+            # a tensor subclass (a DTensor's shard, another library's 8-bit state): the
+            # tensors it holds, since its own size is that of the values it stands for
+            for name in t.__tensor_flatten__()[0]:
+                add(kind, getattr(t, name))
+            return
         nbytes = t.numel() * t.element_size()
         key = (t.data_ptr(), nbytes)
         if key in seen or nbytes == 0:
@@ -192,6 +237,7 @@ def state_bytes(model: torch.nn.Module, optimizer=None) -> dict:
     count = sum(p.numel() for p in params)
     key_kind = {"master": "masters", "compensation": "compensation", "exp_avg": "moments",
                 "exp_avg_sq": "moments", "max_exp_avg_sq": "moments",
+                "exp_avg_codes": "moments", "exp_avg_sq_codes": "moments",
                 "exp_avg_scale": "scales", "exp_avg_sq_scale": "scales", "step": "steps"}
     for p in params:
         add("weights", p)

@@ -26,12 +26,17 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import _distributed, ops
-from .lean_state import (MOMENTS, PRESETS, decode_moments, encode_moments, layout_of,
-                         scales_fit, shard_blocks)
+from .lean_state import (CODES, MOMENTS, PRESETS, decode_moments, encode_moments,
+                         has_moments, layout_of, moment_keys, scales_fit, shard_blocks,
+                         upgrade_codes)
 
 __all__ = ["Adam", "AdamW"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+# How a group's state is laid out: the options a checkpoint's groups may not overwrite,
+# since load_state_dict converts the state into this optimizer's layout
+_LAYOUT_OPTIONS = ("master_weights", "stochastic_rounding", "moments", "moments_min_numel",
+                   "kahan_summation")
 _ALIGN = 16             # fp32 elements: each param's state starts 64-byte aligned
 _grad = attrgetter("grad")
 _NONE = type(None)
@@ -144,6 +149,9 @@ class Adam(torch.optim.Optimizer):
             stochastic_rounding=True, moments="8bit"`` (about 6 bytes a parameter of
             persistent state for a bf16 model). Options given explicitly win over the
             preset's, except ``master_weights=True``, which it refuses.
+        decoupled_weight_decay (bool or None): AdamW's decoupled weight decay, as
+            torch.optim.Adam's; None (default): False for ``Adam``, True for ``AdamW``. A
+            group option, so torch's AdamW checkpoint brings it along.
 
     With ``moments`` other than ``"fp32"`` or with ``kahan_summation`` the step is
     ``ampc.ops.adam_lean`` (one pass, no amsgrad); the layouts are in ``ampc.lean_state``.
@@ -161,7 +169,8 @@ class Adam(torch.optim.Optimizer):
                  differentiable: bool = False, fused: bool | None = None,
                  master_weights: bool | None = None, stochastic_rounding: bool | None = None,
                  seed: int = 0, moments: str | None = None, moments_min_numel: int = 4096,
-                 kahan_summation: bool = False, state: str | None = None) -> None:
+                 kahan_summation: bool = False, state: str | None = None,
+                 decoupled_weight_decay: bool | None = None) -> None:
         name = f"ampc.optim.{type(self).__name__}"
         if state is not None:
             if state not in PRESETS:
@@ -199,7 +208,9 @@ class Adam(torch.optim.Optimizer):
                         capturable=capturable, differentiable=False, fused=fused,
                         master_weights=master_weights,
                         stochastic_rounding=stochastic_rounding, seed=seed, moments=moments,
-                        moments_min_numel=moments_min_numel, kahan_summation=kahan_summation)
+                        moments_min_numel=moments_min_numel, kahan_summation=kahan_summation,
+                        decoupled_weight_decay=self._decoupled if decoupled_weight_decay is None
+                        else bool(decoupled_weight_decay))
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -211,6 +222,7 @@ class Adam(torch.optim.Optimizer):
             group.setdefault("moments", "fp32")
             group.setdefault("moments_min_numel", 4096)
             group.setdefault("kahan_summation", False)
+            group.setdefault("decoupled_weight_decay", self._decoupled)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -272,8 +284,10 @@ class Adam(torch.optim.Optimizer):
         zeros = lambda dt: torch.zeros_like(p, dtype=dt,  # noqa: E731
                                             memory_format=torch.contiguous_format)
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        state["exp_avg"] = zeros(MOMENTS[moments])
-        state["exp_avg_sq"] = zeros(MOMENTS[moments])
+        m_key, v_key = (CODES["exp_avg"], CODES["exp_avg_sq"]) if moments == "8bit" else \
+            ("exp_avg", "exp_avg_sq")
+        state[m_key] = zeros(MOMENTS[moments])
+        state[v_key] = zeros(MOMENTS[moments])
         if moments == "8bit" and _distributed.is_dtensor(p):     # per-shard blocks
             name = f"ampc.optim.{type(self).__name__}"
             state["exp_avg_scale"] = _distributed.lean_scales(name, p, ops.QBLOCK)
@@ -297,7 +311,7 @@ class Adam(torch.optim.Optimizer):
         """One adam_lean call per (device, dtypes, layout) of the params with grads."""
         name = f"ampc.optim.{type(self).__name__}"
         state = self.state
-        fresh = [(i, p) for i, p, _ in live if "exp_avg" not in state[p]]
+        fresh = [(i, p) for i, p, _ in live if not has_moments(state[p])]
         for i, p in fresh:      # every check before any allocation
             if group["kahan_summation"] and p.dtype == torch.float16:
                 raise ValueError(f"{name}: kahan_summation=True needs torch.bfloat16 params; "
@@ -307,7 +321,7 @@ class Adam(torch.optim.Optimizer):
             if g.is_sparse:
                 raise RuntimeError(f"{name} does not support sparse gradients")
             s = state[p]
-            if "exp_avg" not in s:
+            if not has_moments(s):
                 s = self._init_lean_state(group, p, s.get("master"))
             moments, weight = layout_of(s)
             key = (p.device, p.dtype, g.dtype, moments, weight)
@@ -320,7 +334,8 @@ class Adam(torch.optim.Optimizer):
             grads = [g for _, _, g, _ in items]
             states = [s for _, _, _, s in items]
             q8 = moments == "8bit"
-            keys = ["step", "exp_avg", "exp_avg_sq"] + (
+            m_key, v_key = moment_keys(states[0])
+            keys = ["step", m_key, v_key] + (
                 ["master"] if weight == "master" else ["compensation"] if weight == "kahan"
                 else [])
             lists = {k: [s[k] for s in states] for k in keys}
@@ -344,13 +359,14 @@ class Adam(torch.optim.Optimizer):
                 lr = lr.to(device, non_blocking=True)
             targets = [p if p.is_contiguous() else p.detach().contiguous() for p in params]
             ops.adam_lean(
-                targets, grads, get("exp_avg"), get("exp_avg_sq"), get("step"), lr=lr,
+                targets, grads, get(m_key), get(v_key), get("step"), lr=lr,
                 masters=get("master") if weight == "master" else None,
                 compensations=get("compensation") if weight == "kahan" else None,
                 exp_avg_scales=get("exp_avg_scale") if q8 else None,
                 exp_avg_sq_scales=get("exp_avg_sq_scale") if q8 else None,
                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                decoupled=self._decoupled, maximize=group["maximize"], inv_scale=inv_scale,
+                decoupled=group["decoupled_weight_decay"], maximize=group["maximize"],
+                inv_scale=inv_scale,
                 clip_coef=clip, found_inf=found_inf, stochastic=group["stochastic_rounding"],
                 seed=seed)
             for p, t in zip(params, targets):
@@ -388,7 +404,7 @@ class Adam(torch.optim.Optimizer):
 
     def _checked_state(self, group, p, index):
         state = self.state[p]
-        if "exp_avg" not in state:      # a new param, or only a master from prepare()
+        if not has_moments(state):      # a new param, or only a master from prepare()
             return self._init_state(group, p, state.get("master"))
         for key in self._state_keys(group):
             if key not in state:
@@ -499,7 +515,7 @@ class Adam(torch.optim.Optimizer):
                     b.params, g, b.pack.buffer, b.pack.steps, b.layout, lr=lr_d,
                     amsgrad=group["amsgrad"], master="master" in b.pack.keys,
                     beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], decoupled=self._decoupled,
+                    weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
                     maximize=group["maximize"], inv_scale=inv_scale, clip_coef=clip,
                     found_inf=found_inf, stochastic=group["stochastic_rounding"], seed=seed)
                 if b.packed:
@@ -564,7 +580,8 @@ class Adam(torch.optim.Optimizer):
                 lists["exp_avg"], lists["exp_avg_sq"], lists["step"], lr=lr,
                 masters=lists.get("master"), max_exp_avg_sqs=lists.get("max_exp_avg_sq"),
                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                decoupled=self._decoupled, maximize=group["maximize"], inv_scale=inv_scale,
+                decoupled=group["decoupled_weight_decay"], maximize=group["maximize"],
+                inv_scale=inv_scale,
                 clip_coef=clip, found_inf=found_inf,
                 stochastic=group["stochastic_rounding"], seed=seed)
             for p, t in zip(params, targets):
@@ -574,30 +591,44 @@ class Adam(torch.optim.Optimizer):
     # ---- checkpoints ----
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As torch's, but master weights, moments and steps stay fp32 on the param's
-        device instead of being cast to the param's dtype, and a checkpoint that does not
-        fit this optimizer's params raises before anything is loaded."""
+        """As torch's, but the state is converted into this optimizer's layout: master
+        weights, moments and steps stay fp32 on the param's device (torch's default would
+        cast them to the param's dtype), a checkpoint of another layout (torch's AdamW, a
+        lean state) is converted, and each group keeps this optimizer's layout options
+        (``master_weights``, ``stochastic_rounding``, ``moments``, ``moments_min_numel``,
+        ``kahan_summation``; a checkpoint without them, torch's, would otherwise reset them
+        while the state holds another layout). Hyperparameters (lr, betas, ..., seed) come
+        from the checkpoint, as in torch. A checkpoint that does not fit this optimizer's
+        params raises before anything is loaded."""
         name = f"ampc.optim.{type(self).__name__}.load_state_dict"
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
-        saved_state = state_dict["state"]
+        saved_state = {k: upgrade_codes(v) if isinstance(v, dict) else v
+                       for k, v in state_dict["state"].items()}
         groups = {id(p): g for g in self.param_groups for p in g["params"]}
         params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        layouts = [{k: g[k] for k in _LAYOUT_OPTIONS} for g in self.param_groups]
+        for index, (saved_group, layout) in enumerate(zip(state_dict["param_groups"], layouts)):
+            # the group as it will step: the checkpoint's hyperparameters, our layout
+            self._check_lean_options({**self.defaults, **saved_group, **layout,
+                                      "params": self.param_groups[index]["params"]}, index)
         for i, (sid, p) in enumerate(zip(saved_ids, params)):
             saved = saved_state.get(sid, {})
             self._check_saved(name, i, p, groups[id(p)], saved)
         before = {id(p): dict(self.state[p]) for p in params if p in self.state}
         super().load_state_dict(state_dict)
+        for group, layout in zip(self.param_groups, layouts):
+            group.update(layout)
         for sid, p in zip(saved_ids, params):
             saved = saved_state.get(sid)
             if saved is None:
                 continue
             group = groups[id(p)]
             state = self.state[p]
-            if self._is_lean(group):
-                self._load_lean(state, group, p, saved)
-                continue
             old = before.get(id(p), {})
-            if "exp_avg" in saved and layout_of(saved)[0] != "fp32":
+            if self._is_lean(group):
+                self._load_lean(state, group, p, saved, _held_weight(p, old))
+                continue
+            if has_moments(saved) and layout_of(saved)[0] != "fp32":
                 saved = dict(saved)     # a lean checkpoint into fp32 moments: decoded
                 saved["exp_avg"], saved["exp_avg_sq"] = decode_moments(saved)
             if "compensation" in saved:
@@ -605,18 +636,22 @@ class Adam(torch.optim.Optimizer):
                 saved["master"] = p.detach().float() + saved["compensation"].to(p.device).float()
             for key in _LEAN_ONLY:
                 state.pop(key, None)
+            if "master" not in saved and self._wants_master(group, p):
+                saved = dict(saved)     # a state without masters (torch's): from the weights
+                held = _held_weight(p, old)
+                saved["master"] = p.detach().float() if held is None else held
             for key in _MOMENTS:
                 if key in saved:
                     state[key] = _into(old.get(key), saved[key].to(
                         device=p.device, dtype=torch.float32,
-                        memory_format=torch.contiguous_format))
+                        memory_format=torch.contiguous_format, copy=True))
             if "step" in saved:
                 state["step"] = _into(old.get("step"), _step_of(saved, p))
 
     def _check_saved(self, name, i, p, group, saved):
         """A checkpoint entry that this optimizer could misread is refused (ValueError)
         before anything is loaded; every other layout converts."""
-        for key in _MOMENTS + ("compensation",):
+        for key in _MOMENTS + tuple(CODES.values()) + ("compensation",):
             value = saved.get(key)
             if value is not None and (not isinstance(value, torch.Tensor)
                                       or value.shape != p.shape):
@@ -624,11 +659,12 @@ class Adam(torch.optim.Optimizer):
                 raise ValueError(f"{name}: '{key}' of param {i} has shape {got}, but the "
                                  f"param has shape {tuple(p.shape)}: the checkpoint is "
                                  "of another model or optimizer")
-        if "exp_avg" not in saved:
+        if not has_moments(saved):
             return
         moments, weight = layout_of(saved)
         if moments == "?":
-            raise ValueError(f"{name}: 'exp_avg' of param {i} is {saved['exp_avg'].dtype}, "
+            key = moment_keys(saved)[0]
+            raise ValueError(f"{name}: '{key}' of param {i} is {saved[key].dtype}, "
                              "not a moments layout ampc knows (float32, bfloat16, uint8 codes)")
         if moments == "8bit":
             blocks = -(-p.numel() // ops.QBLOCK)
@@ -665,7 +701,7 @@ class Adam(torch.optim.Optimizer):
                              f"checkpoint holds {layout_of(saved)[0]} moments; sharded lean "
                              "state loads only in its own layout (load it into a single "
                              "process to convert it)")
-        for key in ("exp_avg", "exp_avg_sq", "master", "compensation"):
+        for key in moment_keys(saved) + ("master", "compensation"):
             if key in saved and not _distributed.is_dtensor(saved[key]):
                 raise ValueError(f"{name}: '{key}' of param {i} is a plain tensor but the param "
                                  "is a DTensor (load sharded state with "
@@ -683,18 +719,19 @@ class Adam(torch.optim.Optimizer):
                                      "blocks; load it into a single process, which "
                                      "converts it (docs/lean_state.md)")
 
-    def _load_lean(self, state, group, p, saved):
-        """saved (any layout, checked) converted into this optimizer's layout for p."""
+    def _load_lean(self, state, group, p, saved, held):
+        """saved (any layout, checked) converted into this optimizer's layout for p; held
+        is the fp32 weight this optimizer kept for p (see _held_weight), or None."""
         moments, weight = self._lean_layout(group, p)
         state.clear()
         state["step"] = _step_of(saved, p)
         dtensor = _distributed.is_dtensor(p)
-        if "exp_avg" in saved:
+        if has_moments(saved):
             if layout_of(saved)[0] == moments and (
                     moments != "8bit" or dtensor
                     or saved["exp_avg_scale"].shape == (-(-p.numel() // ops.QBLOCK),)):
                 # the same layout: the tensors as saved
-                for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+                for key in moment_keys(saved) + ("exp_avg_scale", "exp_avg_sq_scale"):
                     if key in saved:
                         state[key] = saved[key].to(p.device, copy=True)
             else:
@@ -711,7 +748,7 @@ class Adam(torch.optim.Optimizer):
             elif wsaved == "kahan":
                 state["master"] = p.detach().float() + saved["compensation"].to(p.device).float()
             else:
-                state["master"] = p.detach().float().clone()
+                state["master"] = p.detach().float().clone() if held is None else held.clone()
         elif weight == "kahan":
             if wsaved == "kahan":
                 state["compensation"] = saved["compensation"].to(p.device, torch.bfloat16,
@@ -719,11 +756,32 @@ class Adam(torch.optim.Optimizer):
             elif wsaved == "master":
                 master = saved["master"].to(p.device, torch.float32)
                 state["compensation"] = (master - p.detach().float()).to(torch.bfloat16)
+            elif held is not None:
+                state["compensation"] = (held - p.detach().float()).to(torch.bfloat16)
             else:
                 state["compensation"] = torch.zeros_like(p, dtype=torch.bfloat16)
 
 
-_LEAN_ONLY = ("exp_avg_scale", "exp_avg_sq_scale", "compensation")
+_LEAN_ONLY = ("exp_avg_scale", "exp_avg_sq_scale", "compensation") + tuple(CODES.values())
+
+
+def _held_weight(p, old):
+    """The fp32 weight the state `old` kept for p (its master, or p + its compensation:
+    prepare's masters are the fp32 values the weights were cast from), when it still
+    rounds to p; None when it does not (new weights were loaded since) or there is none.
+    A checkpoint without a weight of its own (torch's AdamW) keeps it, so converting does
+    not round the weights to 16 bits."""
+    if _distributed.is_dtensor(p):
+        return None
+    if "master" in old:
+        held = old["master"].detach().float()
+    elif "compensation" in old:
+        held = p.detach().float() + old["compensation"].float()
+    else:
+        return None
+    if held.shape != p.shape or not torch.equal(held.to(p.dtype), p.detach()):
+        return None
+    return held.clone()
 
 
 def _step_of(saved, p):

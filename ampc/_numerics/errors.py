@@ -13,6 +13,29 @@ import torch
 FP16_MAX = 65504.0
 
 
+def fp16_loss_scale(top: float) -> float:
+    """The loss scale a dynamic scaler settles near for a step whose largest gradient is
+    ``top``: the largest power of two (1 to 2**24) at which ``top`` times it stays under half
+    of fp16's largest value; 65536, GradScaler's first scale, when ``top`` is 0 or not finite."""
+    if top == 0.0 or not math.isfinite(top):
+        return 65536.0
+    return float(2.0 ** min(24, max(0, math.floor(math.log2(FP16_MAX / 2 / top)))))
+
+
+def silent(named: Iterable[tuple[str, torch.Tensor | None]]) -> str | None:
+    """Why these (name, tensor) pairs (a unit's output, the gradient at it) cannot show a
+    precision's error: a tensor all zero (every error against it reads 0) or not finite,
+    else None."""
+    for what, t in named:
+        if t is None or not t.numel():
+            continue
+        if not bool(torch.isfinite(t).all()):
+            return f"its {what} is not finite"
+        if not bool(t.any()):
+            return f"its {what} is all zero"
+    return None
+
+
 def rel_error(a: Sequence[torch.Tensor | None], b: Sequence[torch.Tensor | None]) -> float | None:
     """||a - b|| / ||b|| over paired lists of tensors, as one vector (||a - b|| when b is all
     zero). Pairs with a None are skipped; None when no pair is left or two shapes differ;

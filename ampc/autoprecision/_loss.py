@@ -30,7 +30,7 @@ import torch
 import ampc
 from . import _units
 from ._solve import clearly_faster
-from .._numerics.errors import FP16_MAX, fp16_range, rel_error
+from .._numerics.errors import fp16_loss_scale, fp16_range, rel_error
 from .._numerics.model import default_loss, float_tensors
 from .._numerics.noise import Spread
 from .._walk import map_tensors
@@ -137,15 +137,18 @@ class Tally:
         self.times = {c: [] for c in self.fns}
         self.errors = {}
         self.noise = Spread()
+        self.scale = None          # the loss scale fp16 was measured at
         self.numel = 0
         self.repeats = repeats
 
     def _runs(self, step, scale):
         runs = {}
         for _ in range(self.repeats):
-            for c, fn in self.fns.items():
+            for c, fn in self.fns.items():     # fp32 first: fp16's scale is read from it
                 if c in self.errors:
                     continue
+                if c == "fp16":
+                    scale = loss_scale(scale, runs["fp32"][1])
                 try:
                     r = _run(fn, step.output, step.target, scale if c == "fp16" else 1.0)
                 except RuntimeError as e:
@@ -157,11 +160,13 @@ class Tally:
         return runs
 
     def add(self, step, scale):
-        """One captured step's errors and times (fp16 at loss scale ``scale``)."""
+        """One captured step's errors and times (fp16 at the modules' loss scale ``scale``,
+        or lower where the loss's own gradient needs it: :func:`loss_scale`)."""
         outputs = float_tensors(step.output)
         self.numel = sum(t.numel() for t in outputs)
         runs = self._runs(step, scale)
         ref_loss, ref_grads, _ = runs["fp32"]
+        scale = loss_scale(scale, ref_grads)
         self.noise.add(ref_grads)
         for c, (loss, grads, t) in runs.items():
             self.times[c].append(t)
@@ -173,6 +178,7 @@ class Tally:
                 under, over = fp16_range([g for g in ref_grads if g is not None], scale, outputs)
                 sums["underflow"].append(under)
                 sums["overflow"].append(over)
+                self.scale = scale
 
     def result(self):
         out = {}
@@ -185,6 +191,8 @@ class Tally:
                      bytes=self.numel * _units.BYTES[c])
             if c in self.errors:
                 r["error"] = self.errors[c]
+            if c == "fp16" and self.scale is not None:
+                r["loss_scale"] = self.scale
             out[c] = r
         return out
 
@@ -213,9 +221,11 @@ def keep_fp32(measured, choice, objective):
             + (", and not clearly faster" if objective == "time" else ""))
 
 
-def explain_fp16(rejected, scale):
-    """The loss's fp16 rejection made plain where the loss scale is the cause: the first
-    gradient of the loss's backward is the scale itself, past fp16's range above 65504."""
-    if rejected.get("fp16") == "dgrad error not finite" and scale > FP16_MAX:
-        rejected["fp16"] = (f"dgrad error not finite: at the loss scale {scale:g} the loss's own "
-                            f"gradient (the scale) is past fp16's {FP16_MAX:g}")
+def loss_scale(scale, grads):
+    """The loss scale an fp16 loss is judged at: the modules' ``scale``, or lower where the
+    loss needs it. In fp16 the loss's own gradient is the scale itself (its backward starts
+    from d(scale * L)/dL), and a dynamic scaler that meets it past fp16's 65504 backs off:
+    the scale a run settles at keeps it, and the largest gradient the loss hands on
+    (``grads``, at scale 1), under half of fp16's range."""
+    top = max([1.0] + [float(g.abs().max()) for g in grads if g is not None and g.numel()])
+    return min(scale, fp16_loss_scale(top))

@@ -18,16 +18,23 @@ would). Against the unit's own fp32 run this gives, separately:
 
 and the time of its forward and backward at that precision, casts at its boundary
 included. Every unit is measured on its own copy: the model is not changed.
+
+A batch on which a unit's output, or the gradient at it, is all zero or not finite cannot
+show an error (against zeros every error reads 0: a zero-initialised head zeroes every
+gradient below it). Such batches are skipped; a unit silent on all of them is "not
+measured". The search first looks for such units (:func:`silent_units`) and, by default,
+measures a copy of the model after a few fp32 optimizer steps (:func:`warm_if_silent`).
 """
 import contextlib
 import copy
-import math
+
+import torch
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 from . import _loss, _units
 from .._numerics.capture import Call, capture
-from .._numerics.errors import FP16_MAX, fp16_range, loss_error, rel_error
-from .._numerics.model import float_tensors
+from .._numerics.errors import fp16_loss_scale, fp16_range, loss_error, rel_error, silent
+from .._numerics.model import call_model, float_tensors
 from .._numerics.noise import Spread
 from .._numerics.unit import run_unit
 
@@ -40,9 +47,92 @@ def loss_scale_for(step):
     for t in [c.grad for c in step.calls.values() if c.grad is not None] + list(step.grads.values()):
         if t.numel():
             top = max(top, float(t.detach().abs().max()))
-    if top == 0.0 or not math.isfinite(top):
-        return 65536.0
-    return float(2.0 ** min(24, max(0, math.floor(math.log2(FP16_MAX / 2 / top)))))
+    return fp16_loss_scale(top)
+
+
+def unit_silent(rec: Call):
+    """Why a recorded call cannot show a precision's error (its output or the gradient at
+    its output all zero or not finite: a zero-initialised head zeroes every gradient below
+    it), or None."""
+    return silent([("output", rec.out), ("output gradient", rec.grad)])
+
+
+def silent_units(model, batches, loss_fn, units):
+    """{name: why} of the units that cannot show an error on any of the batches (one fp32
+    step each, on a copy of the model)."""
+    ref_model = copy.deepcopy(model)
+    out = {}
+    for batch in batches:
+        step = capture(ref_model, batch, loss_fn, list(units))
+        for name in units:
+            rec = step.calls.get(name)
+            why = None if rec is None or not rec.returned else unit_silent(rec)
+            if why is None:
+                out[name] = None            # it showed something on this batch
+            else:
+                out.setdefault(name, why)
+    return {n: why for n, why in out.items() if why is not None}
+
+
+WARMUP_STEPS = 3
+WARMUP_LR = 1e-3
+
+
+def warmed_up(model, batches, loss_fn, steps=WARMUP_STEPS, lr=WARMUP_LR):
+    """A copy of ``model`` after ``steps`` fp32 AdamW steps over the batches in turn. Adam's
+    first steps move every parameter with a gradient by about ``lr``, whatever its scale:
+    a zero-initialised layer then passes gradients to the layers below it."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)                   # the same dropout draws every search
+        for k in range(steps):
+            inputs, target = batches[k % len(batches)]
+            opt.zero_grad(set_to_none=True)
+            loss_fn(call_model(model, inputs), target).backward()
+            opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model
+
+
+def _some(whys, k=3):
+    """'why: a, b, c and 2 more; why: d' from {name: why}, at most ``k`` names a reason."""
+    names = {}
+    for n, w in whys.items():
+        names.setdefault(w, []).append(n)
+    return "; ".join(f"{w}: {', '.join(ns[:k])}" + (f" and {len(ns) - k} more" if len(ns) > k
+                                                      else "") for w, ns in names.items())
+
+
+def warm_if_silent(model, batches, loss_fn, units, warmup="auto"):
+    """(the model to measure, its units, a note or None). With ``warmup="auto"``, a copy of
+    ``model`` after WARMUP_STEPS fp32 AdamW steps when some unit cannot show an error at its
+    weights (:func:`silent_units`), else ``model``; with a number, that many steps (0: none)."""
+    if warmup == "auto":
+        quiet = silent_units(model, batches, loss_fn, units)
+        if not quiet:
+            return model, units, None
+        steps = WARMUP_STEPS
+        why = (f"{len(quiet)} of {len(units)} modules cannot show an error at the model's "
+               f"weights ({_some(quiet)}); measured")
+    elif warmup:
+        steps, why = warmup, f"warmup={warmup}: measured"
+    else:
+        return model, units, None
+    model = warmed_up(model, batches, loss_fn, steps)
+    return model, {n: model.get_submodule(n) for n in units}, (
+        f"{why} after {steps} fp32 AdamW steps (lr {WARMUP_LR:g}) over the batches, on a copy "
+        f"of the model" + ("; warmup=0 measures at its own weights" if warmup == "auto" else ""))
+
+
+def not_measured_note(measured):
+    """A note naming the units nothing could be measured on (kept fp32), or None."""
+    blind = {n: next(r["not_measured"] for r in opts.values() if r.get("not_measured"))
+             for n, opts in measured.items() if any(r.get("not_measured") for r in opts.values())}
+    if not blind:
+        return None
+    return (f"{len(blind)} module(s) kept fp32, not measured ("
+            + _some({n: w.removeprefix("not measured: ") for n, w in blind.items()}) + ")")
 
 
 @contextlib.contextmanager
@@ -153,7 +243,7 @@ def _warm_up(copies, tallies, rec, device, recipe, scale, slow, verdict=None, k=
     if verdict is None:
         best = {c: r[3] for c, r in _interleaved(copies, ran, rec, device, recipe, scale, k).items()}
         base = best["fp32"]
-        verdict = {c: f"too slow here: {t / base:.0f}x fp32's time" for c, t in best.items()
+        verdict = {c: f"too slow here: {t / base:.1f}x fp32's time" for c, t in best.items()
                    if c != "fp32" and t > slow * max(base, 1e-4)}
     for c, why in verdict.items():
         if c in ran:
@@ -173,7 +263,7 @@ def _interleaved(copies, live, rec, device, recipe, scale, repeats):
     return out
 
 
-def _measure_unit(copies, tallies, rec, step, device, recipe, scale, repeats, first):
+def _measure_unit(copies, tallies, rec, step, device, recipe, scale, repeats):
     """Adds one batch's errors and times of every candidate of one unit to its tallies."""
     live = [c for c in copies if c == "fp32" or not (tallies[c].error or tallies[c].too_slow)]
     runs = _interleaved(copies, live, rec, device, recipe, scale, repeats)
@@ -184,8 +274,6 @@ def _measure_unit(copies, tallies, rec, step, device, recipe, scale, repeats, fi
     tallies["fp32"].times.append(t32)
     for c, m in copies.items():
         tally = tallies[c]
-        if first:
-            tally.bytes = unit_bytes(rec, m, c)
         if c not in runs or c == "fp32":
             continue
         y, dx, dw, t = runs[c]
@@ -233,7 +321,8 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, 
     scale = None
     verdicts = {}      # _signature -> the too-slow verdict of the first unit timed alike
     alike = {}         # _signature -> the units timed alike
-    for k, batch in enumerate(batches):
+    quiet = {}         # name -> why a batch could not show its error
+    for batch in batches:
         step = capture(ref_model, batch, loss_fn, list(units), keep_output=loss is not None)
         if scale is None:
             scale = loss_scale_for(step)
@@ -241,18 +330,35 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, 
             rec = step.calls.get(name)
             if rec is None or not rec.returned:
                 continue               # not called on this batch
-            if k == 0:
+            if not tallies[name]["fp32"].bytes:
+                for c, m in copies[name].items():
+                    tallies[name][c].bytes = unit_bytes(rec, m, c)
+            why = unit_silent(rec)
+            if why is not None:
+                quiet.setdefault(name, why)     # errors against zeros would all read 0
+                continue
+            fp32 = tallies[name]["fp32"]
+            if not fp32.n and not fp32.error:    # the first batch it is measured on
                 sig = _signature(units[name], rec)
                 alike.setdefault(sig, []).append(name)
                 verdicts[sig] = _warm_up(copies[name], tallies[name], rec, device, recipe, scale,
                                          slow, verdicts.get(sig))
+            if fp32.error:
+                continue                        # it does not run alone: nothing to compare
             ref_dx, ref_dw = _measure_unit(copies[name], tallies[name], rec, step, device, recipe,
-                                           scale, repeats, first=k == 0)
+                                           scale, repeats)
             spreads[name]["dgrad_noise"].add(ref_dx)
             spreads[name]["wgrad_noise"].add(ref_dw)
         if loss is not None and not _loss.owns_loss(step.output):
             loss.add(step, scale)
     out = {n: {c: t.result() for c, t in tallies[n].items()} for n in units}
+    for n in units:
+        if not tallies[n]["fp32"].n:      # nothing measured: silent, failed alone or not called
+            why = (f"{quiet[n]} on every batch" if n in quiet
+                   else tallies[n]["fp32"].error or "never called on the batches")
+            for c, r in out[n].items():
+                if c != "fp32":
+                    r["not_measured"] = f"not measured: {why}"
     _pool_times(out, alike.values())
     for n in units:
         noise = {k: s.value() for k, s in spreads[n].items()}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -18,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
-from . import _loss, _units
+from . import _loss, _table, _units
 from ._monitor import Monitor
-from ._solve import Budget, noise_ratio
+from ._solve import Budget
 from ._units import Reason
+from .._numerics import failures
 from .._numerics.model import default_loss, expression
-from ..validate import compare, format_table
+from ..validate import compare
 
 if TYPE_CHECKING:
     from ..validate import Comparison
@@ -310,59 +310,11 @@ class Plan:
 
     # ---- the table ----
 
-    def table(self) -> str:
-        cands = self.data["candidates"]
-        header = (["module", "type", "choice", "loss err", "dgrad err", "wgrad err",
-                   "wgrad noise", "err/noise"] + [f"ms {c}" for c in cands] + ["why not lower"])
-        rows = []
-        for u in self.every_unit:
-            r = u.figures()
-            times = [_fmt(u.options[c].get("ms"), ".2f") if c in u.options else "n/a"
-                     for c in cands]
-            why = "; ".join(f"{c}: {w}" for c, w in u.rejected.items())
-            if not why and u.choice == "fp32" and len(u.options) > 1:
-                why = "fp32: the cheapest within the summed budget"
-            rows.append([u.module, u.type, u.choice, _fmt(r.get("loss_err")),
-                         _fmt(r.get("dgrad_err")), _fmt(r.get("wgrad_err")),
-                         _fmt(r.get("wgrad_noise")), _fmt(noise_ratio(r, "wgrad_err"))]
-                        + times + [why or "-"])
-        d = self.data
-        b = d["budget"]
-        lines = [f"ampc.autoprecision plan: {len(self.units)} modules on {d['device']} "
-                 f"({d.get('where', '')}), objective {d['objective']}, region {self.dtype}, "
-                 f"ops outside these modules {self.rest}; "
-                 f"budget per step: loss {b['loss']:g}, grad {b['grad']:g}, "
-                 f"wgrad {b['wgrad']:g} (relative to fp32), gradients also within "
-                 f"{self.budget.noise_fraction:g} of fp32's batch-to-batch spread",
-                 format_table(header, rows)]
-        pred = d.get("predicted") or {}
-        if pred:
-            lines.append(f"predicted (sum over modules, forward + backward): "
-                         f"{self._saving(pred)}")
-        m = d.get("measured")
-        if m:
-            lines.append(f"measured (whole model, forward + backward): {self._saving(m)}; "
-                         f"loss err {_fmt(m['loss_err'])}, grad err "
-                         f"{_fmt(m['grad_err'])} (fp32's batch-to-batch spread "
-                         f"{_fmt(m.get('grad_noise'))}), worst wgrad err {_fmt(m['wgrad_err'])} "
-                         f"({m['wgrad_worst'] or '-'})")
-        for step in d.get("backoffs", []):
-            lines.append(f"backed off: {step['module']} {step['from']} -> {step['to']} "
-                         f"({step['why']})")
-        lines += [f"note: {n}" for n in d.get("notes", [])]
-        if d.get("search_s") is not None:
-            lines.append(f"search took {d['search_s']:.1f} s")
-        return "\n".join(lines)
-
-    def _saving(self, times):
-        """The plan's time against fp32's; an all-fp32 plan is fp32 and saves nothing (two
-        timings of the same thing differ only by noise)."""
-        if self.dtype == "fp32":
-            return f"fp32 {times['fp32_ms']:.2f} ms per step; every module runs fp32: nothing saved"
-        diff = times["fp32_ms"] - times["plan_ms"]
-        return (f"fp32 {times['fp32_ms']:.2f} ms, plan {times['plan_ms']:.2f} ms, "
-                + (f"saving {diff:.2f} ms per step" if diff >= 0 else
-                   f"{-diff:.2f} ms slower per step"))
+    def table(self, details: bool = False) -> str:
+        """The plan as text, at most 120 columns: a row per unit (its choice, errors, time
+        and, in a word or two, why not lower), the budget, the measured saving, back-offs,
+        notes. ``details=True``: every candidate's time and the reasons in full (wide)."""
+        return _table.render(self, details)
 
     def __str__(self) -> str:
         return self.table()
@@ -414,6 +366,9 @@ class Plan:
             if u.kind == "norm" and c != "fp32":
                 ops = (", ops={" + ", ".join(f'"{o}": "lower_precision_fp"'
                                              for o in _units.REDUCTION_OPS) + "}")
+            out = _cast_outputs(self, c)
+            if out is not None:
+                ops += f", cast_outputs={_torch_dtype(out)}"
             lines.append(f"ampc.policy.module_scope({expression(u.module)}, "
                          f"dtype={_torch_dtype(_units.DTYPES[c])}{ops})")
         if fp8:
@@ -464,6 +419,7 @@ class Plan:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"ampc.autoprecision.Plan.apply: model must be an nn.Module, "
                             f"got {type(model).__name__}")
+        _refuse_compiled(self, model)
         modules = dict(model.named_modules())
         missing = [u.module for u in self if u.module not in modules]
         if missing:
@@ -519,6 +475,20 @@ class Plan:
                                 seeds=seeds, **kwargs)
 
 
+def _refuse_compiled(plan, model):
+    """Raises a ValueError when a module the plan sets lies in a torch.compile'd part: its
+    scope switches the autocast state at the module's boundary, which torch.compile cannot
+    trace (AOTAutograd refuses the graph once an fp8 module breaks it)."""
+    for part in failures.compiled_parts(model):
+        names = [u.module for u in plan if not part or u.module.startswith(part + ".")]
+        if names:
+            raise ValueError(
+                f"ampc.autoprecision.Plan.apply: {part or 'the model'} is compiled with "
+                f"torch.compile and the plan sets module(s) inside it ({names[0]} ...), which "
+                f"torch.compile cannot trace (each switches the autocast state); apply the "
+                f"plan to the model uncompiled ({failures.unwrap_hint(part)})")
+
+
 def _check_module(u, m):
     """Raises a ValueError when module ``m`` is not the one unit ``u`` was measured on."""
     if type(m).__name__ != u.type:
@@ -544,6 +514,16 @@ def _by_region(plan, kind, choice):
     return (kind != "norm" and choice == plan.rest and choice != "fp8") or plan.dtype == "fp32"
 
 
+def _cast_outputs(plan, choice):
+    """float32 for a unit whose 16-bit dtype is not the one the region gives the ops around
+    it (fp16 in a bf16 region), else None: torch's autocast refuses such a tensor in its
+    promote ops (a cache's ``cat``), and float32 holds the unit's result without rounding."""
+    mine, rest = _units.DTYPES[choice], _units.DTYPES[plan.rest]
+    if torch.float32 in (mine, rest) or mine == rest:
+        return None
+    return torch.float32
+
+
 def _torch_dtype(dtype):
     return "torch." + str(dtype).split(".")[-1]
 
@@ -564,7 +544,8 @@ class _Fp8Off:
             self.stack.append(ctx)
 
         def post(mod, args, out):
-            self.stack.pop().__exit__(None, None, None)
+            if self.stack:      # the pre-hook may have been traced by torch.compile, not run
+                self.stack.pop().__exit__(None, None, None)
 
         self.handles = [module.register_forward_pre_hook(pre),
                         module.register_forward_hook(post, always_call=True)]
@@ -599,10 +580,15 @@ class Applied:
         plan's record changes too; a ``plan.loss(...)`` made before follows it)."""
         if choice == "fp8" and name in self.modules:   # fp8.convert would skip a Conv1D silently
             _check_module(replace(self.plan.unit(name), choice=choice), self.modules[name])
+        region = (self.plan.dtype, self.plan.rest)
         self.plan.set_choice(name, choice, reason)
         if name == _loss.NAME and self.plan.loss_unit is not None:
             return
-        self.place(name)
+        # a new region dtype changes what every unit needs (its scope, its outputs' cast)
+        others = [n for n in self.handles if n != name] \
+            if (self.plan.dtype, self.plan.rest) != region else []
+        for n in others + [name]:
+            self.place(n)
 
     def place(self, name: str) -> None:
         """Puts module ``name`` at the precision its plan record holds."""
@@ -614,7 +600,8 @@ class Applied:
         # an ampc.fp8.Linear at another choice keeps a scope (its dtype outside FP8)
         fp8_now = _is_fp8(m)
         by_region = _by_region(self.plan, _units.kind(m), choice) and not fp8_now
-        handles = [] if by_region else [ampc.policy.module_scope(m, dtype=dtype, ops=ops)]
+        handles = [] if by_region else [ampc.policy.module_scope(
+            m, dtype=dtype, ops=ops, cast_outputs=_cast_outputs(self.plan, choice))]
         if choice == "fp8":
             ampc.fp8.convert(m)
         elif fp8_now:

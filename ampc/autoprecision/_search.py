@@ -13,13 +13,16 @@ import torch.distributed as dist
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 from . import _loss, _measure, _units
 from ._plan import Plan, VERSION, param_shapes
-from ._solve import ERRORS, MARGIN, Budget, Over, clearly_faster, order, raise_one, solve
+from ._solve import (CEILING, ERRORS, MARGIN, Budget, Over, clearly_faster, order, raise_one,
+                     solve)
 from ._units import Reason
+from .._numerics import failures
 from .._numerics.errors import rel_error
 from .._numerics.model import call_model, default_loss, to_device
 from .._numerics.noise import spread
 
 RACE_ROUNDS = 3      # turns each entrant takes in race()
+FN = "ampc.autoprecision.search"
 
 OBJECTIVES = ("time", "memory")
 SLOW = 4.0       # a candidate whose matmul is this many times slower than fp32 is not tried
@@ -149,6 +152,28 @@ class WorkingCopy:
 
 
 def check_plan(work, batches, loss_fn, plan, ref, device):
+    """:func:`measure_plan`; a plan whose step raises is a failed check, not a crash: its
+    errors infinite, ``failed`` saying what was raised (and what to do, where ampc can
+    tell), ``involved`` the units below fp32 where it was raised (all of them when no
+    module's forward was running: a backward), which the back-off raises one step."""
+    try:
+        return measure_plan(work, batches, loss_fn, plan, ref, device)
+    except Exception as e:      # noqa: BLE001 (any failure of the plan's step backs off)
+        low = [u.module for u in plan.every_unit if u.choice != "fp32"]
+        where = failures.failing_module(e, work.model)
+        mine = [n for n in low if where is not None and n != _loss.NAME
+                and (where == "" or n == where or n.startswith(where + ".")
+                     or where.startswith(n + "."))]
+        what = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        hint = failures.explain(FN, e, work.model, batches[0][0], device)
+        return {"loss_err": math.inf, "grad_err": math.inf, "wgrad_err": math.inf,
+                "wgrad_worst": None, "unit_wgrad": {}, "grad_noise": None,
+                "plan_ms": math.inf, "failed": what + (f" ({hint})" if hint else "")
+                + (f" in {where or 'the model'}" if where is not None else ""),
+                "involved": mine or low}
+
+
+def measure_plan(work, batches, loss_fn, plan, ref, device):
     """The whole plan on ``work`` (a :class:`WorkingCopy`) against fp32 over the batches:
     loss error, error of all weight gradients together, the worst unit's weight-gradient
     error, fp32's batch-to-batch spread of the weight gradients, and step times."""
@@ -203,7 +228,8 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
            budget: Budget | dict | None = None, objective: str = "time",
            units: Iterable[type] | None = None, device: str | None = None,
            fp8_recipe: str = "delayed", sensitivity: bool = True, check: bool = True,
-           max_backoffs: int = 12, repeats: int = 2, loss_unit: bool = True) -> Plan:
+           max_backoffs: int = 12, repeats: int = 2, loss_unit: bool = True,
+           warmup: int | str = "auto", max_slowdown: float | None = CEILING) -> Plan:
     """Chooses a precision for each module of ``model`` from measured error and measured
     cost, under an error budget, and checks the whole choice.
 
@@ -232,6 +258,14 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
             result through ``plan.loss(loss_fn)``. False leaves the loss out of the plan
             (it runs as ``loss_fn`` does). A model that returns its own loss (given labels)
             computes it inside, under the modules' choices: no loss unit then.
+        warmup: "auto" (default): where some module's output, or the gradient at it, is
+            all zero or not finite on every batch (a zero-initialised head zeroes every
+            gradient below it, and every error would read 0), measure a copy of the model
+            after a few fp32 AdamW steps; a number: that many steps first (0: none). A
+            module that still shows nothing is kept fp32, "not measured". The notes say which.
+        max_slowdown: the memory objective's ceiling: no candidate more than this many
+            times slower than its module's fastest within the budget, and no whole step more
+            than this many times fp32's (default 1.25); None lifts it.
         check (bool): measure the whole plan against fp32 and back off the worst
             contributor until it fits the budget: one module per round for 4 rounds, then
             2, 4, ... per round, at most ``max_backoffs`` rounds (12: up to 60 modules),
@@ -249,21 +283,34 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     if fp8_recipe not in _units.FP8_RECIPES:
         raise ValueError(f"ampc.autoprecision.search: fp8_recipe must be 'delayed' or "
                          f"'current', got {fp8_recipe!r}")
+    warmup, ceiling = _check_warmup(warmup), _check_ceiling(max_slowdown)
+    if objective != "memory":
+        ceiling = None               # the time objective takes the fastest anyway
+    # a candidate this slow is not measured further (the ceiling would rule it out)
+    slow = SLOW if objective == "time" else ceiling and max(SLOW, ceiling)
     loss_fn = loss_fn or default_loss
     params = list(model.parameters())
     device = device or (params[0].device.type if params else "cpu")
     batches = [tuple(to_device(b, device)) for b in batches]
+    model, compiled = _plain(model)
+    loss_name = _loss.loss_name(loss_fn)
+    loss_fn = failures.checked_loss(FN, loss_fn)
     found, options, notes = _units_and_options(model, units, candidates, objective, device)
+    failures.first_run(FN, model, batches, loss_fn)      # bad batches or loss_fn: said here
+    notes += compiled
+    model, found, note = _measure.warm_if_silent(model, batches, loss_fn, found, warmup)
+    notes += [note] if note else []
     tally = _loss.Tally(loss_fn, candidates, device, repeats) if loss_unit else None
     with torch.random.fork_rng(devices=[]):
         measured, loss_scale = _measure.measure(model, batches, loss_fn, found, options, device,
                                                 _units.fp8_recipe(fp8_recipe), repeats,
-                                                slow=SLOW if objective == "time" else None,
-                                                loss=tally)
+                                                slow=slow, loss=tally)
+    note = _measure.not_measured_note(measured)
+    notes += [note] if note else []
     if not sensitivity:
         _blind(measured)
     plan = _first_plan(found, measured, budget, objective, candidates, fp8_recipe, loss_scale,
-                       device, notes, _loss.loss_name(loss_fn))
+                       device, notes, loss_name, ceiling)
     if check:
         _check_whole(model, batches, loss_fn, plan, measured, budget, objective, device,
                      max_backoffs)
@@ -272,6 +319,20 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
         "plan_ms": sum(u.figures()["ms"] or 0.0 for u in plan.every_unit)}
     plan.data["search_s"] = time.perf_counter() - t_start
     return _broadcast(plan)
+
+
+def _plain(model):
+    """(the model to search, notes): a model with torch.compile'd parts is searched on a
+    copy through the modules they compile, and the plan names those; a plan cannot be
+    applied inside a compiled module (see Plan.apply)."""
+    parts = failures.compiled_parts(model)
+    if not parts:
+        return model, []
+    hints = "; ".join(failures.unwrap_hint(p) for p in parts)
+    return failures.uncompiled(model), [
+        f"{', '.join(p or '(the model)' for p in parts)} compiled with torch.compile: measured "
+        f"through the module(s) compiled, and the plan names their modules; apply it to the "
+        f"model uncompiled ({hints})"]
 
 
 def _units_and_options(model, types, candidates, objective, device):
@@ -296,10 +357,27 @@ def _blind(measured):
                 r[k] = 0.0 if r.get(k) is not None else None
 
 
-def solve_with_loss(measured, budget, objective):
+def _check_warmup(warmup):
+    if warmup != "auto" and not (isinstance(warmup, int) and not isinstance(warmup, bool)
+                                 and warmup >= 0):
+        raise ValueError(f"ampc.autoprecision.search: warmup must be 'auto' or a number of "
+                         f"steps (0 or more), got {warmup!r}")
+    return warmup
+
+
+def _check_ceiling(max_slowdown):
+    if max_slowdown is not None and not (
+            isinstance(max_slowdown, (int, float)) and not isinstance(max_slowdown, bool)
+            and 1 <= max_slowdown < math.inf):
+        raise ValueError(f"ampc.autoprecision.search: max_slowdown must be None or a number "
+                         f"of at least 1, got {max_slowdown!r}")
+    return max_slowdown
+
+
+def solve_with_loss(measured, budget, objective, ceiling=None):
     """``solve``, then the loss back at fp32 where lowering it buys too little
     (``_loss.keep_fp32``): the reason goes to its rejected candidates."""
-    choice, rejected = solve(measured, budget, objective)
+    choice, rejected = solve(measured, budget, objective, ceiling)
     why = _loss.keep_fp32(measured, choice, objective)
     if why is not None:
         rejected[_loss.NAME][choice[_loss.NAME]] = why
@@ -308,22 +386,22 @@ def solve_with_loss(measured, budget, objective):
 
 
 def _first_plan(found, measured, budget, objective, candidates, fp8_recipe, loss_scale, device,
-                notes, loss_name):
+                notes, loss_name, ceiling=None):
     """The solver's plan, unit by unit (the loss one of them, where measured), before any
     whole-model check."""
-    choice, rejected = solve_with_loss(measured, budget, objective)
+    choice, rejected = solve_with_loss(measured, budget, objective, ceiling)
     units = [{"module": n, "type": type(m).__name__, "kind": _units.kind(m), "choice": choice[n],
               "shapes": param_shapes(m),
               "options": measured[n], "rejected": rejected[n]} for n, m in found.items()]
     loss = None
     if _loss.NAME in measured:
-        _loss.explain_fp16(rejected[_loss.NAME], loss_scale)
         loss = {"module": _loss.NAME, "type": loss_name, "kind": _loss.KIND,
                 "choice": choice[_loss.NAME], "options": measured[_loss.NAME],
                 "rejected": rejected[_loss.NAME]}
     return Plan({"version": VERSION, "device": device, "where": _where(device),
                  "objective": objective, "budget": budget.as_dict(), "candidates": list(candidates),
-                 "fp8_recipe": fp8_recipe, "loss_scale": loss_scale, "notes": notes,
+                 "fp8_recipe": fp8_recipe, "loss_scale": loss_scale, "ceiling": ceiling,
+                 "notes": notes,
                  "backoffs": [], "units": units, "loss": loss})
 
 
@@ -375,6 +453,10 @@ def _back_off(work, batches, loss_fn, plan, ref, device, result, measured, budge
         over = _over(result, budget)
         if over is None:
             break
+        if over.key == "failed":
+            _raise_failed(plan, result, measured, objective)
+            result = check_plan(work, batches, loss_fn, plan, ref, device)
+            continue
         for _ in range(2 ** (k // 4)):
             name = _worst(plan, result, over)
             if name is None:
@@ -389,13 +471,27 @@ def _back_off(work, batches, loss_fn, plan, ref, device, result, measured, budge
     return result
 
 
+def _raise_failed(plan, result, measured, objective):
+    """Raises each unit involved in a failed check one step (RAISE_TO), and says so."""
+    names = [n for n in result["involved"] if plan.unit(n).choice != "fp32"]
+    for name in names:
+        u = plan.unit(name)
+        new = _units.RAISE_TO[u.choice]
+        plan.data["backoffs"].append({"module": name, "from": u.choice, "to": new,
+                                      "why": "the whole plan raised an error"})
+        plan.set_choice(name, new, Reason.BACKED_OFF)
+    plan.data["notes"].append(f"the whole plan raised {result['failed']}: {len(names)} "
+                              "module(s) raised one step and the plan checked again")
+
+
 def _check_whole(model, batches, loss_fn, plan, measured, budget, objective, device, max_backoffs):
     """The whole plan measured against fp32, backed off until it fits (else all fp32), and
     for the time objective its fastest form; the figures go to ``plan.data["measured"]``."""
     notes = plan.data["notes"]
     ref_model, ref = _fp32_reference(model, batches, loss_fn, device)
-    if objective != "time":
-        ref_model = None        # only the time objective races fp32 against the plan
+    ceiling = plan.data.get("ceiling")
+    if objective != "time" and ceiling is None:
+        ref_model = None        # only the time objective and the ceiling race fp32
     fp32_ms = 1e3 * min(r[2] for r in ref)
     work = WorkingCopy(model)
     result = check_plan(work, batches, loss_fn, plan, ref, device)
@@ -414,10 +510,15 @@ def _check_whole(model, batches, loss_fn, plan, measured, budget, objective, dev
     if objective == "time" and plan.dtype != "fp32":
         result, fp32_ms = _fastest(work, batches, loss_fn, plan, ref, ref_model, device,
                                    result, budget, notes)
+    if ceiling is not None and plan.dtype != "fp32" and result["plan_ms"] > ceiling * fp32_ms:
+        result, fp32_ms = _under_ceiling(work, batches, loss_fn, plan, ref, ref_model, device,
+                                         result, measured, ceiling, notes)
     note = _wgrad_note(result, plan, measured, budget)
     if note:
         notes.append(note)
     result.pop("unit_wgrad")
+    result.pop("failed", None)
+    result.pop("involved", None)
     result["fp32_ms"] = fp32_ms
     plan.data["measured"] = result
 
@@ -429,7 +530,7 @@ def _whole_low(work, batches, loss_fn, plan, ref, device, result, measured, budg
     unless the modules' own choice measured clearly faster (by more than MARGIN), the two
     timed turn about (:func:`race`)."""
     low, _ = solve_with_loss(measured, budget, "memory")
-    if low == plan.decisions:
+    if low == plan.decisions or result.get("failed"):    # a failed plan is not raced
         return result
     mine = plan.decisions
     plan.set_choices(low, Reason.WHOLE_MODEL)
@@ -453,6 +554,45 @@ def _whole_low(work, batches, loss_fn, plan, ref, device, result, measured, budg
         return dict(other, plan_ms=ms["low"])
     plan.set_choices(mine, Reason.SOLVED)
     return dict(result, plan_ms=ms["mine"])
+
+
+def _under_ceiling(work, batches, loss_fn, plan, ref, ref_model, device, result, measured,
+                   ceiling, notes):
+    """The memory objective's ceiling on the whole step: the plan measured more than
+    ``ceiling`` times fp32's step (the units' casts, the ops outside them), so the two are
+    timed turn about (:func:`race`); while the plan is still over, first the ops outside
+    the units go to fp32, then the units that measured slower alone than in fp32, then
+    every unit. Each change only raises precision: errors are measured again, and fall.
+    Returns (result, fp32 ms)."""
+    def ms_at(n, c):
+        return measured[n][c]["ms"] or 0.0
+    slower = {n: "fp32" for n, c in plan.decisions.items()
+              if c != "fp32" and ms_at(n, c) > ms_at(n, "fp32")}
+    changes = [(None, None)]
+    if plan.rest != "fp32":
+        changes.append(("the ops outside the modules to fp32",
+                        lambda: plan.data.update(rest="fp32")))
+    if slower:
+        changes.append((f"{len(slower)} modules slower than fp32 alone to fp32",
+                        lambda: plan.set_choices(slower, Reason.WHOLE_MODEL)))
+    changes.append(("every module to fp32", lambda: plan.set_choices(
+        dict.fromkeys(plan.decisions, "fp32"), Reason.ALL_FP32)))
+    done, first = [], None
+    for what, change in changes:
+        if change is not None:
+            change()
+            done.append(what)
+            result = check_plan(work, batches, loss_fn, plan, ref, device)
+        ms = race({"fp32": fp32_entrant(ref_model, loss_fn),
+                   "plan": plan_entrant(work, plan, loss_fn)}, batches, device)
+        first = first or ms
+        if ms["plan"] <= ceiling * ms["fp32"] or plan.dtype == "fp32":
+            break
+    if done:
+        notes.append(f"the whole plan measured {first['plan']:.1f} ms per step against fp32's "
+                     f"{first['fp32']:.1f} ms (timed turn about), over the {ceiling:g}x ceiling: "
+                     + ", then ".join(done))
+    return dict(result, plan_ms=ms["plan"]), ms["fp32"]
 
 
 def _count(choices):
@@ -505,6 +645,8 @@ def _over(result, budget):
     weight-gradient error in the whole plan also carries every later unit's dgrad error:
     it is held to the budget by :func:`_wgrad_note`, and the units' own wgrad errors one
     by one, in the search.)"""
+    if result.get("failed"):
+        return Over("failed", math.inf, 0.0)
     if not (result["loss_err"] <= budget.loss):
         return Over("loss_err", result["loss_err"], budget.loss)
     limit = budget.limit("grad_err", result.get("grad_noise"))

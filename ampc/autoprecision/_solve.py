@@ -97,6 +97,8 @@ def _err(r, key):
 
 def fits_alone(r, budget):
     """Why a candidate cannot be used for its unit whatever the others do, or None."""
+    if r.get("not_measured"):
+        return r["not_measured"]
     if r.get("too_slow"):
         return r["too_slow"]
     if r.get("error"):
@@ -146,8 +148,27 @@ def order(options, objective, margin=MARGIN):
     return out
 
 
-def solve(measured, budget, objective):
-    """{unit: choice}, and {unit: {candidate: reason}} for the candidates ruled out."""
+CEILING = 1.25      # the memory objective's default ceiling on a step's slowdown
+OVER_CEILING = "slower than the ceiling"    # how a reason the ceiling gave begins
+
+
+def over_ceiling(options, ok, ceiling):
+    """{candidate: why} for the candidates in ``ok`` whose time is more than ``ceiling``
+    times the fastest of ``ok`` (the memory objective trades memory for time, but only so
+    far: fp16 GEMMs on a CPU run several times slower than fp32)."""
+    timed = {c: options[c]["ms"] for c in ok if options[c].get("ms") is not None}
+    if not timed:
+        return {}
+    c0 = min(timed, key=timed.get)
+    t0 = timed[c0]
+    return {c: f"{OVER_CEILING} {ceiling:g}x: {t / t0:.1f}x the fastest ({c0} {t0:.2f} ms)"
+            for c, t in timed.items() if t > ceiling * t0}
+
+
+def solve(measured, budget, objective, ceiling=None):
+    """{unit: choice}, and {unit: {candidate: reason}} for the candidates ruled out. With
+    ``ceiling`` (the memory objective), a candidate more than ``ceiling`` times slower than
+    the fastest candidate of its unit that fits the budget is ruled out too."""
     usable, rejected = {}, {}
     for name, options in measured.items():
         rejected[name] = {}
@@ -158,6 +179,10 @@ def solve(measured, budget, objective):
                 ok.append(c)
             else:
                 rejected[name][c] = why
+        if ceiling is not None:
+            slow = over_ceiling(options, ok, ceiling)
+            rejected[name].update(slow)
+            ok = [c for c in ok if c not in slow]
         usable[name] = ok or ["fp32"]
     choice = {n: ok[0] for n, ok in usable.items()}
     _lower_errors(choice, usable, measured, budget, objective)

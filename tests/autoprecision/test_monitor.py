@@ -26,7 +26,7 @@ def batches(n, seed=0):
 @pytest.fixture(scope="module")
 def plan_json():
     plan = search(make_model(), batches(2), candidates=("fp32", "fp16"), objective="memory",
-                  repeats=1)
+                  max_slowdown=None, repeats=1)
     assert set(plan.choices.values()) == {"fp16"}
     return plan.to_json()
 
@@ -143,7 +143,8 @@ def test_monitor_copies_only_the_modules_it_checks():
     model = nn.Sequential(nn.Linear(16, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Linear(512, 512),
                           nn.ReLU(), nn.Linear(512, 4))
     data = batches(3)
-    plan = search(model, data[:2], candidates=("fp32", "bf16"), objective="memory", repeats=1)
+    plan = search(model, data[:2], candidates=("fp32", "bf16"), objective="memory",
+                  max_slowdown=None, repeats=1)
     assert plan.choice("1") == "bf16" and plan.choice("5") == "bf16"
     monitor = plan.apply(model).monitor(every=1, sample=2)
     for p in model.parameters():

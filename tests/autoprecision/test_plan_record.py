@@ -34,7 +34,8 @@ def test_old_saved_plan_loads_and_round_trips(tmp_path):
     assert again == plan and again.as_dict()["units"][0]["reason"] == "solved"
     assert {k: v for k, v in again.as_dict().items() if k != "units"} == \
         {k: v for k, v in OLD.items() if k != "units"}
-    assert "fp16: too slow here" in plan.table()
+    assert "fp16: too slow here" in plan.table(details=True)
+    assert next(l for l in plan.table().splitlines() if l.startswith("0 ")).endswith("fp16 slower")
     # saved before the noise yardstick: judged, and read back, by the fixed figures alone
     assert plan.budget.noise_fraction == 0 and "within 0 of fp32's" in plan.table()
     with pytest.raises(ValueError, match="version 1"):

@@ -19,7 +19,8 @@ def known():
     torch.manual_seed(0)
     model = Known()
     batches = target_batches(model, n=2)
-    plan = search(model, batches, candidates=CANDS, objective="memory", repeats=1)
+    plan = search(model, batches, candidates=CANDS, objective="memory",
+                  max_slowdown=None, repeats=1)
     return model, batches, plan
 
 
@@ -55,7 +56,8 @@ def test_known_answers(known):
 
 def test_control_without_sensitivity_fails(known):
     model, batches, _ = known
-    blind = search(model, batches, candidates=CANDS, objective="memory", repeats=1,
+    blind = search(model, batches, candidates=CANDS, objective="memory",
+                   max_slowdown=None, repeats=1,
                    sensitivity=False, check=False)
     assert not keeps_sensitive_high(blind)
     assert blind.choices["norm"] != "fp32"
@@ -63,7 +65,8 @@ def test_control_without_sensitivity_fails(known):
 
 def test_only_two_candidates(known):
     model, batches, _ = known
-    plan = search(model, batches, candidates=("fp32", "bf16"), objective="memory", repeats=1)
+    plan = search(model, batches, candidates=("fp32", "bf16"), objective="memory",
+                  max_slowdown=None, repeats=1)
     assert plan.choices == {"norm": "fp32", "inp": "bf16", "hot": "bf16", "tiny": "bf16",
                             "mid": "bf16", "head": "fp32"}
 
@@ -71,7 +74,8 @@ def test_only_two_candidates(known):
 def test_same_plan_twice_and_the_model_untouched(known):
     model, batches, plan = known
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    again = search(model, batches, candidates=CANDS, objective="memory", repeats=1)
+    again = search(model, batches, candidates=CANDS, objective="memory",
+                   max_slowdown=None, repeats=1)
     assert again == plan and again.choices == plan.choices
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -95,12 +99,17 @@ def test_json_round_trip(known, tmp_path):
 
 def test_table_shows_choices_errors_times(known):
     _, _, plan = known
-    text = plan.table()
+    text = plan.table(details=True)
     for word in ("module", "choice", "loss err", "dgrad err", "wgrad err", "ms fp32", "ms bf16",
                  "ms fp16", "why not lower", "predicted", "measured", "search took"):
         assert word in text, word
     line = next(l for l in text.splitlines() if l.strip().startswith("hot"))
     assert "fp16: loss error not finite" in line
+    # by default: the time at the choice, and what was measured in a word or two
+    text = plan.table()
+    assert max(map(len, text.splitlines())) <= 120 and "ms fp16" not in text
+    line = next(l for l in text.splitlines() if l.startswith("hot "))
+    assert "fp16 out of range" in line, line
 
 
 def test_python_rendering_runs_and_matches_apply(known):
@@ -167,7 +176,8 @@ def test_fp8_choice_applies_to_linear_only():
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
                           nn.Linear(32, 8))
     batches = [(torch.randn(16, 32), torch.randint(0, 8, (16,))) for _ in range(2)]
-    plan = search(model, batches, candidates=("fp32", "fp8"), objective="memory", repeats=1,
+    plan = search(model, batches, candidates=("fp32", "fp8"), objective="memory",
+                  max_slowdown=None, repeats=1,
                   budget=Budget(loss=1.0, grad=1.0, wgrad=1.0))
     assert plan.choices == {"0": "fp8", "2": "fp8", "4": "fp32"}
     assert "fp8" not in plan.units[2].options

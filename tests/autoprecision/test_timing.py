@@ -233,7 +233,7 @@ def _decision_setup():
     batches = [(torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g))
                for _ in range(2)]
     plan = search(model, batches, candidates=("fp32", "bf16"), objective="memory",
-                  repeats=1, check=False, loss_unit=False)
+                  max_slowdown=None, repeats=1, check=False, loss_unit=False)
     measured = {u.module: u.options for u in plan}
     ref_model, ref = _search._fp32_reference(model, batches, _search.default_loss, "cpu")
     return plan, measured, batches, ref_model, ref, _search.WorkingCopy(model)

@@ -92,7 +92,7 @@ def local_state(model, opt):
               for k, v in opt.state[p].items()}
         local = {k: v for k, v in st.items()}
         if "exp_avg_scale" in local:   # this rank's row of the per-shard scales, its blocks
-            need = -(-local["exp_avg"].numel() // ampc.ops.QBLOCK)
+            need = -(-local["exp_avg_codes"].numel() // ampc.ops.QBLOCK)
             for k in ("exp_avg_scale", "exp_avg_sq_scale"):
                 local[k] = local[k].reshape(-1)[:need]
         out.append((st, decode_moments(local)))
@@ -116,7 +116,8 @@ def _replicated(rank):
             p.grad = distribute_tensor(g, mesh, [Replicate()]) if sharded else g.clone()
             opt.step()
         out.append([full(p)] + [full(opt.state[p][k]) for k in
-                                ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")])
+                                ("exp_avg_codes", "exp_avg_sq_codes", "exp_avg_scale",
+                                 "exp_avg_sq_scale")])
     return out
 
 

@@ -40,7 +40,8 @@ def test_preset_layout_small_and_1d_params_keep_fp32_moments():
     train(model, opt, 2)
     big, bias, norm, small = model[0].weight, model[0].bias, model[1].weight, model[3].weight
     s = opt.state[big]
-    assert s["exp_avg"].dtype == u8 and s["exp_avg_sq"].dtype == u8
+    assert s["exp_avg_codes"].dtype == u8 and s["exp_avg_sq_codes"].dtype == u8
+    assert "exp_avg" not in s and "exp_avg_sq" not in s      # not under torch's names
     assert s["exp_avg_scale"].shape == (-(-big.numel() // 256),)
     assert "master" not in s and "compensation" not in s
     for p in (bias, norm, small):       # 1-d, or under 4096 elements
@@ -54,7 +55,8 @@ def test_explicit_options_and_min_numel(moments, dtype):
     opt = ampc.optim.AdamW(model.parameters(), lr=1e-3, moments=moments, moments_min_numel=0,
                            kahan_summation=True)
     train(model, opt, 2)
-    assert opt.state[model[3].weight]["exp_avg"].dtype == dtype      # 256 elements
+    s = opt.state[model[3].weight]                                      # 256 elements
+    assert s["exp_avg_codes" if moments == "8bit" else "exp_avg"].dtype == dtype
     assert opt.state[model[3].weight]["compensation"].dtype == bf16
     assert opt.state[model[0].bias]["exp_avg"].dtype == f32           # 1-d
 
@@ -151,7 +153,7 @@ def test_scaler_skips_inf_steps_and_folds_clip_without_host_syncs(monkeypatch):
                     assert_same(opt.state[p][k], v, f"{k} after a skipped step")
     assert int(scaler.skipped_steps()) == 1
     p = next(model.parameters())
-    assert opt.state[p]["step"].item() == 3 and opt.state[p]["exp_avg"].dtype == u8
+    assert opt.state[p]["step"].item() == 3 and opt.state[p]["exp_avg_codes"].dtype == u8
 
 
 def test_folded_unscale_and_clip_equal_doing_them_first():
@@ -218,7 +220,7 @@ def test_torch_adamw_state_loads_converted_and_lean_exports_to_torch():
     lopt.load_state_dict(roundtrip(topt.state_dict()))
     w = lean[0].weight
     s = lopt.state[w]
-    assert s["exp_avg"].dtype == u8 and s["step"].item() == 3
+    assert s["exp_avg_codes"].dtype == u8 and s["step"].item() == 3
     m, v = decode_moments(s)
     tm, tv = topt.state[fp[0].weight]["exp_avg"], topt.state[fp[0].weight]["exp_avg_sq"]
     assert ((m - tm).abs() <= tm.abs() * 2 ** -4 + s["exp_avg_scale"].max() * 2 ** -9).all()
@@ -312,3 +314,35 @@ def test_state_bytes_measure_the_tensors():
     assert per["kahan8"]["compensation"] == 2
     assert abs(results["lean"]["total_per_param"] - (2 + 2 + 2 + 8 / 256)) < 1e-3
     assert abs(results["master"]["total_per_param"] - 16) < 1e-3
+
+
+class _Codes(torch.Tensor):
+    """A tensor subclass that stands for fp32 values but holds uint8 codes and an fp32
+    scale a block of 256, as other libraries' 8-bit optimizer states do."""
+
+    @staticmethod
+    def __new__(cls, codes, scales):
+        return torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=torch.float32)
+
+    def __init__(self, codes, scales):
+        self.codes, self.scales = codes, scales
+
+    def __tensor_flatten__(self):
+        return ["codes", "scales"], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{func} on 8-bit codes")
+
+
+def test_state_bytes_count_tensor_subclasses_by_what_they_hold():
+    model = nn.Linear(1024, 1024, bias=False)
+    opt = torch.optim.AdamW(model.parameters())
+    n = model.weight.numel()
+    opt.state[model.weight] = {
+        "step": torch.tensor(1.0),
+        "exp_avg": _Codes(torch.zeros(1024, 1024, dtype=u8), torch.zeros(n // 256)),
+        "exp_avg_sq": _Codes(torch.zeros(1024, 1024, dtype=u8), torch.zeros(n // 256))}
+    per = state_bytes(model, opt)["per_param"]
+    # 1 B of codes and 4/256 B of scales a parameter each, not the 4 B of their dtype
+    assert per["moments"] == pytest.approx(2 * (1 + 4 / 256))

@@ -34,7 +34,7 @@ def test_lean_setup_is_prepare_with_the_lean_preset():
     assert not group["master_weights"]
     first = run.model[0].weight
     assert first.dtype == torch.bfloat16
-    assert opt.state[first]["exp_avg"].dtype == torch.uint8 and "master" not in opt.state[first]
+    assert opt.state[first]["exp_avg_codes"].dtype == torch.uint8 and "master" not in opt.state[first]
     assert run.scales == [1.0] * 6          # bf16: no loss scaling
 
     torch.manual_seed(0)

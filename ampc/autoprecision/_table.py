@@ -1,0 +1,195 @@
+"""The plan as a person reads it: a row per unit, the budget, what was measured, the notes.
+
+By default every line fits WIDTH columns: each unit's choice, its three errors, its time and,
+for the candidates it did not take, what was measured against them in a word or two
+("slower", "over budget", "out of range"). ``details=True`` gives every candidate's time, the
+weight gradients' noise and the reasons in full (wide).
+"""
+from __future__ import annotations
+
+import math
+import textwrap
+
+from ._solve import OVER_CEILING, clearly_faster, noise_ratio
+from ._units import Reason
+from ..validate import format_table
+
+WIDTH = 120
+CUT = ".."          # marks a cell cut to fit (ASCII: any terminal prints it)
+
+# why a unit holds a choice above a candidate that was not ruled out on its own
+_HELD = {Reason.BACKED_OFF: ("backed off", "raised: the whole plan was over the budget"),
+         Reason.ALL_FP32: ("whole plan fp32", "the whole plan was kept fp32 (see the notes)"),
+         Reason.WHOLE_MODEL: ("whole-model time", "the whole model was timed so (see the notes)"),
+         Reason.MONITOR: ("monitor", "raised by the monitor during training"),
+         Reason.SET: ("set by hand", "set by hand")}
+
+
+def fmt(v, spec=".1e"):
+    if v is None:
+        return "-"
+    if isinstance(v, float) and not math.isfinite(v):
+        return "inf"
+    return format(v, spec)
+
+
+def short(why: str) -> str:
+    """What a candidate's rejection measured, in a word or two."""
+    if why.startswith(("too slow", OVER_CEILING)):
+        return "slower"
+    if why.startswith("not measured"):
+        return "not measured"
+    if "not finite" in why:
+        return "out of range"            # fp16's overflow: an infinite error
+    if " err " in why:
+        return "over budget"
+    if why.startswith("saves "):
+        return "saves little"            # the loss kept fp32 (see _loss.keep_fp32)
+    return "fails"                       # it raised (does not run here)
+
+
+def reasons(plan, u) -> dict[str, tuple[str, str]]:
+    """{candidate: (short, full)} of why ``u`` did not take it: each rejected candidate, and
+    each candidate using fewer bytes than its choice that was not rejected (the solver's
+    summed budget, time, a back-off or a whole-model decision took it away)."""
+    out = {c: (short(w), w) for c, w in u.rejected.items()}
+    mine = u.figures()
+    for c, r in u.options.items():
+        if c == u.choice or c in out or (r.get("bytes") or 0) >= (mine.get("bytes") or 0):
+            continue
+        if u.reason in _HELD:
+            out[c] = _HELD[u.reason]
+        elif (plan.data["objective"] == "time" and r.get("ms") and mine.get("ms")
+              and clearly_faster(mine["ms"], r["ms"])):
+            out[c] = ("slower", f"slower: {r['ms']:.2f} ms against {mine['ms']:.2f} at "
+                                f"{u.choice}")
+        else:
+            out[c] = ("over budget", "over the summed budget: the units' errors together "
+                                     "were over it, and raising this one bought the most")
+    return out
+
+
+def _grouped(why):
+    """'bf16, fp16 slower; fp8 fails' from {candidate: (short, full)}."""
+    groups = {}
+    for c, (s, _) in why.items():
+        groups.setdefault(s, []).append(c)
+    return "; ".join(f"{', '.join(cs)} {s}" for s, cs in groups.items()) or "-"
+
+
+def _cut(text, width, keep_end=False):
+    if len(text) <= width:
+        return text
+    return CUT + text[len(text) - width + len(CUT):] if keep_end else text[:width - len(CUT)] + CUT
+
+
+def _narrow(plan):
+    """Columns separated by two spaces, text left and figures right, at most WIDTH wide:
+    long module names keep their end, long types and reasons their start."""
+    header = ["module", "type", "choice", "loss err", "dgrad err", "wgrad err", "ms",
+              "why not lower"]
+    rows = []
+    for u in plan.every_unit:
+        r = u.figures()
+        rows.append([u.module, u.type, u.choice, fmt(r.get("loss_err")), fmt(r.get("dgrad_err")),
+                     fmt(r.get("wgrad_err")), fmt(r.get("ms"), ".2f"), _grouped(reasons(plan, u))])
+    cells = [header] + rows
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    widths[1] = min(widths[1], 18)
+    # over WIDTH: the module names give up to a floor of 24, then the reasons
+    over = sum(widths) + 2 * (len(header) - 1) - WIDTH
+    widths[0] -= max(0, min(over, widths[0] - 24))
+    over = sum(widths) + 2 * (len(header) - 1) - WIDTH
+    widths[-1] = max(len(header[-1]), widths[-1] - max(0, over))
+    left = {0, 1, 7}
+    lines = []
+    for row in cells:
+        parts = []
+        for i, (cell, w) in enumerate(zip(row, widths)):
+            cell = _cut(cell, w, keep_end=i == 0)
+            parts.append(cell.ljust(w) if i in left else cell.rjust(w))
+        lines.append("  ".join(parts).rstrip())
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _wide(plan):
+    """Every figure and every reason in full: one line per unit, as wide as it takes."""
+    cands = plan.data["candidates"]
+    header = (["module", "type", "choice", "loss err", "dgrad err", "wgrad err", "wgrad noise",
+               "err/noise"] + [f"ms {c}" for c in cands] + ["why not lower"])
+    rows = []
+    for u in plan.every_unit:
+        r = u.figures()
+        times = [fmt(u.options[c].get("ms"), ".2f") if c in u.options else "n/a" for c in cands]
+        why = "; ".join(f"{c}: {full}" for c, (_, full) in reasons(plan, u).items())
+        rows.append([u.module, u.type, u.choice, fmt(r.get("loss_err")), fmt(r.get("dgrad_err")),
+                     fmt(r.get("wgrad_err")), fmt(r.get("wgrad_noise")),
+                     fmt(noise_ratio(r, "wgrad_err"))] + times + [why or "-"])
+    return format_table(header, rows)
+
+
+def _ceiling_line(plan):
+    """What the memory objective's time ceiling ruled out, or None where none was in force."""
+    ceiling = plan.data.get("ceiling")
+    if ceiling is None:
+        return None
+    counts = {}
+    for u in plan.every_unit:
+        for c, why in u.rejected.items():
+            if short(why) == "slower":
+                counts[c] = counts.get(c, 0) + 1
+    ruled = ", ".join(f"{c} for {n} module(s)" for c, n in counts.items()) or "nothing"
+    return (f"time ceiling {ceiling:g}x: no module slower than {ceiling:g}x its fastest candidate "
+            f"within the budget, no step slower than {ceiling:g}x fp32's; it ruled out {ruled} "
+            f"(\"slower\")")
+
+
+def saving(plan, times):
+    """The plan's time against fp32's; an all-fp32 plan is fp32 and saves nothing (two
+    timings of the same thing differ only by noise)."""
+    if plan.dtype == "fp32":
+        return f"fp32 {times['fp32_ms']:.2f} ms per step; every module runs fp32: nothing saved"
+    diff = times["fp32_ms"] - times["plan_ms"]
+    return (f"fp32 {times['fp32_ms']:.2f} ms, plan {times['plan_ms']:.2f} ms, "
+            + (f"saving {diff:.2f} ms per step" if diff >= 0 else
+               f"{-diff:.2f} ms slower per step"))
+
+
+def render(plan, details=False):
+    d = plan.data
+    b = d["budget"]
+    lines = [f"ampc.autoprecision plan: {len(plan.units)} modules on {d['device']} "
+             f"({d.get('where', '')}), objective {d['objective']}, region {plan.dtype}, "
+             f"ops outside these modules {plan.rest}",
+             f"budget per step: loss {b['loss']:g}, grad {b['grad']:g}, wgrad {b['wgrad']:g} "
+             f"(relative to fp32), gradients also within {plan.budget.noise_fraction:g} of "
+             f"fp32's batch-to-batch spread"]
+    tail = []
+    if not details:
+        tail.append("errors: relative to fp32's, one step; ms: forward + backward at the "
+                    "choice; every candidate's time and the reasons in full: "
+                    "plan.table(details=True)")
+    tail.append(_ceiling_line(plan))
+    pred = d.get("predicted") or {}
+    if pred:
+        tail.append(f"predicted (sum over modules, forward + backward): {saving(plan, pred)}")
+    m = d.get("measured")
+    if m:
+        tail.append(f"measured (whole model, forward + backward): {saving(plan, m)}; "
+                    f"loss err {fmt(m['loss_err'])}, grad err {fmt(m['grad_err'])} (fp32's "
+                    f"batch-to-batch spread {fmt(m.get('grad_noise'))}), worst wgrad err "
+                    f"{fmt(m['wgrad_err'])} ({m['wgrad_worst'] or '-'})")
+    for step in d.get("backoffs", []):
+        tail.append(f"backed off: {step['module']} {step['from']} -> {step['to']} "
+                    f"({step['why']})")
+    tail += [f"note: {n}" for n in d.get("notes", [])]
+    if d.get("search_s") is not None:
+        tail.append(f"search took {d['search_s']:.1f} s")
+    table = _wide(plan) if details else _narrow(plan)
+    return "\n".join(_wrap(lines) + [table] + _wrap(t for t in tail if t))
+
+
+def _wrap(lines):
+    return [textwrap.fill(t, WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+            for t in lines]
