@@ -391,7 +391,7 @@ def _custom_op(name):
 class _ScopeState(threading.local):
     def __init__(self):
         self.scope = None     # the current merged Scope of this thread, or None
-        self.saved = []       # the scopes to restore, one per open scope
+        self.saved = []       # (owner, what to restore), one per open scope
 
 
 _tls = _ScopeState()
@@ -413,6 +413,23 @@ def _pop(saved):
     _tls.scope = prev
     if token is not None:
         _scope_left(token)
+
+
+def _enter(owner, s):
+    _tls.saved.append((owner, _push(s)))
+
+
+def _leave(owner):
+    """Leaves the innermost scope ``owner`` entered, and any entered after it whose exit
+    never ran; nothing when ``owner`` has none open. A module scope's hooks traced by
+    torch.compile, whose compilation then failed, leave no entry for the forward hook
+    that still runs: popping another's entry made the enclosing scope's exit fail."""
+    stack = _tls.saved
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i][0] is owner:
+            while len(stack) > i:
+                _pop(stack.pop()[1])
+            return
 
 
 # set by ampc.autocast: make torch's autocast state follow a scope's dtype and enabled
@@ -442,25 +459,34 @@ class scope:
         self._scope = Scope(dtype, ops, enabled)
 
     def __enter__(self) -> "scope":
-        _tls.saved.append(_push(self._scope))
+        _enter(self, self._scope)
         return self
 
     def __exit__(self, *exc: Any) -> bool:
-        _pop(_tls.saved.pop())
+        _leave(self)
         return False
 
 
 def module_scope(module: torch.nn.Module, *, dtype: torch.dtype | None = None,
                  ops: Mapping[Op, CastPolicy | str] | None = None, enabled: bool | None = None,
-                 cast_inputs: bool = True) -> "ScopeHandle":
+                 cast_inputs: bool = True, cast_outputs: torch.dtype | None = None
+                 ) -> "ScopeHandle":
     """Makes a scope a property of ``module``: it applies to every call of the module and
     of its children. With ``dtype`` set and ``cast_inputs=True`` the module's floating
     tensor arguments are also cast to ``dtype`` on entry (inside autocast regions only),
-    so that "keep this block in fp32" holds for its first op too. Returns a handle whose
+    so that "keep this block in fp32" holds for its first op too. With ``cast_outputs``
+    its floating outputs are cast to that dtype on the way out (inside autocast regions
+    only): an fp16 block inside a bf16 region hands back float32, since torch's autocast
+    refuses a 16-bit dtype other than the region's in its promote ops (``cat``, ``stack``)
+    and torch itself promotes fp16 with bf16 to float32. Returns a handle whose
     ``remove()`` undoes it; ``ampc.policy.module_scope_of(module)`` reads it."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"ampc.policy.module_scope: module must be a torch.nn.Module, "
                         f"got {type(module).__name__}")
+    if cast_outputs is not None and cast_outputs not in (torch.float32, torch.float16,
+                                                         torch.bfloat16):
+        raise ValueError("ampc.policy.module_scope: cast_outputs must be torch.float32, "
+                         f"torch.float16, torch.bfloat16 or None, got {cast_outputs}")
     s = Scope(dtype, ops, enabled)
     s.from_module = True
 
@@ -468,11 +494,15 @@ def module_scope(module: torch.nn.Module, *, dtype: torch.dtype | None = None,
         cast = None
         if s.dtype is not None and cast_inputs and _cast_inputs_hook is not None:
             cast = _cast_inputs_hook(args, kwargs, s.dtype)
-        _tls.saved.append(_push(s))       # after the cast: post() pops only what was pushed
+        _enter(s, s)       # after the cast: post() leaves only what was entered
         return cast
 
     def post(mod, args, out):
-        _pop(_tls.saved.pop())
+        _leave(s)
+        if cast_outputs is not None and _cast_inputs_hook is not None:
+            cast = _cast_inputs_hook((out,), {}, cast_outputs)
+            return None if cast is None else cast[0][0]
+        return None
 
     handles = [module.register_forward_pre_hook(pre, with_kwargs=True),
                module.register_forward_hook(post, always_call=True)]

@@ -21,6 +21,7 @@ from . import _loss, _table, _units
 from ._monitor import Monitor
 from ._solve import Budget
 from ._units import Reason
+from .._numerics import failures
 from .._numerics.model import default_loss, expression
 from ..validate import compare
 
@@ -357,6 +358,9 @@ class Plan:
             if u.kind == "norm" and c != "fp32":
                 ops = (", ops={" + ", ".join(f'"{o}": "lower_precision_fp"'
                                              for o in _units.REDUCTION_OPS) + "}")
+            out = _cast_outputs(self, c)
+            if out is not None:
+                ops += f", cast_outputs={_torch_dtype(out)}"
             lines.append(f"ampc.policy.module_scope({expression(u.module)}, "
                          f"dtype={_torch_dtype(_units.DTYPES[c])}{ops})")
         if fp8:
@@ -407,6 +411,7 @@ class Plan:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"ampc.autoprecision.Plan.apply: model must be an nn.Module, "
                             f"got {type(model).__name__}")
+        _refuse_compiled(self, model)
         modules = dict(model.named_modules())
         missing = [u.module for u in self if u.module not in modules]
         if missing:
@@ -462,6 +467,20 @@ class Plan:
                                 seeds=seeds, **kwargs)
 
 
+def _refuse_compiled(plan, model):
+    """Raises a ValueError when a module the plan sets lies in a torch.compile'd part: its
+    scope switches the autocast state at the module's boundary, which torch.compile cannot
+    trace (AOTAutograd refuses the graph once an fp8 module breaks it)."""
+    for part in failures.compiled_parts(model):
+        names = [u.module for u in plan if not part or u.module.startswith(part + ".")]
+        if names:
+            raise ValueError(
+                f"ampc.autoprecision.Plan.apply: {part or 'the model'} is compiled with "
+                f"torch.compile and the plan sets module(s) inside it ({names[0]} ...), which "
+                f"torch.compile cannot trace (each switches the autocast state); apply the "
+                f"plan to the model uncompiled ({failures.unwrap_hint(part)})")
+
+
 def _check_module(u, m):
     """Raises a ValueError when module ``m`` is not the one unit ``u`` was measured on."""
     if type(m).__name__ != u.type:
@@ -487,6 +506,16 @@ def _by_region(plan, kind, choice):
     return (kind != "norm" and choice == plan.rest and choice != "fp8") or plan.dtype == "fp32"
 
 
+def _cast_outputs(plan, choice):
+    """float32 for a unit whose 16-bit dtype is not the one the region gives the ops around
+    it (fp16 in a bf16 region), else None: torch's autocast refuses such a tensor in its
+    promote ops (a cache's ``cat``), and float32 holds the unit's result without rounding."""
+    mine, rest = _units.DTYPES[choice], _units.DTYPES[plan.rest]
+    if torch.float32 in (mine, rest) or mine == rest:
+        return None
+    return torch.float32
+
+
 def _torch_dtype(dtype):
     return "torch." + str(dtype).split(".")[-1]
 
@@ -507,7 +536,8 @@ class _Fp8Off:
             self.stack.append(ctx)
 
         def post(mod, args, out):
-            self.stack.pop().__exit__(None, None, None)
+            if self.stack:      # the pre-hook may have been traced by torch.compile, not run
+                self.stack.pop().__exit__(None, None, None)
 
         self.handles = [module.register_forward_pre_hook(pre),
                         module.register_forward_hook(post, always_call=True)]
@@ -542,10 +572,15 @@ class Applied:
         plan's record changes too; a ``plan.loss(...)`` made before follows it)."""
         if choice == "fp8" and name in self.modules:   # fp8.convert would skip a Conv1D silently
             _check_module(replace(self.plan.unit(name), choice=choice), self.modules[name])
+        region = (self.plan.dtype, self.plan.rest)
         self.plan.set_choice(name, choice, reason)
         if name == _loss.NAME and self.plan.loss_unit is not None:
             return
-        self.place(name)
+        # a new region dtype changes what every unit needs (its scope, its outputs' cast)
+        others = [n for n in self.handles if n != name] \
+            if (self.plan.dtype, self.plan.rest) != region else []
+        for n in others + [name]:
+            self.place(n)
 
     def place(self, name: str) -> None:
         """Puts module ``name`` at the precision its plan record holds."""
@@ -557,7 +592,8 @@ class Applied:
         # an ampc.fp8.Linear at another choice keeps a scope (its dtype outside FP8)
         fp8_now = _is_fp8(m)
         by_region = _by_region(self.plan, _units.kind(m), choice) and not fp8_now
-        handles = [] if by_region else [ampc.policy.module_scope(m, dtype=dtype, ops=ops)]
+        handles = [] if by_region else [ampc.policy.module_scope(
+            m, dtype=dtype, ops=ops, cast_outputs=_cast_outputs(self.plan, choice))]
         if choice == "fp8":
             ampc.fp8.convert(m)
         elif fp8_now:

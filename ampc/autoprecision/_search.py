@@ -16,11 +16,13 @@ from ._plan import Plan, VERSION, param_shapes
 from ._solve import (CEILING, ERRORS, MARGIN, Budget, Over, clearly_faster, order, raise_one,
                      solve)
 from ._units import Reason
+from .._numerics import failures
 from .._numerics.errors import rel_error
 from .._numerics.model import call_model, default_loss, to_device
 from .._numerics.noise import spread
 
 RACE_ROUNDS = 3      # turns each entrant takes in race()
+FN = "ampc.autoprecision.search"
 
 OBJECTIVES = ("time", "memory")
 SLOW = 4.0       # a candidate whose matmul is this many times slower than fp32 is not tried
@@ -150,6 +152,28 @@ class WorkingCopy:
 
 
 def check_plan(work, batches, loss_fn, plan, ref, device):
+    """:func:`measure_plan`; a plan whose step raises is a failed check, not a crash: its
+    errors infinite, ``failed`` saying what was raised (and what to do, where ampc can
+    tell), ``involved`` the units below fp32 where it was raised (all of them when no
+    module's forward was running: a backward), which the back-off raises one step."""
+    try:
+        return measure_plan(work, batches, loss_fn, plan, ref, device)
+    except Exception as e:      # noqa: BLE001 (any failure of the plan's step backs off)
+        low = [u.module for u in plan.every_unit if u.choice != "fp32"]
+        where = failures.failing_module(e, work.model)
+        mine = [n for n in low if where is not None and n != _loss.NAME
+                and (where == "" or n == where or n.startswith(where + ".")
+                     or where.startswith(n + "."))]
+        what = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        hint = failures.explain(FN, e, work.model, batches[0][0], device)
+        return {"loss_err": math.inf, "grad_err": math.inf, "wgrad_err": math.inf,
+                "wgrad_worst": None, "unit_wgrad": {}, "grad_noise": None,
+                "plan_ms": math.inf, "failed": what + (f" ({hint})" if hint else "")
+                + (f" in {where or 'the model'}" if where is not None else ""),
+                "involved": mine or low}
+
+
+def measure_plan(work, batches, loss_fn, plan, ref, device):
     """The whole plan on ``work`` (a :class:`WorkingCopy`) against fp32 over the batches:
     loss error, error of all weight gradients together, the worst unit's weight-gradient
     error, fp32's batch-to-batch spread of the weight gradients, and step times."""
@@ -271,7 +295,12 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     params = list(model.parameters())
     device = device or (params[0].device.type if params else "cpu")
     batches = [tuple(to_device(b, device)) for b in batches]
+    model, compiled = _plain(model)
+    loss_name = _loss.loss_name(loss_fn)
+    loss_fn = failures.checked_loss(FN, loss_fn)
     found, options, notes = _units_and_options(model, units, candidates, objective, device)
+    failures.first_run(FN, model, batches, loss_fn)      # bad batches or loss_fn: said here
+    notes += compiled
     model, found, note = _measure.warm_if_silent(model, batches, loss_fn, found, warmup)
     notes += [note] if note else []
     tally = _loss.Tally(loss_fn, candidates, device, repeats) if loss_unit else None
@@ -284,7 +313,7 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     if not sensitivity:
         _blind(measured)
     plan = _first_plan(found, measured, budget, objective, candidates, fp8_recipe, loss_scale,
-                       device, notes, _loss.loss_name(loss_fn), ceiling)
+                       device, notes, loss_name, ceiling)
     if check:
         _check_whole(model, batches, loss_fn, plan, measured, budget, objective, device,
                      max_backoffs)
@@ -293,6 +322,20 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
         "plan_ms": sum(u.figures()["ms"] or 0.0 for u in plan.every_unit)}
     plan.data["search_s"] = time.perf_counter() - t_start
     return _broadcast(plan)
+
+
+def _plain(model):
+    """(the model to search, notes): a model with torch.compile'd parts is searched on a
+    copy through the modules they compile, and the plan names those; a plan cannot be
+    applied inside a compiled module (see Plan.apply)."""
+    parts = failures.compiled_parts(model)
+    if not parts:
+        return model, []
+    hints = "; ".join(failures.unwrap_hint(p) for p in parts)
+    return failures.uncompiled(model), [
+        f"{', '.join(p or '(the model)' for p in parts)} compiled with torch.compile: measured "
+        f"through the module(s) compiled, and the plan names their modules; apply it to the "
+        f"model uncompiled ({hints})"]
 
 
 def _units_and_options(model, types, candidates, objective, device):
@@ -413,6 +456,10 @@ def _back_off(work, batches, loss_fn, plan, ref, device, result, measured, budge
         over = _over(result, budget)
         if over is None:
             break
+        if over.key == "failed":
+            _raise_failed(plan, result)
+            result = check_plan(work, batches, loss_fn, plan, ref, device)
+            continue
         for _ in range(2 ** (k // 4)):
             name = _worst(plan, result, over)
             if name is None:
@@ -425,6 +472,19 @@ def _back_off(work, batches, loss_fn, plan, ref, device, result, measured, budge
             plan.set_choice(name, new, Reason.BACKED_OFF)
         result = check_plan(work, batches, loss_fn, plan, ref, device)
     return result
+
+
+def _raise_failed(plan, result):
+    """Raises each unit involved in a failed check one step (RAISE_TO), and says so."""
+    names = [n for n in result["involved"] if plan.unit(n).choice != "fp32"]
+    for name in names:
+        u = plan.unit(name)
+        new = _units.RAISE_TO[u.choice]
+        plan.data["backoffs"].append({"module": name, "from": u.choice, "to": new,
+                                      "why": "the whole plan raised an error"})
+        plan.set_choice(name, new, Reason.BACKED_OFF)
+    plan.data["notes"].append(f"the whole plan raised {result['failed']}: {len(names)} "
+                              "module(s) raised one step and the plan checked again")
 
 
 def _check_whole(model, batches, loss_fn, plan, measured, budget, objective, device, max_backoffs):
@@ -460,6 +520,8 @@ def _check_whole(model, batches, loss_fn, plan, measured, budget, objective, dev
     if note:
         notes.append(note)
     result.pop("unit_wgrad")
+    result.pop("failed", None)
+    result.pop("involved", None)
     result["fp32_ms"] = fp32_ms
     plan.data["measured"] = result
 
@@ -471,7 +533,7 @@ def _whole_low(work, batches, loss_fn, plan, ref, device, result, measured, budg
     unless the modules' own choice measured clearly faster (by more than MARGIN), the two
     timed turn about (:func:`race`)."""
     low, _ = solve_with_loss(measured, budget, "memory")
-    if low == plan.decisions:
+    if low == plan.decisions or result.get("failed"):    # a failed plan is not raced
         return result
     mine = plan.decisions
     plan.set_choices(low, Reason.WHOLE_MODEL)
@@ -586,6 +648,8 @@ def _over(result, budget):
     weight-gradient error in the whole plan also carries every later unit's dgrad error:
     it is held to the budget by :func:`_wgrad_note`, and the units' own wgrad errors one
     by one, in the search.)"""
+    if result.get("failed"):
+        return Over("failed", math.inf, 0.0)
     if not (result["loss_err"] <= budget.loss):
         return Over("loss_err", result["loss_err"], budget.loss)
     limit = budget.limit("grad_err", result.get("grad_noise"))

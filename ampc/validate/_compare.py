@@ -37,11 +37,13 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
+from .._numerics import failures
 from .._numerics.model import call_model, default_loss, to_device
 from .._walk import map_tensors
 from ._report import Comparison
 from ._run import Run
 
+FN = "ampc.validate.compare"
 SETUPS = ("torch.amp", "ampc", "ampc.master")
 FP8_SETUP = "ampc.fp8"
 PLAN_SETUP = "ampc.auto"      # an ampc.autoprecision.Plan given as a setup
@@ -272,6 +274,23 @@ class Trainer:
             torch.cuda.set_rng_state(state[1])
 
     def step(self, batch):
+        """:meth:`timed_step`; a failure is raised as an ampc error naming the run, the
+        step and, where ampc can tell, the cause and what to do."""
+        try:
+            self.timed_step(batch)
+        except Exception as e:
+            if str(e).startswith("ampc"):
+                raise
+            k = len(self.run.losses)
+            err = failures.batch_error(FN, e, batch, k) if self.run.kind == "fp32" else None
+            if err is not None:
+                raise err from e
+            hint = failures.explain(FN, e, self.model, batch[0], self.device)
+            raise RuntimeError(f"{FN}: {self.run.name} failed at step {k}: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:200]}" + (f"; {hint}" if hint else "")
+                               ) from e
+
+    def timed_step(self, batch):
         """One timed training step (forward, backward, optimizer); loss, grad norm and
         scale are read outside the timed part (each syncs the device)."""
         run, opt, scaler = self.run, self.opt, self.scaler
@@ -457,6 +476,7 @@ def compare(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int
         raise ValueError(f"ampc.validate.compare: dtype must be torch.float16 or "
                          f"torch.bfloat16, got {dtype}")
     parsed = [parse_setup(s, dtype) for s in setups]
+    loss_fn = failures.checked_loss(FN, loss_fn)
     batches = [to_device(make_batch(k), device) for k in range(steps)]
     val = [to_device(b, device) for b in val_batches] if val_batches else []
     specs = ([("fp32", None, seeds[0], None)]

@@ -116,7 +116,9 @@ def test_python_rendering_runs_and_matches_apply(known):
     model, batches, plan = known
     code = plan.python()
     assert "ampc.policy.module_scope(model.norm, dtype=torch.float32" in code
-    assert "ampc.policy.module_scope(model.head, dtype=torch.float16)" in code
+    # fp16 in a bf16 region hands back fp32 (a promote op refuses a foreign 16-bit dtype)
+    assert ("ampc.policy.module_scope(model.head, dtype=torch.float16, "
+            "cast_outputs=torch.float32)") in code
     fresh, applied = Known(), Known()
     exec(code, {"model": fresh})
     plan.apply(applied)
@@ -144,7 +146,8 @@ def test_apply_reports_every_module_and_runs(known):
         out = fresh(x)
     for h in hooks:
         h.remove()
-    assert seen == {"norm": torch.float32, "hot": torch.bfloat16, "head": torch.float16}
+    # fp16 in the bf16 region: the head's result is handed back in fp32
+    assert seen == {"norm": torch.float32, "hot": torch.bfloat16, "head": torch.float32}
     loss = nn.functional.cross_entropy(out.float(), y)
     scaler = plan.scaler()
     assert isinstance(scaler, ampc.GradScaler)
