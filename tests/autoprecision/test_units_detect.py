@@ -130,3 +130,56 @@ def test_gpt2_conv1d_layers_are_units_and_the_plan_sets_their_dtype():
     with pytest.raises(ValueError, match=r"cannot run in fp8"):
         applied.set(conv[1], "fp8")                    # refused, not run as bf16 silently
     assert plan.choice(conv[1]) == "bf16"
+
+
+class WithSpare(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.spare = Conv1D(16, 16)                    # a unit no batch reaches
+
+    def forward(self, x):
+        return self.a(x)
+
+
+def test_a_unit_never_called_is_named_in_the_notes_and_kept_fp32():
+    torch.manual_seed(0)
+    batches = [(torch.randn(8, 16), torch.randint(0, 16, (8,))) for _ in range(2)]
+    plan = ampc.autoprecision.search(WithSpare(), batches, candidates=("fp32", "bf16"),
+                                     objective="memory", repeats=1, loss_unit=False)
+    assert plan.choice("spare") == "fp32" and plan.unit("a").options["fp32"]["ms"] is not None
+    assert any("never called on the batches" in note and "spare" in note
+               for note in plan.data["notes"])
+
+
+class InplaceGemm(nn.Module):
+    """Halves its input in place, then multiplies: fine inside the model, refused by autograd
+    on the leaf input a unit gets when it runs alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x):
+        return x.mul_(0.5) @ self.weight
+
+
+def test_a_unit_that_fails_alone_is_named_in_the_notes_and_kept_fp32():
+    torch.manual_seed(0)
+    batches = [(torch.randn(8, 16), torch.randint(0, 16, (8,))) for _ in range(2)]
+    plan = ampc.autoprecision.search(nn.Sequential(nn.Linear(16, 16), InplaceGemm()), batches,
+                                     candidates=("fp32", "bf16"), objective="memory", repeats=1,
+                                     loss_unit=False)
+    assert plan.unit("1").kind == "gemm" and plan.choice("1") == "fp32"
+    assert any("in-place operation" in note and "not measured" in note
+               for note in plan.data["notes"])
+
+
+def test_a_tiny_llamas_units_include_its_rmsnorms():
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, max_position_embeddings=32)
+    found = _units.find_units(transformers.LlamaForCausalLM(cfg))
+    norms = {n for n, m in found.items() if isinstance(m, LlamaRMSNorm)}
+    assert len(norms) == 5 and {_units.kind(found[n]) for n in norms} == {"norm"}
+    assert len(found) == 5 + 2 * 7 + 1              # norms, 7 Linears a layer, the head
