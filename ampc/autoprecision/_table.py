@@ -83,9 +83,24 @@ def _cut(text, width, keep_end=False):
     return CUT + text[len(text) - width + len(CUT):] if keep_end else text[:width - len(CUT)] + CUT
 
 
+def _fit_name(name, width):
+    """A module's path within ``width``: its parts from the left cut to their first letter
+    and trailing digits ("encoder.layers.encoder_layer_0.mlp" -> "e.l.e0.mlp"), the last
+    part whole, until it fits; then its start cut. An encoder and a decoder stay apart."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1):
+        if len(".".join(parts)) <= width:
+            break
+        p = parts[i]
+        if not p.isdigit():
+            parts[i] = p[0] + p[len(p.rstrip("0123456789")):]
+    return _cut(".".join(parts), width, keep_end=True)
+
+
 def _narrow(plan):
     """Columns separated by two spaces, text left and figures right, at most WIDTH wide:
-    long module names keep their end, long types and reasons their start."""
+    long module names shortened (:func:`_fit_name`), long types and reasons keep their
+    start."""
     header = ["module", "type", "choice", "loss err", "dgrad err", "wgrad err", "ms",
               "why not lower"]
     rows = []
@@ -96,9 +111,9 @@ def _narrow(plan):
     cells = [header] + rows
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     widths[1] = min(widths[1], 18)
-    # over WIDTH: the module names give up to a floor of 24, then the reasons
+    # over WIDTH: the module names give up to a floor of 28, then the reasons
     over = sum(widths) + 2 * (len(header) - 1) - WIDTH
-    widths[0] -= max(0, min(over, widths[0] - 24))
+    widths[0] -= max(0, min(over, widths[0] - 28))
     over = sum(widths) + 2 * (len(header) - 1) - WIDTH
     widths[-1] = max(len(header[-1]), widths[-1] - max(0, over))
     left = {0, 1, 7}
@@ -106,7 +121,7 @@ def _narrow(plan):
     for row in cells:
         parts = []
         for i, (cell, w) in enumerate(zip(row, widths)):
-            cell = _cut(cell, w, keep_end=i == 0)
+            cell = _fit_name(cell, w) if i == 0 else _cut(cell, w)
             parts.append(cell.ljust(w) if i in left else cell.rjust(w))
         lines.append("  ".join(parts).rstrip())
     lines.insert(1, "  ".join("-" * w for w in widths))

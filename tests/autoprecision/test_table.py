@@ -63,10 +63,23 @@ def test_at_most_120_columns_with_long_names_and_every_figure_on_request():
     text = plan.table()
     assert max(map(len, text.splitlines())) <= WIDTH, text
     row = next(l for l in text.splitlines() if "out_proj" in l)
-    assert row.startswith("..") and "out_proj_with_a_long_name" in row   # the name's end kept
+    assert "out_proj_with_a_long_name" in row                      # the name's end kept
     assert row.endswith("fp16 slower; bf16 out of range")
     wide = plan.table(details=True)
     assert max(map(len, wide.splitlines())) > WIDTH
     for word in (long, "ms fp16", "wgrad noise", "fp16: too slow here: 9.0x fp32's time",
                  "bf16: loss error not finite"):
         assert word in wide, word
+
+
+def test_long_names_are_shortened_from_the_left_and_stay_apart():
+    slow = {"bf16": "too slow here: 4.0x fp32's time", "fp16": "loss error not finite",
+            "fp8": "RuntimeError: no kernel for this one here"}
+    names = [f"{side}.block.{k}.layer.0.SelfAttention.q" for side in ("encoder", "decoder")
+             for k in (0, 1)]
+    plan = Plan(dict(BASE, units=[_unit(n, "fp32", _opts(1.0, 4.0), slow) for n in names]))
+    rows = [l for l in plan.table().splitlines() if "SelfAttention.q" in l]
+    shown = [r.split()[0] for r in rows]
+    assert len(set(shown)) == 4, shown
+    assert all(s.endswith("SelfAttention.q") and len(s) < len(n) for s, n in zip(shown, names))
+    assert max(map(len, plan.table().splitlines())) <= WIDTH
