@@ -11,11 +11,8 @@ collectives on device tensors, so nothing waits for the device.
 A Partial placement (a pending sum) is refused: its local values are not the gradient.
 DDP needs nothing here: it all-reduces the grads, so every rank sees the same values.
 
-The lean state's 8-bit moments are quantized in blocks of each rank's local shard (a block
-never straddles a shard), so their block scales are per shard: a DTensor of shape
-(shards, blocks of the largest shard), one row a rank, sharded along the mesh like the
-param's dim 0 (``lean_scales``). Its first dim records how many shards made the codes,
-which is what a load into another sharding needs to decode them (ampc.lean_state).
+The lean state's 8-bit moments of sharded params keep their blocks per shard
+(ampc/optim/_shards.py).
 """
 import sys
 import weakref
@@ -24,11 +21,8 @@ from itertools import repeat
 import torch
 import torch.distributed as dist
 
-from .lean_state import shard_blocks
-
 __all__ = ["is_dtensor", "check_group", "local_lists", "split_grads", "agree_found_inf",
-           "global_norm", "refuse_sharded_model", "watch_params", "lean_scales",
-           "local_scales"]
+           "global_norm", "refuse_sharded_model", "watch_params"]
 
 
 def _dtensor_class():
@@ -116,43 +110,6 @@ def local_lists(who, indices, params, grads, states):
                                  "torch.distributed.checkpoint?)")
     return (_locals(params), _locals(grads),
             {k: v if k == "step" else _locals(v) for k, v in states.items()})
-
-
-def lean_scales(who, p, qblock):
-    """Zero block scales of 8-bit moments for the DTensor param p: Replicate on a 1-d mesh,
-    one scale a block of the whole tensor, replicated; Shard(0), a (shards, blocks) DTensor
-    whose row r holds the scales of rank r's shard (the unused tail of a smaller shard's
-    row stays 0). Other layouts (2-d meshes, other dims) are refused."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard, zeros
-    mesh, placements = p.device_mesh, tuple(p.placements)
-    if mesh.ndim == 1 and isinstance(placements[0], Replicate):
-        return zeros(-(-p.numel() // qblock), device_mesh=mesh,
-                     placements=[Replicate()])
-    if mesh.ndim != 1 or placements != (Shard(0),) or p.dim() == 0:
-        raise NotImplementedError(f"{who}: 8-bit moments of DTensor params take Shard(0) or "
-                                  f"Replicate on a 1-d mesh (FSDP2's fully_shard); this param "
-                                  f"is {placements} on a {mesh.ndim}-d mesh: use moments="
-                                  "'bf16' or 'fp32' for it")
-    shards = mesh.size()
-    blocks = shard_blocks(p.shape, shards)
-    local = torch.zeros(1, blocks, device=p.to_local().device)
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                              shape=(shards, blocks), stride=(blocks, 1))
-
-
-def local_scales(who, i, p, scales, qblock):
-    """The scales of this rank's shard of p, a 1-d view of exactly its blocks."""
-    if not is_dtensor(scales) or not (scales.device_mesh is p.device_mesh
-                                      or scales.device_mesh == p.device_mesh):
-        raise ValueError(f"{who}: the 8-bit scales of param {i} are not a DTensor on the "
-                         "param's mesh (a checkpoint loaded without "
-                         "torch.distributed.checkpoint?)")
-    local = scales._local_tensor.reshape(-1)
-    need = -(-p._local_tensor.numel() // qblock)
-    if local.numel() < need:
-        raise ValueError(f"{who}: param {i}'s shard has {need} blocks of 8-bit moments but "
-                         f"its scales hold {local.numel()} (a state of another sharding)")
-    return local[:need]
 
 
 # ---- the scaler: found_inf and the norm agreed across ranks ----

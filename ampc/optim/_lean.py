@@ -1,0 +1,143 @@
+"""The lean step: 8-bit or bf16 moments, and the weight kept by a master, a bf16 Kahan
+compensation, or the param alone (stochastic rounding), in one ``adam_lean`` call per
+(device, dtypes, layout) of the params with grads. The layouts are in ``_codes``."""
+from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
+
+import torch
+
+from .. import _distributed, ops
+from . import _shards
+from ._codes import CODES, MOMENTS, blocks, has_moments, layout_of, moment_keys
+from ._control import control, hyper, lr_on, name
+from ._packed import wants_master
+
+# The one-word presets of Adam(state=...): the options each one sets.
+PRESETS = {
+    # bf16 weights written by stochastic rounding, 8-bit moments: about 6 B a parameter
+    "lean": dict(master_weights=False, stochastic_rounding=True, moments="8bit"),
+}
+
+
+def is_lean(group):
+    return group["moments"] != "fp32" or group["kahan_summation"]
+
+
+def check_options(who, group, index):
+    """The lean options of a group, refused (ValueError naming the option) before any
+    state exists."""
+    if group["moments"] not in MOMENTS:
+        raise ValueError(f"{who}: moments must be one of {sorted(MOMENTS)}, got "
+                         f"{group['moments']!r} (param group {index})")
+    n = group["moments_min_numel"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{who}: moments_min_numel must be an int >= 0, got {n!r}")
+    if group["kahan_summation"]:
+        if group["master_weights"]:
+            raise ValueError(f"{who}: kahan_summation=True keeps a bf16 compensation instead "
+                             "of a master weight; it cannot go with master_weights=True")
+        if group["stochastic_rounding"]:
+            raise ValueError(f"{who}: kahan_summation=True and stochastic_rounding=True are "
+                             "two ways to write the weight without a master: give one")
+        for i, p in enumerate(group["params"]):
+            if p.dtype == torch.float16:
+                raise ValueError(f"{who}: kahan_summation=True needs torch.bfloat16 params; "
+                                 f"param {i} of group {index} is torch.float16")
+    if is_lean(group) and group["amsgrad"]:
+        raise ValueError(f"{who}: amsgrad=True is not supported with moments="
+                         f"{group['moments']!r} or kahan_summation=True")
+
+
+def layout(group, p):
+    """(moments, weight) the group keeps for p: see ``_codes``."""
+    moments = group["moments"]
+    if moments != "fp32" and (p.numel() < group["moments_min_numel"] or p.dim() < 2):
+        moments = "fp32"
+    if group["kahan_summation"]:    # an fp32 param (a norm prepare kept) is its own weight
+        return moments, "none" if p.dtype == torch.float32 else "kahan"
+    return moments, "master" if wants_master(group, p) else "none"
+
+
+def new_moments(who, p, moments) -> dict:
+    """A param's zero step and moments of kind `moments` (with their scales)."""
+    zeros = lambda dt: torch.zeros_like(p, dtype=dt,  # noqa: E731
+                                        memory_format=torch.contiguous_format)
+    m_key, v_key = (CODES["exp_avg"], CODES["exp_avg_sq"]) if moments == "8bit" else \
+        ("exp_avg", "exp_avg_sq")
+    state = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+             m_key: zeros(MOMENTS[moments]), v_key: zeros(MOMENTS[moments])}
+    if moments == "8bit" and _distributed.is_dtensor(p):     # per-shard blocks
+        state["exp_avg_scale"] = _shards.lean_scales(who, p)
+        state["exp_avg_sq_scale"] = _shards.lean_scales(who, p)
+    elif moments == "8bit":
+        state["exp_avg_scale"] = torch.zeros(blocks(p.numel()), device=p.device)
+        state["exp_avg_sq_scale"] = torch.zeros(blocks(p.numel()), device=p.device)
+    return state
+
+
+def init_state(opt, group, p, master=None):
+    """Creates a param's lean state; ``master`` (fp32), when known, is the value p was
+    rounded from: it seeds the master or the compensation."""
+    state = opt.state[p]
+    moments, weight = layout(group, p)
+    if weight == "kahan" and p.dtype != torch.bfloat16:
+        raise ValueError(f"{name(opt)}: kahan_summation=True needs torch.bfloat16 (or float32) "
+                         f"params, got {p.dtype}")
+    state.update(new_moments(name(opt), p, moments))
+    if weight == "master":
+        src = p if master is None else master
+        state["master"] = src.detach().to(device=p.device, dtype=torch.float32,
+                                          memory_format=torch.contiguous_format, copy=True)
+    elif weight == "kahan":
+        # the fp32 value p was rounded from, when known, is kept in the compensation
+        state["compensation"] = (torch.zeros_like(p, dtype=torch.bfloat16) if master is None else
+                                 (master.detach().to(p.device, torch.float32)
+                                  - p.detach().float()).to(torch.bfloat16))
+    return state
+
+
+def step(opt, group, index, first, grads, mask, cache):
+    """One adam_lean call per (device, dtypes, layout) of the params with grads."""
+    who = name(opt)
+    state = opt.state
+    live = [(i, p, g) for i, p, g in zip(range(first, first + len(grads)), group["params"],
+                                         grads) if g is not None]
+    for i, p, _ in live:        # every check before any allocation
+        if not has_moments(state[p]) and group["kahan_summation"] and p.dtype == torch.float16:
+            raise ValueError(f"{who}: kahan_summation=True needs torch.bfloat16 params; "
+                             f"param {i} is torch.float16")
+    buckets = {}
+    for i, p, g in live:
+        if g.is_sparse:
+            raise RuntimeError(f"{who} does not support sparse gradients")
+        s = state[p]
+        if not has_moments(s):
+            s = init_state(opt, group, p, s.get("master"))
+        moments, weight = layout_of(s)
+        key = (p.device, p.dtype, g.dtype, moments, weight)
+        buckets.setdefault(key, []).append((i, p, g, s))
+    args = hyper(group)
+    for (device, _, _, moments, weight), items in buckets.items():
+        indices, params, grads, states = (list(t) for t in zip(*items))
+        q8 = moments == "8bit"
+        m_key, v_key = moment_keys(states[0])
+        keys = ["step", m_key, v_key] + (
+            ["master"] if weight == "master" else ["compensation"] if weight == "kahan"
+            else [])
+        lists = {k: [s[k] for s in states] for k in keys}
+        scales = {k: [s[k] for s in states] for k in ("exp_avg_scale", "exp_avg_sq_scale")
+                  if q8}
+        if _distributed.is_dtensor(params[0]):      # the kernel on the local shards
+            scales = {k: [_shards.local_scales(who, i, p, t) for i, p, t in zip(indices, params, v)]
+                      for k, v in scales.items()}
+            params, grads, lists = _distributed.local_lists(who, indices, params, grads, lists)
+        grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+        targets = [p if p.is_contiguous() else p.detach().contiguous() for p in params]
+        ops.adam_lean(
+            targets, grads, lists[m_key], lists[v_key], lists["step"], lr=lr_on(group, device),
+            masters=lists.get("master"), compensations=lists.get("compensation"),
+            exp_avg_scales=scales.get("exp_avg_scale"),
+            exp_avg_sq_scales=scales.get("exp_avg_sq_scale"),
+            **args, **control(opt, device, cache))
+        for p, t in zip(params, targets):
+            if t is not p:
+                p.copy_(t)
