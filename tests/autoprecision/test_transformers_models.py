@@ -40,8 +40,9 @@ def test_default_loss_reads_the_logits_or_the_models_own_loss():
 def test_search_and_compare_take_keyword_inputs_and_model_outputs():
     model = make_model()
     plan = ampc.autoprecision.search(model, [make_batch(0), make_batch(1)],
-                                     candidates=("fp32", "bf16"), objective="memory", repeats=1)
-    max_slowdown=None, assert len(plan) == 11 and plan.choice("classifier") in ("fp32", "bf16")
+                                     candidates=("fp32", "bf16"), objective="memory", repeats=1,
+                                     max_slowdown=None)
+    assert len(plan) == 11 and plan.choice("classifier") in ("fp32", "bf16")
     report = ampc.validate.compare(make_model, make_batch, steps=3, setups=("torch.amp",),
                                    seeds=(0,), progress=False)
     assert all(torch.isfinite(torch.tensor(r.losses)).all() for r in [report.base] + report.runs)
