@@ -214,12 +214,7 @@ class Trainer:
         self.run = Run(name or (kind if kind == "fp32" else f"{kind} {dname}"), kind, dname, seed)
         self.memory = _PeakMemory(device)
         self.memory.start()
-        torch.manual_seed(seed)
-        model = make_model()
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"ampc.validate: make_model() must return an nn.Module, "
-                            f"got {type(model).__name__}")
-        model = model.to(device)
+        model = _build(make_model, seed).to(device)
         for pname, p in model.named_parameters():
             if p.is_floating_point() and p.dtype != torch.float32:
                 raise ValueError(f"ampc.validate: make_model() must return an fp32 model; "
@@ -337,6 +332,47 @@ class Trainer:
             self.run.val_loss = evaluate(self.model, val_batches, self.loss_fn, self.region)
         self.run.model, self.run.optimizer = self.model, self.opt
         return self.run
+
+
+def _build(make_model, seed):
+    """``make_model()`` right after ``torch.manual_seed(seed)``, checked to be a module."""
+    torch.manual_seed(seed)
+    model = make_model()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"ampc.validate: make_model() must return an nn.Module, "
+                        f"got {type(model).__name__}")
+    return model
+
+
+def check_make_model(make_model, seeds):
+    """Refuses, before any training, a ``make_model`` whose runs could not be compared:
+    one that builds a different architecture (parameter names and shapes) on some call,
+    or different weights for the same seed. Builds the model twice for the first seed
+    and once for each other seed."""
+    ref = {k: p.detach().clone() for k, p in _build(make_model, seeds[0]).named_parameters()}
+    for i, seed in enumerate(seeds):
+        got = dict(_build(make_model, seed).named_parameters())
+        if got.keys() != ref.keys():
+            diff = sorted(ref.keys() ^ got.keys())[:3]
+            raise ValueError(f"{FN}: make_model() built a different architecture on another call "
+                             f"(seed {seed} against seed {seeds[0]}: parameters {diff} are in "
+                             "one and not the other); it must build the same model every call")
+        for k, p in got.items():
+            if p.shape != ref[k].shape:
+                raise ValueError(f"{FN}: make_model() built a different architecture on another "
+                                 f"call (seed {seed} against seed {seeds[0]}: parameter {k} is "
+                                 f"{list(p.shape)}, was {list(ref[k].shape)}); it must build the "
+                                 "same model every call")
+            if i > 0:
+                continue
+            # the first seed's second build must start from the same weights as its first
+            p, r = p.detach().cpu(), ref[k].cpu()
+            if not (p.dtype == r.dtype and torch.allclose(p, r, rtol=0, atol=0, equal_nan=True)):
+                raise ValueError(f"{FN}: make_model() gave different weights for the same seed "
+                                 f"{seed} (parameter {k}): it must draw them from torch's "
+                                 "global generator, which compare seeds before each call, or "
+                                 "load them, so that every run of a seed starts from the same "
+                                 "weights")
 
 
 def _make_pure(model, dtype):
@@ -477,6 +513,7 @@ def compare(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int
                          f"torch.bfloat16, got {dtype}")
     parsed = [parse_setup(s, dtype) for s in setups]
     loss_fn = failures.checked_loss(FN, loss_fn)
+    check_make_model(make_model, seeds)
     batches = [to_device(make_batch(k), device) for k in range(steps)]
     val = [to_device(b, device) for b in val_batches] if val_batches else []
     specs = ([("fp32", None, seeds[0], None)]
