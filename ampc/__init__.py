@@ -3,8 +3,8 @@
 The kernels are registered as torch.ops.ampc.*; ampc.ops wraps them.
 
 ``import ampc`` costs little beyond ``import torch``: ampc.fp8 (which needs torch._dynamo)
-ampc.validate and ampc.autoprecision are imported on first use, and torch.distributed.tensor only by whoever
-makes a DTensor (tests/test_import_cost.py holds this).
+ampc.validate, ampc.autoprecision and ampc.memory are imported on first use, and
+torch.distributed.tensor only by whoever makes a DTensor (tests/test_import_cost.py holds this).
 """
 import importlib
 
@@ -21,12 +21,13 @@ from .amp import (autocast, clear_autocast_cache, custom_bwd, custom_fwd, get_au
 __all__ = ["GradScaler", "fp32_state_dict", "ops", "optim", "prepare",
            "policy", "autocast", "custom_fwd", "custom_bwd", "is_autocast_available",
            "is_autocast_enabled", "get_autocast_dtype", "set_autocast_dtype",
-           "is_autocast_cache_enabled", "clear_autocast_cache", "fp8", "validate", "autoprecision"]
+           "is_autocast_cache_enabled", "clear_autocast_cache", "fp8", "validate", "autoprecision",
+           "memory"]
 __version__ = "0.1.0"
 
 # imported on first use: fp8 needs torch._dynamo (longer to import than all the rest of ampc);
-# validate and autoprecision are tools that a plain training script does not need
-_LAZY = ("fp8", "validate", "autoprecision")
+# validate, autoprecision and memory are tools that a plain training script does not need
+_LAZY = ("fp8", "validate", "autoprecision", "memory")
 
 
 def __getattr__(name):

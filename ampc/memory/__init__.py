@@ -1,0 +1,11 @@
+"""Where a training step's memory goes, and modules that recompute instead of saving.
+
+``report(model, optimizer, batch, loss_fn)`` runs a step and measures its peak and what the
+peak is made of (weights, grads, optimizer state, saved activations by module);
+``recompute(model, modules)`` makes modules recompute in the backward. ``python -m
+ampc.memory`` reports on a GPT-2-shaped model. See docs/memory.md.
+"""
+from ._recompute import Recompute, recompute, recomputed
+from ._report import MemoryReport, report
+
+__all__ = ["MemoryReport", "Recompute", "recompute", "recomputed", "report"]

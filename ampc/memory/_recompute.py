@@ -1,0 +1,137 @@
+"""Modules that recompute their forward in the backward instead of saving for it.
+
+Each chosen module's forward runs inside torch's non-reentrant checkpoint: nothing the module
+computes is saved, only its inputs are kept, and the backward runs the forward again, with
+the CPU and device random states of the first run (``preserve_rng_state``), so dropout draws
+the same masks and the gradients are those of the plain module. The module itself is not
+replaced (an instance attribute ``forward`` wraps the class's), so its name, its state_dict
+and the hooks on it stay as they were.
+"""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from fnmatch import fnmatchcase
+
+import torch
+import torch.utils.checkpoint
+
+from ._saved import note_held
+
+_ATTR = "_ampc_recompute"   # on a wrapped module: (its handle, the forward it had before)
+
+
+class Recompute:
+    """What :func:`recompute` returns: ``remove()`` (or the end of a ``with`` block) makes
+    the modules save for the backward again."""
+
+    def __init__(self, names: list[str], modules: list[torch.nn.Module]):
+        self.names = names
+        self._modules = modules
+
+    def remove(self) -> None:
+        for m in self._modules:
+            mark = m.__dict__.get(_ATTR)
+            if mark is None or mark[0] is not self:
+                continue                                 # removed already
+            del m.__dict__[_ATTR]
+            if mark[1] is None:
+                del m.__dict__["forward"]                  # the class's forward again
+            else:
+                m.__dict__["forward"] = mark[1]
+        self._modules = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+    def __repr__(self):
+        return f"ampc.memory.Recompute({self.names})"
+
+
+def recomputed(model: torch.nn.Module) -> list[str]:
+    """Names of the modules of ``model`` that recompute in the backward."""
+    return [n or "(model)" for n, m in model.named_modules() if _ATTR in m.__dict__]
+
+
+def _find(model, items):
+    """The modules named or given, in order, each once; raises before anything changes."""
+    where = "ampc.memory.recompute"
+    named = list(model.named_modules())
+    name_of = {m: n for n, m in named}
+    chosen = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            found = [m for n, m in named if fnmatchcase(n, item)]
+            if not found:
+                near = difflib.get_close_matches(item, [n for n, _ in named if n], n=3)
+                raise ValueError(f"{where}: modules[{i}] {item!r} names no module of the model"
+                                 + (f" (close: {', '.join(near)})" if near else ""))
+        elif isinstance(item, torch.nn.Module):
+            if item not in name_of:
+                raise ValueError(f"{where}: modules[{i}] ({type(item).__name__}) is not a module of model")
+            found = [item]
+        else:
+            raise TypeError(f"{where}: modules[{i}] is {type(item).__name__}, expected a module "
+                            "name (str) or an nn.Module of model")
+        for m in found:
+            if _ATTR in m.__dict__:
+                raise ValueError(f"{where}: modules[{i}] {name_of[m] or '(model)'!r} recomputes already "
+                                 "(remove() the handle that made it so first)")
+            if m not in chosen:
+                chosen.append(m)
+    return chosen, [name_of[m] or "(model)" for m in chosen]
+
+
+def recompute(model: torch.nn.Module, modules: str | torch.nn.Module | Iterable) -> Recompute:
+    """Makes ``modules`` of ``model`` recompute their forward in the backward instead of
+    saving what the backward needs (torch's ``checkpoint(use_reentrant=False)`` around each,
+    random states replayed; keyword arguments passed through). The gradients are those of
+    the plain model; a step takes one more forward of those modules; the memory saved is
+    what they saved, less their inputs, which are kept.
+
+    Args:
+        model (nn.Module): the model.
+        modules: a qualified module name (``"transformer.h.0.attn"``; shell-style patterns
+            match several: ``"transformer.h.*.mlp"``), a module of ``model``, or a list of them.
+
+    Returns:
+        :class:`Recompute`: ``.remove()`` undoes it; usable as a context manager.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"ampc.memory.recompute: model is {type(model).__name__}, expected a torch.nn.Module")
+    if isinstance(modules, (str, torch.nn.Module)):
+        items = [modules]
+    elif isinstance(modules, Iterable):
+        items = list(modules)
+    else:
+        raise TypeError(f"ampc.memory.recompute: modules is {type(modules).__name__}, expected a "
+                        "module name, a module, or a list of them")
+    if not items:
+        raise ValueError("ampc.memory.recompute: modules is empty")
+    chosen, names = _find(model, items)
+    handle = Recompute(names, chosen)
+    for m in chosen:
+        before = m.__dict__.get("forward")
+        m.__dict__["forward"] = _checkpointed(m, m.forward)
+        m.__dict__[_ATTR] = (handle, before)
+    return handle
+
+
+def _checkpointed(module, inner):
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)                  # nothing is saved: nothing to recompute
+        note_held(module, (args, kwargs))
+        keys = list(kwargs)
+
+        # keyword values go in as positional ones: torch's checkpoint finds the devices whose
+        # random state it replays in its positional arguments only
+        def run(*values):
+            n = len(values) - len(keys)
+            return inner(*values[:n], **dict(zip(keys, values[n:])))
+        return torch.utils.checkpoint.checkpoint(run, *args, *kwargs.values(), use_reentrant=False,
+                                                 preserve_rng_state=True)
+    return forward

@@ -1,0 +1,86 @@
+"""Which module keeps which tensor for the backward.
+
+Autograd's saved-tensor hooks see every tensor saved inside the region; forward hooks on the
+model's modules say which module is running (the innermost one). A module that recomputes in
+the backward (``_recompute.py``) saves nothing inside itself; the inputs it keeps for the
+recomputation are noted here as its own (``note_held``).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .._walk import tensors
+
+_ACTIVE: list["SavedTracker"] = []     # the tracker of the step being measured, if any
+
+
+def storage_key(t: torch.Tensor) -> tuple[int, int] | None:
+    """(address, bytes) of the storage under ``t``; None for a tensor without one (a
+    subclass, a sparse or meta tensor), which is not counted."""
+    plain = type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+    if not plain or t.layout != torch.strided or t.device.type == "meta":
+        return None
+    s = t.untyped_storage()
+    return (s.data_ptr(), s.nbytes()) if s.nbytes() else None
+
+
+def note_held(module: torch.nn.Module, values) -> None:
+    """Counts the tensors in ``values`` as kept by ``module`` (for its recomputation)."""
+    if _ACTIVE:
+        _ACTIVE[-1].keep(module, tensors(values))
+
+
+class SavedTracker:
+    """While entered: records each tensor autograd saves and the module running then.
+    ``live()`` then says which of them autograd still holds, each storage once."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.names = {m: n or "(model)" for n, m in model.named_modules()}
+        self.stack: list[str] = []
+        self.records: list[tuple[weakref.ref, str]] = []
+        self._handles: list = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x)
+
+    def _pack(self, t):
+        # returned as is: autograd holds it, so the weak reference says whether it still does
+        # (an output is handed over as a detached alias, so no reference cycle is made)
+        self.records.append((weakref.ref(t), self.stack[-1] if self.stack else "(loss)"))
+        return t
+
+    def keep(self, module, ts):
+        name = self.names.get(module, "(model)")
+        self.records.extend((weakref.ref(t), name) for t in ts)
+
+    def __enter__(self):
+        def enter(module, args):
+            self.stack.append(self.names[module])
+
+        def leave(module, args, out):      # returns None: the output stays as it is
+            self.stack.pop()
+        for module in self.names:
+            self._handles.append(module.register_forward_pre_hook(enter))
+            self._handles.append(module.register_forward_hook(leave, always_call=True))
+        self._hooks.__enter__()
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        self._hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def live(self, exclude: set[int]) -> dict[int, tuple[int, str]]:
+        """{storage address: (bytes, module)} of the recorded tensors that are still alive,
+        each storage once (the first module to save it), leaving out the storages at the
+        addresses in ``exclude`` (the parameters, buffers, optimizer state and batch)."""
+        out: dict[int, tuple[int, str]] = {}
+        for ref, name in self.records:
+            t = ref()
+            key = None if t is None else storage_key(t)
+            if key is not None and key[0] not in exclude and key[0] not in out:
+                out[key[0]] = (key[1], name)
+        return out
