@@ -11,6 +11,14 @@ the search, would put the plan over it (its weight-gradient error on its own); a
 warning is given, as ``action`` says. It counts as back inside only once its error is
 under ``release`` times its allowance (hysteresis: no flapping at the edge). Steps in
 between only count: no device work, no host sync.
+
+Given the step's ``loss`` or ``grad_norm`` (``monitor.step(batch, loss=loss,
+grad_norm=norm)``), it also watches them for spikes against their own recent history
+(``_spikes.SpikeWatch``: on the device, no host sync while the run is healthy). On a spike
+it re-measures every module of the plan that is not fp32 on that batch and raises those
+over their allowance (``action="warn"``: names them); when none is over, it names the
+closest in a warning, since the cause may lie outside the plan (data, learning rate).
+Spikes within ``spike_cooldown`` steps of one it acted on are taken as that one's.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import torch.distributed as dist
 
 from . import _measure, _units
 from ._solve import _err
+from ._spikes import SpikeWatch
 from ._units import Reason
 from .._numerics.capture import capture
 from .._numerics.errors import loss_error, rel_error
@@ -75,12 +84,21 @@ class Monitor:
 
     def __init__(self, applied: AppliedPlan, loss_fn: Callable | None = None, *, every: int = 100,
                  sample: int = 2, action: str = "raise", patience: int = 1, release: float = 0.5,
-                 device: str | None = None) -> None:
+                 device: str | None = None, spike_k: float = 4.0, spike_rise: float = 0.5,
+                 spike_warmup: int = 20, spike_cooldown: int = 10) -> None:
         if action not in ("raise", "warn"):
             raise ValueError(f"ampc.autoprecision.Monitor: action must be 'raise' or 'warn', "
                              f"got {action!r}")
         for name, v in (("every", every), ("sample", sample), ("patience", patience)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"ampc.autoprecision.Monitor: {name} must be a positive int, "
+                                 f"got {v!r}")
+        for name, v in (("spike_k", spike_k), ("spike_rise", spike_rise)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"ampc.autoprecision.Monitor: {name} must be a positive number, "
+                                 f"got {v!r}")
+        for name, v in (("spike_warmup", spike_warmup), ("spike_cooldown", spike_cooldown)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ampc.autoprecision.Monitor: {name} must be a positive int, "
                                  f"got {v!r}")
         if not 0 < release < 1:
@@ -98,6 +116,10 @@ class Monitor:
         self.history = []       # {"step", "module", "choice", "errors", "ratio"}
         self.decisions = []     # {"step", "module", "from", "to", "ratio", "action"}
         self.copied_bytes = 0   # what the last check copied: the buffers, the checked modules
+        self.watches = {k: SpikeWatch(spike_k, spike_rise, spike_warmup)
+                        for k in ("loss", "grad_norm")}
+        self.spikes = []        # {"step", "signals", "raised", "ratios"}
+        self.spike_cooldown = spike_cooldown    # steps after a spike whose spikes are its own
 
     def allowance(self, name: str) -> dict[str, float]:
         """{error: limit} for one module: the budget less the other modules' errors."""
@@ -109,13 +131,50 @@ class Monitor:
             out[key] = max(limit ** 2 - used, 0.0) ** 0.5
         return out
 
-    def step(self, batch: tuple) -> list[dict[str, Any]]:
+    def step(self, batch: tuple, loss: torch.Tensor | None = None,
+             grad_norm: torch.Tensor | None = None) -> list[dict[str, Any]]:
         """Call once per training step; on every ``every``-th step it checks the next
-        sampled modules on ``batch`` and returns the decisions taken (else [])."""
+        sampled modules on ``batch``, and on a spike of ``loss`` or ``grad_norm`` (each
+        optional, a tensor: the step's loss, the norm clip_grad_norm_ returned) it checks
+        all of them; returns the decisions taken (else [])."""
         self.steps += 1
+        signals = [k for k, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None
+                   and self.watches[k].seen(self.watches[k].update(v))]
+        if signals and not (self.spikes and
+                            self.steps - self.spikes[-1]["step"] <= self.spike_cooldown):
+            return self.on_spike(batch, signals)
         if self.steps % self.every:
             return []
         return self.check(batch)
+
+    def on_spike(self, batch: tuple, signals: list[str]) -> list[dict[str, Any]]:
+        """Re-measures every module not at fp32 on ``batch``; raises (or names) those over
+        their allowance, else names the closest."""
+        names = [u.module for u in self.plan if self.plan.choice(u.module) != "fp32"]
+        ratios = _agree(self._ratios(self.measure(batch, names), names)) if names else {}
+        over = [n for n in names if ratios[n] > 1]
+        taken = [self._act(n, self.plan.choice(n), ratios[n]) for n in over]
+        self.decisions += taken
+        closest = sorted(ratios, key=ratios.get, reverse=True)[:3]
+        self.spikes.append({"step": self.steps, "signals": signals, "raised": over,
+                            "ratios": {n: ratios[n] for n in closest}})
+        if not over:
+            named = ", ".join(f"{n} ({ratios[n]:.2f}x)" for n in closest) or "none"
+            warnings.warn(f"ampc.autoprecision.Monitor: step {self.steps}: a spike of the "
+                          f"{' and the '.join(signals)}; no module of the plan is over its "
+                          f"error allowance on this batch (closest: {named}): look at the data "
+                          "or the learning rate", stacklevel=2)
+        return taken
+
+    def _ratios(self, errors, names):
+        """{module: its largest error over its allowance}."""
+        ratios = {}
+        for name in names:
+            e, limits = errors[name], self.allowance(name)
+            ratios[name] = max((_err(e, k) / lim if lim > 0 else (math.inf if _err(e, k) > 0
+                                                                  else 0.0))
+                               for k, lim in limits.items())
+        return ratios
 
     def check(self, batch: tuple) -> list[dict[str, Any]]:
         """Checks the next sampled modules on ``batch`` now; returns the decisions taken."""
@@ -125,13 +184,7 @@ class Monitor:
         picked = [names[(self.cursor + i) % len(names)] for i in range(min(self.sample, len(names)))]
         self.cursor = (self.cursor + len(picked)) % len(names)
         errors = self.measure(batch, picked)
-        ratios = {}
-        for name in picked:
-            e, limits = errors[name], self.allowance(name)
-            ratios[name] = max((_err(e, k) / lim if lim > 0 else (math.inf if _err(e, k) > 0
-                                                                  else 0.0))
-                               for k, lim in limits.items())
-        ratios = _agree(ratios)
+        ratios = _agree(self._ratios(errors, picked))
         taken = []
         for name in picked:
             choice = self.plan.choice(name)
@@ -202,13 +255,15 @@ class Monitor:
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "cursor": self.cursor, "over": dict(self.over),
                 "out": sorted(self.out), "history": list(self.history),
-                "decisions": list(self.decisions), "choices": self.plan.choices}
+                "decisions": list(self.decisions), "spikes": list(self.spikes),
+                "choices": self.plan.choices}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores the record and re-applies the choices it had taken."""
         self.steps, self.cursor = state["steps"], state["cursor"]
         self.over, self.out = dict(state["over"]), set(state["out"])
         self.history, self.decisions = list(state["history"]), list(state["decisions"])
+        self.spikes = list(state.get("spikes", []))     # a record from before spikes: none
         for name, choice in state["choices"].items():
             if name in self.plan and self.plan.choice(name) != choice:
                 self.applied.set(name, choice, Reason.MONITOR)
