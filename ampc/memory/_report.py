@@ -243,7 +243,7 @@ def _events(prof, device):
         todo.extend(e.children[::-1])
         f = e.extra_fields
         if isinstance(f, torch._C._profiler._ExtraFields_Allocation):
-            if f.device.type == device.type:
+            if f.device.type == device.type and device.index in (None, f.device.index):
                 allocs.append((e.start_time_ns, f.ptr, f.alloc_size))
         elif e.name.startswith(_MARK):
             marks[e.name[len(_MARK):]] = (e.start_time_ns, e.end_time_ns)

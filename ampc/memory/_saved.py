@@ -41,12 +41,23 @@ class SavedTracker:
         self.stack: list[str] = []
         self.records: list[tuple[weakref.ref, str]] = []
         self._handles: list = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t):
-        # returned as is: autograd holds it, so the weak reference says whether it still does
-        # (an output is handed over as a detached alias, so no reference cycle is made)
+        # kept as is, so the weak reference says whether autograd still holds it (an output
+        # comes as a detached alias: no reference cycle); with its version, since autograd
+        # checks no version of what a hook packed
         self.records.append((weakref.ref(t), self.stack[-1] if self.stack else "(loss)"))
+        return t, t._version
+
+    @staticmethod
+    def _unpack(packed):
+        t, version = packed
+        if t._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected "
+                f"version {version} instead (seen by ampc.memory's saved-tensor hooks)")
         return t
 
     def keep(self, module, ts):

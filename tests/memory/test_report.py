@@ -125,3 +125,18 @@ def test_bad_input_is_refused_before_any_step(kwargs, err, msg):
 def test_reachable_from_ampc():
     import ampc
     assert ampc.memory.report is mem.report
+
+
+class ExpThenChanged(nn.Module):
+    def forward(self, x):
+        y = torch.exp(x)
+        y.add_(1)              # changes what exp saved for its backward
+        return y
+
+
+def test_a_saved_tensor_changed_in_place_raises_as_torch_does():
+    model = nn.Sequential(Scaled(), ExpThenChanged())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        mem.report(model, opt, (torch.randn(N), None), sum_loss, warmup=0)
+    assert model[0].w.grad is None
