@@ -456,11 +456,11 @@ class Plan:
                steps: int = 50, loss_fn: Callable | None = None, *,
                setups: tuple[str, ...] = ("torch.amp",), seeds: tuple[int, ...] = (0, 1),
                **kwargs: Any) -> Comparison:
-        """``ampc.validate.compare`` of fp32 (from each seed: its run-to-run spread), the
-        ``setups`` (uniform torch.amp at the region dtype by default) and this plan,
-        trained from the same weights on the same batches. Returns the Comparison: its
-        table gives each one's gap to fp32, the verdict (inside fp32's spread or not) and
-        the median step time."""
+        """``ampc.validate.compare`` of fp32, the ``setups`` (uniform torch.amp at the region
+        dtype by default) and this plan, each trained from every seed, the runs of a seed
+        from the same weights on the same batches. Returns the Comparison: its table gives
+        each one's gap to fp32 of the same seed over the last quarter of the run, the
+        verdict (inside fp32's run-to-run spread or not) and the median step time."""
         dtype = _units.DTYPES["bf16" if self.dtype == "fp32" else self.dtype]
         return compare(make_model, make_batch, loss_fn, steps,
                                 setups=tuple(setups) + (self,), dtype=dtype, device=self.device,

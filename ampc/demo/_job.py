@@ -136,7 +136,8 @@ def train_runs(job, plan, train, val, log):
         model_maker(job.size), job.batches(train, job.seed), steps=job.steps, dtype=job.dtype,
         device=job.device, lr=LR, seeds=(job.seed, job.seed + 1),
         val_batches=[job.batches(val, job.seed + 1)(k) for k in range(VAL_BATCHES)],
-        time_limit=limit, setups=validate.SETUPS + (plan, LEAN_SETUP))
+        time_limit=limit, setups=validate.SETUPS + (plan, LEAN_SETUP),
+        paired=False)       # its six setups from one seed: the time budget goes to steps
     if report.config["steps"] < job.steps:
         log(f"all runs stopped after {report.config['steps']} steps, to finish in "
             f"{job.budget:.0f} s")

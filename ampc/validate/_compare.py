@@ -19,9 +19,10 @@ Setups (each in float16 or bfloat16):
                ampc.lean_state), ampc.GradScaler (fp16)
 
 Every run builds its model with ``make_model()`` right after ``torch.manual_seed(seed)``,
-so all runs of one seed start from the same weights, and every run sees the same batches.
-fp32 is also trained from a second seed: the gap between its two runs is the
-run-to-run noise a mixed-precision run is judged against.
+so all runs of one seed start from the same weights (checked before any training), and
+every run sees the same batches. fp32 and each setup train from every seed: a setup is
+judged by its loss difference to fp32 of the same seed over the last quarter of the steps,
+against the same difference between fp32's seeds (see ``Comparison``).
 """
 from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
 
@@ -461,7 +462,8 @@ def compare(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int
             loss_fn: Callable | None = None, steps: int = 100, setups: Sequence[str] = SETUPS, *,
             dtype: torch.dtype | None = None, device: str | None = None, lr: float = 1e-3,
             seeds: Sequence[int] = (0, 1), val_batches: Sequence[tuple] | None = None,
-            progress: bool = True, time_limit: float | None = None) -> "Comparison":
+            progress: bool = True, time_limit: float | None = None,
+            paired: bool = True) -> "Comparison":
     """Trains fp32 and each mixed-precision setup on the same batches from the same weights.
 
     Args:
@@ -484,14 +486,17 @@ def compare(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int
         dtype: the default 16-bit dtype: torch.bfloat16 on the CPU, torch.float16 on CUDA.
         device (str): "cpu" or "cuda"; default: cuda when available.
         lr (float): AdamW learning rate (the same for every run).
-        seeds: the first seed trains every setup; fp32 is trained again from each other
-            seed to measure its run-to-run spread. ``(0,)`` skips that.
+        seeds: every seed trains fp32 and (with ``paired``) every setup: each setup is
+            judged by its loss difference to fp32 of the same seed, averaged over the seeds,
+            against fp32's run-to-run spread between seeds. ``(0,)`` skips the spread.
         val_batches: optional list of (inputs, target): each run's final validation loss.
         progress (bool): a progress bar per run (tqdm if installed).
         time_limit (float): seconds. When given, the runs are trained in lockstep (step k
             of every run before step k + 1 of any; all models are held at once) and all
             stop at the same step once the next would pass the limit; each run's memory
             is then measured over its first steps. Default: one run after another.
+        paired (bool): train each setup from every seed (default); False trains the setups
+            from the first seed only (fewer runs, a verdict from one paired gap).
 
     Returns:
         :class:`ampc.validate.Comparison`: ``.table()``, ``.as_dict()``, ``.save(dir)``.
@@ -516,9 +521,10 @@ def compare(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int
     check_make_model(make_model, seeds)
     batches = [to_device(make_batch(k), device) for k in range(steps)]
     val = [to_device(b, device) for b in val_batches] if val_batches else []
+    others = seeds[1:] if paired else ()
     specs = ([("fp32", None, seeds[0], None)]
              + [("fp32", None, s, f"fp32 seed {s}") for s in seeds[1:]]
-             + [(kind, dt, seeds[0], None) for kind, dt in parsed])
+             + [(kind, dt, s, None) for s in (seeds[0],) + others for kind, dt in parsed])
     common = dict(loss_fn=loss_fn, lr=lr, device=device, val_batches=val, progress=progress)
     if time_limit is None:
         done = [train_one(kind, dt, make_model, batches, seed=seed, name=name, **common)
@@ -527,9 +533,15 @@ def compare(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int
         done = train_lockstep(specs, make_model, batches, time_limit=time_limit, **common)
     config = {"steps": len(done[0].losses), "steps_planned": steps, "device": device,
               "dtype": DTYPE_NAMES[dtype], "lr": lr, "seeds": list(seeds),
-              "lockstep": time_limit is not None, "torch": torch.__version__,
+              "lockstep": time_limit is not None, "paired": bool(others),
+              "torch": torch.__version__,
               "cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    return Comparison(done[0], done[len(seeds):], done[1:len(seeds)], config)
+    setups_at = [done[len(seeds) + i * len(parsed):][:len(parsed)] for i in range(1 + len(others))]
+    for runs, s in zip(setups_at[1:], others):
+        for r in runs:
+            r.name += f" seed {s}"
+    return Comparison(done[0], setups_at[0], done[1:len(seeds)], config,
+                      [list(p) for p in zip(*setups_at[1:])] if others else None)
 
 
 def _resolve_device(fn, device):

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ._run import Run, _finite, rel_gap, smooth
+from ._run import TAIL, Run, _finite, mean_interval, rel_gap, smooth, t95, tail_gap
 
 
 def format_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -69,58 +69,72 @@ def _json_default(value):
     return repr(value)
 
 
-# Above this, fp32's own run-to-run spread is too wide to judge a setup by: a broken
-# mixed-precision run (a sound one ends within about 1% of fp32) would still pass. Short
-# runs of small-batch models (20 steps of ResNet-18: 20%) give such spreads.
+# Above this, fp32's own run-to-run spread is too wide to judge a setup by its point
+# estimate alone: a broken mixed-precision run (a sound one ends within about 1% of fp32)
+# would still pass. Short runs of small-batch models (20 steps of ResNet-18: 20%) give such
+# spreads; there only an interval of paired gaps that clears it decides.
 MAX_SPREAD = 0.05
 
 
 class Comparison:
     """The runs of :func:`ampc.validate.compare` and how each one compares with fp32.
 
-    Curves are smoothed over a trailing window of a tenth of the run before gaps are taken
-    (per-step losses jump with the batch). ``final gap``: relative gap of the smoothed
-    loss at the last step; ``max gap``: its largest value over the run; ``fp32 spread``:
-    the largest gap between fp32 runs from different seeds over the second half of the run;
-    a setup is ``within`` fp32's spread when its final gap is no larger. A spread over
-    ``MAX_SPREAD`` (5%) is too wide to judge by: a warning says so, the verdict reads "spread
-    too wide" (``within_spread`` None) and :meth:`ok` holds the setups to 5% instead.
+    The verdict's statistic is a setup's ``gap``: the mean, over the last ``TAIL`` (25%) of
+    the steps, of its loss minus fp32's at each step, relative to fp32's loss there, taken
+    between the two runs of one seed (same weights, same batches, so that batch-to-batch
+    and init-to-init differences cancel) and averaged over the seeds the setup trained
+    from, with a 95% interval when there are two or more. ``fp32 spread``: the same
+    statistic between fp32 from the first seed and from each other seed (the largest). A
+    setup is ``within`` when its interval lies inside the spread (capped at ``MAX_SPREAD``),
+    outside (``NO``) when it lies beyond; otherwise its gap decides against the spread,
+    unless the spread is over ``MAX_SPREAD``: then the verdict reads "spread too wide"
+    (``within_spread`` None), a warning says what to change, and :meth:`ok` holds the setup
+    to MAX_SPREAD. ``final gap`` and ``max gap`` (the curves smoothed over a tenth of the
+    run) are shown beside it.
     """
 
-    def __init__(self, base: Run, runs: list[Run], spread_runs: list[Run], config: dict[str, Any]) -> None:
+    def __init__(self, base: Run, runs: list[Run], spread_runs: list[Run], config: dict[str, Any],
+                 paired_runs: list[list[Run]] | None = None) -> None:
         self.base, self.runs, self.spread_runs, self.config = base, runs, spread_runs, config
+        # per setup, its runs from fp32's other seeds (none: judged on the first seed only)
+        self.paired_runs = paired_runs or [[] for _ in runs]
         self.window = max(1, len(base.losses) // 10)
+        self.fp32 = {r.seed: r for r in spread_runs}    # a paired run's partner, by seed
         self.spread = None
         if spread_runs:
-            ref = smooth(base.losses, self.window)
-            half = len(ref) // 2
-            self.spread = max(max(rel_gap(smooth(r.losses, self.window), ref)[half:])
-                              for r in spread_runs)
-        self.too_wide = self.spread is not None and not self.spread <= MAX_SPREAD
+            self.spread = max(abs(tail_gap(r.losses, base.losses)) for r in spread_runs)
+        self.rows = [self._row(r, p) for r, p in zip(runs, self.paired_runs)]
+        undecided = [r for r in self.rows if r["within_spread"] is None and self.spread is not None]
+        self.too_wide = bool(undecided)
+        self.advice = self._advice(undecided) if undecided else None
         if self.too_wide:
             warnings.warn(f"ampc.validate.compare: fp32's run-to-run spread is "
                           f"{100 * self.spread:.1f}%, over the {100 * MAX_SPREAD:g}% within "
-                          "which it tells a sound setup from a broken one: no setup is judged "
-                          "'within spread'; train more steps (or larger batches) for a "
-                          "verdict", stacklevel=3)
-        self.rows = [self._row(r) for r in runs]
+                          "which it tells a sound setup from a broken one, and the gap paired "
+                          "per seed does not decide for "
+                          + ", ".join(r["setup"] for r in undecided) + ": " + self.advice,
+                          stacklevel=3)
 
-    def _row(self, run):
+    def _row(self, run, paired):
         ref = smooth(self.base.losses, self.window)
         gap = rel_gap(smooth(run.losses, self.window), ref)
         ratios = [a / b for a, b, k in zip(run.grad_norms, self.base.grad_norms, range(len(gap)))
                   if _finite(a) and _finite(b) and b > 0 and k not in run.skipped]
-        final = gap[-1]
+        paired_gap, half = mean_interval([tail_gap(run.losses, self.base.losses)] +
+                                         [tail_gap(r.losses, self.fp32[r.seed].losses)
+                                          for r in paired])
         val_gap = None
         if _finite(run.val_loss) and _finite(self.base.val_loss):
             val_gap = abs(run.val_loss - self.base.val_loss) / abs(self.base.val_loss)
         return {
             "setup": run.name,
             "final_loss": smooth(run.losses, self.window)[-1],
-            "final_gap": final,
+            "final_gap": gap[-1],
             "max_gap": max(gap),
-            "within_spread": (None if self.spread is None or self.too_wide
-                              else bool(final <= self.spread)),
+            "gap": paired_gap,
+            "gap_interval": half,
+            "seeds_paired": 1 + len(paired),
+            "within_spread": self._verdict(paired_gap, half),
             "val_loss": run.val_loss,
             "val_gap": val_gap,
             "grad_norm_ratio_median": statistics.median(ratios) if ratios else None,
@@ -131,26 +145,63 @@ class Comparison:
             "final_scale": run.scales[-1] if run.scales and run.scales[-1] != 1.0 else None,
         }
 
+    def _verdict(self, gap, half):
+        """True (within fp32's spread), False (outside) or None (no spread, or too wide)."""
+        if self.spread is None:
+            return None
+        if not math.isfinite(gap):
+            return False
+        bound = min(self.spread, MAX_SPREAD)
+        if half is not None and math.isfinite(bound):
+            if abs(gap) + half <= bound:
+                return True
+            if abs(gap) - half > bound:
+                return False
+        # one seed, or an interval across the bound: the gap itself, where the spread is
+        # narrow enough that a broken setup could not end inside it
+        if self.spread <= MAX_SPREAD:
+            return abs(gap) <= self.spread
+        return None
+
+    def _advice(self, undecided):
+        """What would give a verdict: more seeds (how many, from the interval's width),
+        more steps, a lower lr."""
+        seeds = len(self.config.get("seeds", ())) or 1
+        if any(r["seeds_paired"] < 2 for r in undecided):
+            more = (f"train each setup from every seed (paired=True) and from more of them "
+                    f"(seeds=tuple(range({max(3, seeds)})))")
+        else:
+            need = max(_seeds_to_decide(r["gap"], r["gap_interval"], r["seeds_paired"])
+                       for r in undecided)
+            more = (f"give more seeds (seeds=tuple(range({need}))) to narrow the interval"
+                    if need else "more seeds will hardly narrow the interval")
+        return (f"{more}; train more steps, so that fp32's seeds converge; or lower lr, "
+                "for smoother curves")
+
     def ok(self) -> bool:
-        """True when every setup ends inside fp32's spread (with one seed, within 2%; with a
-        spread too wide to judge by, within MAX_SPREAD)."""
-        limit = self.spread if self.spread is not None else 0.02
-        limit = min(limit, MAX_SPREAD)
-        return all(_finite(r["final_gap"]) and r["final_gap"] <= limit for r in self.rows)
+        """True when every setup is judged within fp32's spread; one that cannot be judged is
+        held, by its paired gap, to 2% with one seed, to MAX_SPREAD with a spread too wide."""
+        limit = 0.02 if self.spread is None else MAX_SPREAD
+        return all(r["within_spread"] or (r["within_spread"] is None and _finite(r["gap"])
+                                          and abs(r["gap"]) <= limit) for r in self.rows)
 
     def table(self) -> str:
         """The comparison as plain text: one row per setup against fp32."""
         rows = []
         for r in self.rows:
-            within = {None: "spread too wide" if self.too_wide else "-", True: "yes",
+            within = {None: "-" if self.spread is None else "spread too wide", True: "yes",
                       False: "NO"}[r["within_spread"]]
+            gap = fmt(100 * r["gap"], "+.2f")
+            if r["gap_interval"] is not None:
+                gap += f" +- {fmt(100 * r['gap_interval'], '.2f')}"
             ratio = "-"
             if r["grad_norm_ratio_median"] is not None:
                 # one precision for all three: rounding keeps the median inside its range
                 ratio = (f"{r['grad_norm_ratio_median']:.3f} ({r['grad_norm_ratio_min']:.3f}"
                          f"-{r['grad_norm_ratio_max']:.3f})")
             rows.append([r["setup"], fmt(r["final_loss"]), fmt(100 * r["final_gap"], ".2f"),
-                         fmt(100 * r["max_gap"], ".2f"), within, fmt(r["val_loss"]),
+                         fmt(100 * r["max_gap"], ".2f"), gap, r["seeds_paired"], within,
+                         fmt(r["val_loss"]),
                          fmt(None if r["val_gap"] is None else 100 * r["val_gap"], ".2f"),
                          ratio, r["skipped_steps"], fmt(r["final_scale"], ".0f"),
                          fmt(r.get("step_ms"), ".2f")])
@@ -160,9 +211,12 @@ class Comparison:
                 + (f", val loss {b.val_loss:.4f}" if b.val_loss is not None else "")
                 + (f"; fp32 run-to-run spread (seeds {self.config['seeds']}): "
                    f"{100 * self.spread:.2f}%" if self.spread is not None else "")
-                + (f" (over {100 * MAX_SPREAD:g}%: too wide to judge a setup by; train "
-                   "longer)" if self.too_wide else ""))
-        table = format_table(["setup", "loss", "final gap %", "max gap %", "within spread",
+                + f"; gaps: the mean loss difference over the last {100 * TAIL:g}% of the steps,"
+                  " paired per seed (95% interval)"
+                + (f"\nover {100 * MAX_SPREAD:g}%, the spread is too wide to judge a setup by "
+                   f"unless its interval clears it: {self.advice}" if self.too_wide else ""))
+        table = format_table(["setup", "loss", "final gap %", "max gap %", "gap %", "seeds",
+                              "within spread",
                               "val loss", "val gap %", "grad-norm ratio (range)", "skipped",
                               "loss scale", "step ms"], rows)
         return head + "\n" + table
@@ -170,8 +224,9 @@ class Comparison:
     def as_dict(self) -> dict[str, Any]:
         return {"config": self.config, "smoothing_window": self.window,
                 "fp32_spread": self.spread, "spread_too_wide": self.too_wide,
-                "max_spread": MAX_SPREAD, "summary": self.rows,
-                "runs": [r.as_dict() for r in [self.base] + self.spread_runs + self.runs]}
+                "max_spread": MAX_SPREAD, "tail": TAIL, "summary": self.rows,
+                "runs": [r.as_dict() for r in [self.base] + self.spread_runs + self.runs],
+                "paired_runs": [r.as_dict() for p in self.paired_runs for r in p]}
 
     def save(self, out_dir: str, stem: str = "compare",
              throughput: dict[str, float] | None = None) -> dict[str, str | None]:
@@ -229,6 +284,15 @@ class Comparison:
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
+
+
+def _seeds_to_decide(gap, half, n, most=32):
+    """How many seeds would likely narrow a paired gap's 95% interval (``gap`` +- ``half``
+    from ``n`` seeds) until it clears MAX_SPREAD on one side; None past ``most``."""
+    distance = abs(MAX_SPREAD - abs(gap))
+    sd = half * math.sqrt(n) / t95(n - 1)      # the seeds' own scatter, assumed to hold
+    return next((k for k in range(n + 1, most + 1) if t95(k - 1) * sd / math.sqrt(k) < distance),
+                None)
 
 
 class LayerReport:

@@ -52,5 +52,36 @@ def rel_gap(curve: list[float], base: list[float]) -> list[float]:
     return [abs(a - b) / abs(b) if b else abs(a - b) for a, b in zip(curve, base)]
 
 
+TAIL = 0.25    # the verdict reads the last quarter of the steps: the curve, not its last point
+
+
+def tail_gap(curve: list[float], base: list[float], tail: float = TAIL) -> float:
+    """Mean over the last ``tail`` of the steps of ``curve - base``, step by step, relative
+    to ``base``'s mean there; signed (positive: ``curve`` trains worse). Taken on the same
+    batches, the batch-to-batch jumps of the loss cancel in the difference."""
+    n = max(1, round(len(base) * tail))
+    diff = statistics.fmean(a - b for a, b in zip(curve[-n:], base[-n:]))
+    ref = abs(statistics.fmean(base[-n:]))
+    return diff / ref if ref else diff
+
+
+# Student's t at 97.5% (a two-sided 95% interval) for 1..10 degrees of freedom
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def t95(df: int) -> float:
+    """Student's t quantile of a two-sided 95% interval with ``df`` degrees of freedom."""
+    # past the table, the first terms of t's expansion around the normal's 1.96 (to 0.005)
+    return _T95[df - 1] if df <= len(_T95) else 1.96 + 2.37 / df + 2.82 / df ** 2
+
+
+def mean_interval(values: list[float]) -> tuple[float, float | None]:
+    """The mean of ``values`` and the half-width of its 95% interval (None for one value)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, None
+    return mean, t95(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+
+
 def _finite(x: float | None) -> bool:
     return x is not None and math.isfinite(x)
