@@ -171,10 +171,10 @@ class Comparison:
             more = (f"train each setup from every seed (paired=True) and from more of them "
                     f"(seeds=tuple(range({max(3, seeds)})))")
         else:
-            need = max(_seeds_to_decide(r["gap"], r["gap_interval"], r["seeds_paired"])
-                       for r in undecided)
-            more = (f"give more seeds (seeds=tuple(range({need}))) to narrow the interval"
-                    if need else "more seeds will hardly narrow the interval")
+            needs = [_seeds_to_decide(r["gap"], r["gap_interval"], r["seeds_paired"])
+                     for r in undecided]
+            more = ("more seeds will hardly narrow the interval enough" if None in needs else
+                    f"give more seeds (seeds=tuple(range({max(needs)}))) to narrow the interval")
         return (f"{more}; train more steps, so that fp32's seeds converge; or lower lr, "
                 "for smoother curves")
 

@@ -161,6 +161,9 @@ def test_when_the_paired_gaps_disagree_it_says_what_to_change():
     need = int(re.search(r"seeds=tuple\(range\((\d+)\)\)", text).group(1))
     assert 2 < need <= 32
     assert "spread too wide" in report.table() and "seeds=tuple(range(" in report.table()
+    # gaps astride 5% (4.9%, 5.1%): no number of seeds clears it
+    with pytest.warns(UserWarning, match="more seeds will hardly narrow the interval enough"):
+        assert paired([1.0, 1.2], [1.049, 1.051]).rows[0]["within_spread"] is None
 
 
 def test_one_seed_of_a_setup_and_a_wide_spread_asks_for_pairs():
