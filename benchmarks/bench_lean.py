@@ -2,7 +2,7 @@
 master-weight step.
 
     python benchmarks/bench_lean.py [--device cpu|cuda] [--cache cold|warm] [--threads N] [--reps N] [--json]
-                                    [--anchors DIR]
+                                    [--anchors DIR] [--clock wall|cpu]
 
 One optimizer step, timed with the optimizers' own step() (Python included), in one run, interleaved:
   lean     ampc.optim.AdamW(state="lean") on bf16 params: 8-bit moments, stochastic rounding, no master
@@ -22,12 +22,16 @@ Per arm: median ms and the spread of the interleaved reps (the 25th and 75th per
 ms (> 1: faster than torch), bytes moved a parameter (counted from the tensors: the grad read, the param
 written, and read too without a master, every state tensor read and written), GB/s from those bytes and
 its fraction of the roofline: torch's in-place mul_ over a large fp32 tensor timed alongside, the same
-access pattern. Before timing, the lean arm is checked: a step with lr = 0 and weight decay 0 leaves the
+access pattern. --clock cpu times the calling thread's CPU time (time.thread_time) with one thread instead of
+the wall clock: on a shared machine other processes move it less (they still share the core's caches and
+memory bus), and it is the figure to compare loops by; with one thread the roofline is one core's. Before
+timing, the lean arm is checked: a step with lr = 0 and weight decay 0 leaves the
 bf16 params unchanged, and its moments decode to within the 8-bit codes' step of torch's.
 """
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -139,6 +143,22 @@ def validate(dev) -> str:
     return ""
 
 
+def cpu_reps(fns: dict, reps: int) -> dict:
+    """Every rep of each fn in {name: fn}, in ms of this thread's CPU time, interleaved, each after an
+    untimed read of 512 MiB (cold caches), as H.time_reps does with the wall clock."""
+    buf = torch.ones(512 << 20, dtype=torch.uint8)
+    for fn in fns.values():     # warm-up round
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(reps or 11):
+        for name, fn in fns.items():
+            buf.max()
+            t = time.thread_time()
+            fn()
+            times[name].append((time.thread_time() - t) * 1e3)
+    return times
+
+
 def quartiles(ts):
     q = statistics.quantiles(ts, n=4)
     return q[0], q[2]
@@ -147,10 +167,18 @@ def quartiles(ts):
 def main() -> int:
     p = H.common_args(__doc__)
     p.add_argument("--cases", default="1M,10M,100M,1000 small")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall clock, or the calling thread's CPU time with one thread (see above)")
     p.add_argument("--anchors", default=os.environ.get("AMPC_BENCH_ANCHORS", ""),
                    help="a folder holding torchao and torch-optimi: time them too")
     args = H.parse(p)
     dev = args.device
+    cpu_clock = args.clock == "cpu"
+    if cpu_clock:
+        if dev != "cpu":
+            p.error("--clock cpu times the CPU")
+        torch.set_num_threads(1)
+        args.peak_gbs = args.peak_gbs or 1.0    # the Roofline object only labels; mul_ is timed below
     err = validate(dev)
     if err:
         print(f"FAIL: {err}", file=sys.stderr)
@@ -159,6 +187,10 @@ def main() -> int:
     roof = H.Roofline(args, patterns=("mul_",))
     hdr = H.header(args, roof)
     hdr["op"] = "AdamW step: lean (8-bit moments) vs master weights vs torch fused fp32"
+    hdr["clock"] = "this thread's CPU time, 1 thread" if cpu_clock else "wall"
+    if cpu_clock:
+        hdr["roofline_source"] = "measured alongside each case, CPU time of one thread"
+        roof_dst = torch.zeros(H.GiB // 8)
     rows = []
     arms = ["lean", "kahan", "master", "torch"] + anchors_from(args.anchors, dev)
     for case in args.cases.split(","):
@@ -166,23 +198,33 @@ def main() -> int:
         made = {a: make(a, shapes, dev) for a in arms}
         for params, opt in made.values():       # state exists from here on
             opt.step()
-        ms, roof_gbs = roof.measure({a: o.step for a, (_, o) in made.items()}, args.reps)
+        steps = {a: o.step for a, (_, o) in made.items()}
+        if cpu_clock:
+            reps = cpu_reps({**steps, "roofline": lambda: roof_dst.mul_(1.0)}, args.reps)
+            ms = {a: statistics.median(t) for a, t in reps.items()}
+            roof_gbs = 2 * roof_dst.nbytes / ms.pop("roofline") / 1e6
+        else:
+            ms, roof_gbs = roof.measure(steps, args.reps)
+            reps = roof.reps
         numel = sum(t.numel() for t in made["lean"][0])
         for a in arms:
             params, opt = made[a]
             moved = bytes_moved(params, opt)
-            q1, q3 = quartiles(roof.reps[a])
+            q1, q3 = quartiles(reps[a])
+            r1, r3 = quartiles([t / x for t, x in zip(reps["torch"], reps[a])])    # rep by rep
             gbs = moved / ms[a] / 1e6
             rows.append({"case": case, "arm": a, "ms": ms[a], "q1 ms": q1, "q3 ms": q3,
-                         "torch/arm": ms["torch"] / ms[a], "B/param moved": moved / numel,
+                         "torch/arm": ms["torch"] / ms[a], "ratio q1": r1, "ratio q3": r3,
+                         "B/param moved": moved / numel,
                          "GB/s": gbs, "% roofline": 100 * gbs / roof_gbs, "roofline GB/s": roof_gbs,
-                         "tensors": len(params), "Mparams": numel / 1e6, "reps": len(roof.reps[a])})
+                         "tensors": len(params), "Mparams": numel / 1e6, "reps": len(reps[a])})
         del made
     H.report(hdr, rows, args.json, [
         "lean: ampc.optim.AdamW(state='lean'); kahan: moments='8bit', kahan_summation=True; master: "
         "ampc.optim.AdamW with fp32 masters; torch: torch.optim.AdamW(fused=True) on fp32 params; torchao: "
         "AdamW8bit(bf16_stochastic_round=True), optimi: AdamW(kahan_sum=True), both on bf16 params",
-        "q1/q3: quartiles of the interleaved reps; B/param moved counted from the tensors (grad read, param "
+        "q1/q3: quartiles of the interleaved reps; ratio q1/q3: quartiles of torch's time over the arm's, "
+        "rep by rep (each pair taken one after the other); B/param moved counted from the tensors (grad read, param "
         "written and, without a master, read; state read and written); roofline: in-place mul_ over 512 MiB"])
     return 0
 

@@ -12,11 +12,14 @@
  * moments (decoded from their codes), take adam.h's step, write the weight (to nearest,
  * stochastically or as the Kahan pair) and fp32 or bf16 moments. 8-bit moments wait for
  * their block's new absmax: the loop leaves m and sqrt(v) in L1 buffers and their maxima
- * in registers, and a second loop codes them (Note [8-bit moments]).
+ * in registers, and a second loop codes them (Note [8-bit moments]) in 32-bit lanes,
+ * packed to bytes by a third.
  *
- * The common layouts are compiled with every kind a constant (a loop with no test in it);
- * any other layout runs the same body with the kinds read at run time. Every operation is
- * exact or rounded on its own, so every instruction set and layout gives the same bits.
+ * The common layouts are compiled with every kind a constant (a loop with no test in it),
+ * and with the Adam flags constant too for plain AdamW (decoupled weight decay, beta1 >
+ * 0.5, not maximizing: no select left per element); any other layout runs the same body
+ * with the kinds read at run time. Every operation is exact or rounded on its own, so
+ * every instruction set and layout gives the same bits.
  */
 #include <string.h>
 
@@ -51,6 +54,7 @@ struct lean_bufs {
     float m[AMPC_QBLOCK];
     float s[AMPC_QBLOCK];
     float w[AMPC_QBLOCK];
+    uint32_t c[AMPC_QBLOCK];    /* 8-bit codes before they are packed */
 };
 
 // ---- the loops (one body, compiled per ISA and layout) ----
@@ -59,10 +63,13 @@ struct lean_bufs {
 INLINE void step_loop(const struct lean_block *b, const struct ampc_adam_coef *c,
                       const struct lean_keys *k, int64_t lo, int64_t hi, struct lean_bufs *buf,
                       uint32_t *mmax, uint32_t *vmax, const int moments, const int weight,
-                      const int write, const ampc_dtype pt, const ampc_dtype gt)
+                      const int write, const ampc_dtype pt, const ampc_dtype gt,
+                      const int plain)
 {
-    struct ampc_adam_coef cc = *c;              /* a local copy: no reloads */
-    cc.flags &= ~AMPC_ADAM_AMSGRAD;             /* known clear: no vmax to test for */
+    const struct ampc_adam_coef cc = *c;        /* a local copy: no reloads */
+    /* amsgrad is known clear (no vmax); plain AdamW's flags are constants */
+    const int flags = plain ? AMPC_ADAM_DECAY : cc.flags & ~AMPC_ADAM_AMSGRAD;
+    const int small_w1 = plain ? 1 : cc.w1 < 0.5f;
     void *const param = b->param;
     uint16_t *const p16 = b->param;
     const void *const grad = b->grad;
@@ -97,7 +104,7 @@ INLINE void step_loop(const struct lean_block *b, const struct ampc_adam_coef *c
             m = m32[i];
             v = v32[i];
         }
-        ampc_adam_element(load1(grad, gt, i), &w, &m, &v, NULL, &cc);
+        ampc_adam_element_as(load1(grad, gt, i), &w, &m, &v, NULL, &cc, flags, small_w1);
         if (moments == AMPC_MOMENTS_Q8) {
             mb[i] = m;
             sb[i] = sqrtf(v);           /* the step's own sqrt(v): the compiler shares it */
@@ -128,12 +135,22 @@ INLINE void step_loop(const struct lean_block *b, const struct ampc_adam_coef *c
     *vmax = vx;
 }
 
+/* n codes, computed in 32-bit lanes, to bytes: a loop of its own, since a loop that
+ * stores bytes narrows every step of the code's arithmetic to bytes (many packs). */
+INLINE void pack_codes(uint8_t *q, const uint32_t *c, int64_t n)
+{
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++)
+        q[i] = (uint8_t)c[i];
+}
+
 /* A block's 8-bit codes and fresh scales, from its new m and sqrt(v). */
-INLINE void encode_loop(const struct lean_block *b, const struct lean_bufs *buf, int64_t n,
+INLINE void encode_loop(const struct lean_block *b, struct lean_bufs *buf, int64_t n,
                         uint32_t mbits, uint32_t vbits)
 {
     uint8_t *const qm = b->m, *const qv = b->v;
     const float *const mb = buf->m, *const sb = buf->s;
+    uint32_t *const cb = buf->c;
     /* sqrt is monotonic, so the largest sqrt(v) is the sqrt of the largest v */
     const float mmax = ampc_bits_f32(mbits), smax = sqrtf(ampc_bits_f32(vbits));
     *b->m_scale = mmax;
@@ -143,14 +160,16 @@ INLINE void encode_loop(const struct lean_block *b, const struct lean_bufs *buf,
     } else {
 #pragma omp simd
         for (int64_t i = 0; i < n; i++)
-            qm[i] = ampc_q8m_encode(mb[i], mmax);
+            cb[i] = ampc_q8m_code(mb[i], mmax);
+        pack_codes(qm, cb, n);
     }
     if (ampc_q8_codes_zero(smax)) {
         memset(qv, 0, (size_t)n);
     } else {
 #pragma omp simd
         for (int64_t i = 0; i < n; i++)
-            qv[i] = ampc_q8v_encode(sb[i], smax);
+            cb[i] = ampc_q8v_code(sb[i], smax);
+        pack_codes(qv, cb, n);
     }
 }
 
@@ -168,6 +187,8 @@ INLINE void chunk_loop(const struct lean_job *job, const struct ampc_span *s,
     const int64_t t = s->tensor;
     const struct ampc_adam_coef *c = &job->coef[t];
     const int64_t msize = moments == AMPC_MOMENTS_F32 ? 4 : moments == AMPC_MOMENTS_BF16 ? 2 : 1;
+    /* AdamW with weight decay, beta1 > 0.5, not maximizing: the flags as constants */
+    const int plain = c->flags == AMPC_ADAM_DECAY && c->w1 < 0.5f;
     struct lean_bufs buf;
     for (int64_t i = s->begin; i < s->end; i += AMPC_QBLOCK) {
         const int64_t n = s->end - i < AMPC_QBLOCK ? s->end - i : AMPC_QBLOCK;
@@ -195,7 +216,12 @@ INLINE void chunk_loop(const struct lean_job *job, const struct ampc_span *s,
                 k.m = ampc_random_key(c->seed ^ AMPC_SEED_EXP_AVG, top);
                 k.v = ampc_random_key(c->seed ^ AMPC_SEED_EXP_AVG_SQ, top);
             }
-            step_loop(&b, c, &k, lo, hi, &buf, &mbits, &vbits, moments, weight, write, pt, gt);
+            if (plain)
+                step_loop(&b, c, &k, lo, hi, &buf, &mbits, &vbits, moments, weight, write, pt,
+                          gt, 1);
+            else
+                step_loop(&b, c, &k, lo, hi, &buf, &mbits, &vbits, moments, weight, write, pt,
+                          gt, 0);
             if (write == WRITE_LATER)
                 ampc_store_stochastic((uint16_t *)b.param + lo, pt, buf.w + lo, hi - lo,
                                       c->seed, (int64_t)k0);

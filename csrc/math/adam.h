@@ -121,14 +121,16 @@ AMPC_HD float ampc_max_nan(float a, float b)
 }
 
 /* One element: g is the grad widened to fp32, *p the fp32 weight (the master weight, or
- * the param itself). Updates *p, *m, *v and, with amsgrad, *vmax. */
-AMPC_HD void ampc_adam_element(float g, float *p, float *m, float *v, float *vmax,
-                               const struct ampc_adam_coef *c)
+ * the param itself). Updates *p, *m, *v and, with amsgrad, *vmax. ampc_adam_element_as
+ * takes c's flags and whether c->w1 < 0.5 as arguments, so that a loop that knows them
+ * at compile time has no select left for them. */
+AMPC_HD void ampc_adam_element_as(float g, float *p, float *m, float *v, float *vmax,
+                                  const struct ampc_adam_coef *c, const int flags,
+                                  const int small_w1)
 {
     /* Each choice is computed both ways and selected (the unused value is dropped), so a
      * loop that calls this with the flags unknown at compile time still vectorizes: a
      * compiler may not run an fma only under a condition that varies per lane. */
-    const int flags = c->flags;
     float w = *p;
     g = g * c->inv_scale;
     g = g * c->clip_coef;
@@ -140,7 +142,7 @@ AMPC_HD void ampc_adam_element(float g, float *p, float *m, float *v, float *vma
     float mm = *m;
     float m_from_m = fmaf(c->w1, g - mm, mm);
     float m_from_g = fmaf(c->w1 - 1.0f, g - mm, g);
-    mm = c->w1 < 0.5f ? m_from_m : m_from_g;
+    mm = small_w1 ? m_from_m : m_from_g;
     float vv = fmaf(c->w2 * g, g, *v * c->beta2);
     *m = mm;
     *v = vv;
@@ -150,6 +152,12 @@ AMPC_HD void ampc_adam_element(float g, float *p, float *m, float *v, float *vma
     }
     float denom = sqrtf(vv) / c->bc2_sqrt + c->eps;
     *p = w + (c->neg_step_size * mm) / denom;
+}
+
+AMPC_HD void ampc_adam_element(float g, float *p, float *m, float *v, float *vmax,
+                               const struct ampc_adam_coef *c)
+{
+    ampc_adam_element_as(g, p, m, v, vmax, c, c->flags, c->w1 < 0.5f);
 }
 
 #endif /* AMPC_ADAM_H */

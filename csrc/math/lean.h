@@ -36,12 +36,6 @@
 /* Kinds of moments (struct ampc_lean_args.moments). */
 enum { AMPC_MOMENTS_F32 = 0, AMPC_MOMENTS_BF16 = 1, AMPC_MOMENTS_Q8 = 2 };
 
-/* x rounded to the nearest integer, ties to even, for 0 <= x < 2^22: exact in fp32. */
-AMPC_HD float ampc_rint_small(float x)
-{
-    return (x + 8388608.0f) - 8388608.0f;
-}
-
 /* Selects are written as masks (all ones or zero) rather than ?:, so that the compiler
  * vectorizes the CPU loops for AVX2 as well as AVX-512. */
 AMPC_HD uint32_t ampc_select(int cond, uint32_t yes, uint32_t no)
@@ -50,35 +44,45 @@ AMPC_HD uint32_t ampc_select(int cond, uint32_t yes, uint32_t no)
     return (yes & mask) | (no & ~mask);
 }
 
-/* The code of magnitude a in [0, 480] with 3 mantissa bits (Note [8-bit moments]). */
+/* The code of magnitude a in [0, 480] with 3 mantissa bits (Note [8-bit moments]).
+ * Normal: a's bits rounded to 3 mantissa bits (to nearest even), exponent rebased from
+ * 127 to 7 (120 << 3 taken off before the shift; a smaller a wraps, and is not selected).
+ * Subnormal: a + 2^14 rounds a to a multiple of 2^-9, ulp(2^14), to nearest even, and
+ * its low bits count the steps. Both are exact fp32 and integer operations. */
 AMPC_HD uint32_t ampc_q8_e4m3(float a)
 {
     uint32_t u = ampc_f32_bits(a);
-    uint32_t normal = ((u + 0x7ffffu + ((u >> 20) & 1u)) >> 20) - (120u << 3);
-    uint32_t sub = (uint32_t)(int32_t)ampc_rint_small(a * 512.0f);       /* 2^-9 steps */
+    uint32_t normal = (u + (0x7ffffu - (120u << 23)) + ((u >> 20) & 1u)) >> 20;
+    uint32_t sub = ampc_f32_bits(a + 16384.0f) - 0x46800000u;          /* bits of 2^14 */
     return ampc_select(a < 0.015625f, sub, normal);
 }
 
-/* The code of magnitude a in [0, 496] with 4 mantissa bits, code 1 at least when a > 0. */
+/* The code of magnitude a in [0, 496] with 4 mantissa bits (2^-10 steps below 2^-6,
+ * ulp(2^13)), code 1 at least when a > 0. */
 AMPC_HD uint32_t ampc_q8_e4m4(float a)
 {
     uint32_t u = ampc_f32_bits(a);
-    uint32_t normal = ((u + 0x3ffffu + ((u >> 19) & 1u)) >> 19) - (120u << 4);
-    uint32_t sub = (uint32_t)(int32_t)ampc_rint_small(a * 1024.0f);      /* 2^-10 steps */
+    uint32_t normal = (u + (0x3ffffu - (120u << 23)) + ((u >> 19) & 1u)) >> 19;
+    uint32_t sub = ampc_f32_bits(a + 8192.0f) - 0x46000000u;           /* bits of 2^13 */
     uint32_t c = ampc_select(a < 0.015625f, sub, normal);
-    return c + (uint32_t)((c == 0u) & (a > 0.0f));
+    uint32_t least = (uint32_t)(a > 0.0f);
+    return c > least ? c : least;
 }
 
+/* A code's value; c < 8 (16) is subnormal, c * 2^-9 (2^-10), exact. c is compared as a
+ * signed int: AVX2 has a signed compare, not an unsigned one. */
 AMPC_HD float ampc_q8_e4m3_value(uint32_t c)   /* c: 7 bits */
 {
     float sub = (float)(int32_t)c * 0.001953125f;
-    return ampc_bits_f32(ampc_select(c < 8u, ampc_f32_bits(sub), (c + (120u << 3)) << 20));
+    uint32_t normal = (c + (120u << 3)) << 20;
+    return ampc_bits_f32(ampc_select((int32_t)c < 8, ampc_f32_bits(sub), normal));
 }
 
 AMPC_HD float ampc_q8_e4m4_value(uint32_t c)   /* c: 8 bits */
 {
     float sub = (float)(int32_t)c * 0.0009765625f;
-    return ampc_bits_f32(ampc_select(c < 16u, ampc_f32_bits(sub), (c + (120u << 4)) << 19));
+    uint32_t normal = (c + (120u << 4)) << 19;
+    return ampc_bits_f32(ampc_select((int32_t)c < 16, ampc_f32_bits(sub), normal));
 }
 
 /* The factor that turns a code's value back into the moment's value. */
@@ -92,13 +96,20 @@ AMPC_HD float ampc_q8v_factor(float absmax)
     return absmax / AMPC_Q8V_MAX;
 }
 
-/* exp_avg's byte for m in a block of absmax `absmax` (finite and > 0, >= |m|: a block
- * whose absmax is 0 or not finite stores code 0 everywhere, ampc_q8_codes_zero). */
-AMPC_HD uint8_t ampc_q8m_encode(float m, float absmax)
+/* exp_avg's code for m in a block of absmax `absmax` (finite and > 0, >= |m|: a block
+ * whose absmax is 0 or not finite stores code 0 everywhere, ampc_q8_codes_zero), in a
+ * 32-bit lane: a CPU loop that narrowed it to a byte at once would do all its arithmetic
+ * in bytes, with a pack for every step. */
+AMPC_HD uint32_t ampc_q8m_code(float m, float absmax)
 {
     float r = fabsf(m) / absmax;
     uint32_t sign = ampc_f32_bits(m) >> 31;
-    return (uint8_t)((sign << 7) | ampc_q8_e4m3(r * AMPC_Q8M_MAX));
+    return (sign << 7) | ampc_q8_e4m3(r * AMPC_Q8M_MAX);
+}
+
+AMPC_HD uint8_t ampc_q8m_encode(float m, float absmax)
+{
+    return (uint8_t)ampc_q8m_code(m, absmax);
 }
 
 AMPC_HD float ampc_q8m_decode(uint8_t c, float factor)
@@ -107,11 +118,16 @@ AMPC_HD float ampc_q8m_decode(uint8_t c, float factor)
     return ampc_bits_f32(ampc_f32_bits(a) | ((uint32_t)(c & 0x80u) << 24));    /* -a */
 }
 
-/* exp_avg_sq's byte for s = sqrt(v) in a block whose largest sqrt(v) is `absmax`. */
-AMPC_HD uint8_t ampc_q8v_encode(float s, float absmax)
+/* exp_avg_sq's code for s = sqrt(v) in a block whose largest sqrt(v) is `absmax`. */
+AMPC_HD uint32_t ampc_q8v_code(float s, float absmax)
 {
     float r = s / absmax;
-    return (uint8_t)ampc_q8_e4m4(r * AMPC_Q8V_MAX);
+    return ampc_q8_e4m4(r * AMPC_Q8V_MAX);
+}
+
+AMPC_HD uint8_t ampc_q8v_encode(float s, float absmax)
+{
+    return (uint8_t)ampc_q8v_code(s, absmax);
 }
 
 /* Whether a block of this absmax stores code 0 everywhere (0, inf or nan). */
