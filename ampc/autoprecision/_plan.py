@@ -1,4 +1,5 @@
-"""Plan: what search() chose, why, and what it measured; applies itself to a model.
+"""Plan: what search() chose, why, and what it measured (its application to a model is
+``_apply``).
 
 A plan is a record per unit (:class:`Unit`, frozen) kept by name, and the plan-wide
 figures. A unit's choice changes through one method, :meth:`Plan.set_choice`, which
@@ -17,12 +18,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
-from . import _loss, _table, _units
-from ._monitor import Monitor
+from . import _apply, _loss, _table, _units
+from ._apply import Applied
 from ._solve import Budget
 from ._units import Reason
-from .._numerics import failures
-from .._numerics.model import default_loss, expression
+from .._numerics.model import default_loss
 from ..validate import compare
 
 if TYPE_CHECKING:
@@ -75,11 +75,6 @@ class Unit:
 _FIELDS = frozenset(f.name for f in fields(Unit))
 _REASONS = frozenset(r.value for r in Reason)
 _OBJECTIVES = ("time", "memory")
-
-
-def param_shapes(module: torch.nn.Module) -> dict[str, list[int]]:
-    """{parameter name: shape} of ``module``, as a plan records it."""
-    return {n: list(p.shape) for n, p in module.named_parameters()}
 
 
 def _bad(msg):
@@ -344,60 +339,7 @@ class Plan:
     def python(self) -> str:
         """The plan as Python lines to paste after the model is built (``model``): the
         scopes :meth:`apply` would attach, the fp8 conversions, and the training step."""
-        dev, region = self.device, self.dtype
-        lines = [f"# ampc.autoprecision plan: {len(self.units)} modules, region {region}",
-                 "import torch", "import ampc", ""]
-        fp8 = []
-        for u in self:
-            c = u.choice
-            if c == "fp8":
-                fp8.append(u.module)
-            if _by_region(self, u.kind, c):
-                continue
-            ops = ""
-            if u.kind == "norm" and c != "fp32":
-                ops = (", ops={" + ", ".join(f'"{o}": "lower_precision_fp"'
-                                             for o in _units.REDUCTION_OPS) + "}")
-            out = _cast_outputs(self, c)
-            if out is not None:
-                ops += f", cast_outputs={_torch_dtype(out)}"
-            lines.append(f"ampc.policy.module_scope({expression(u.module)}, "
-                         f"dtype={_torch_dtype(_units.DTYPES[c])}{ops})")
-        if fp8:
-            lines += ["", f"FP8_MODULES = {set(fp8)!r}", "",
-                      "def fp8_filter(module, fqn):",
-                      "    return fqn in FP8_MODULES", "",
-                      "for fqn, module in model.named_modules():",
-                      "    if fp8_filter(module, fqn):",
-                      "        ampc.fp8.convert(module)"]
-        step, loss = self._loss_lines(dev)
-        if region == "fp32":          # no autocast region at all
-            lines += ["", f"# each step (every module fp32: nothing to set): {step}"] + loss
-            return "\n".join(lines)
-        ctx = f'ampc.autocast("{dev}", dtype={_torch_dtype(_units.DTYPES[region])})'
-        if self.rest == "fp32":
-            ctx += ", ampc.policy.scope(dtype=torch.float32)"
-        if fp8:
-            ctx += ", ampc.fp8.autocast(recipe=ampc.fp8.DelayedScaling(), modules=())"
-        lines += ["", f"# each step: with {ctx}: {step}"] + loss
-        if self.needs_scaler():
-            lines.append(f'# fp16 choices need loss scaling: scaler = ampc.GradScaler("{dev}")')
-        return "\n".join(lines)
-
-    def _loss_lines(self, dev):
-        """The step's model line and the lines computing the loss at its precision."""
-        if self._loss is None:
-            return "loss = loss_fn(model(x), y)", []
-        c = self._loss.choice
-        if c == "fp32":
-            return "out = model(x)", ["# then, outside it: loss = loss_fn(out.float(), y)"]
-        dt = _torch_dtype(_units.DTYPES[c])
-        ops = "{" + ", ".join(f'"{o}": "lower_precision_fp"' for o in _loss.LOSS_OPS) + "}"
-        return "out = model(x)", [
-            f"# then the loss in {c}: with ampc.autocast(\"{dev}\", dtype={dt}), "
-            f"ampc.policy.scope(dtype={dt}, ops=LOSS_OPS): "
-            f"loss = loss_fn(out.to({dt}), y).float()",
-            f"LOSS_OPS = {ops}"]
+        return _apply.python(self)
 
     # ---- using it ----
 
@@ -408,45 +350,12 @@ class Plan:
         that record them), or fp8 on a module that cannot take it; should placing a
         module still fail, the modules placed so far are put back as they were.
         Returns an :class:`Applied` listing every module changed."""
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"ampc.autoprecision.Plan.apply: model must be an nn.Module, "
-                            f"got {type(model).__name__}")
-        _refuse_compiled(self, model)
-        modules = dict(model.named_modules())
-        missing = [u.module for u in self if u.module not in modules]
-        if missing:
-            raise ValueError(f"ampc.autoprecision.Plan.apply: the plan names {len(missing)} "
-                             f"module(s) the model does not have: {', '.join(missing)}")
-        for u in self:
-            _check_module(u, modules[u.module])
-        before = {u.module: (type(m), {n for n, _ in m.named_buffers(recurse=False)})
-                  for u in self for m in [modules[u.module]]}
-        applied = Applied(self, model)
-        try:
-            for u in self:
-                applied.place(u.module)
-        except BaseException:
-            applied.remove()
-            for name, (cls, buffers) in before.items():    # fp8.convert's class and state
-                m = modules[name]
-                for n in {n for n, _ in m.named_buffers(recurse=False)} - buffers:
-                    delattr(m, n)
-                m.__class__ = cls
-            raise
-        return applied
+        return _apply.apply(self, model)
 
     def autocast(self) -> contextlib.ExitStack:
         """The region to train in: ampc.autocast at the region dtype, with an FP8 region
         (only the plan's fp8 modules) when there are any."""
-        stack = contextlib.ExitStack()
-        if self.dtype != "fp32":
-            stack.enter_context(ampc.autocast(self.device, dtype=_units.DTYPES[self.dtype]))
-            if self.rest == "fp32":     # the modules' own scopes set their precision inside
-                stack.enter_context(ampc.policy.scope(dtype=torch.float32))
-        if self._uses("fp8"):
-            stack.enter_context(ampc.fp8.autocast(recipe=_units.fp8_recipe(self.data.get("fp8_recipe")),
-                                                  modules=()))
-        return stack
+        return _apply.autocast(self)
 
     def scaler(self, **kwargs: Any) -> ampc.GradScaler | None:
         """An ampc.GradScaler when a module runs fp16, else None."""
@@ -465,158 +374,3 @@ class Plan:
         return compare(make_model, make_batch, loss_fn, steps,
                                 setups=tuple(setups) + (self,), dtype=dtype, device=self.device,
                                 seeds=seeds, **kwargs)
-
-
-def _refuse_compiled(plan, model):
-    """Raises a ValueError when a module the plan sets lies in a torch.compile'd part: its
-    scope switches the autocast state at the module's boundary, which torch.compile cannot
-    trace (AOTAutograd refuses the graph once an fp8 module breaks it)."""
-    for part in failures.compiled_parts(model):
-        names = [u.module for u in plan if not part or u.module.startswith(part + ".")]
-        if names:
-            raise ValueError(
-                f"ampc.autoprecision.Plan.apply: {part or 'the model'} is compiled with "
-                f"torch.compile and the plan sets module(s) inside it ({names[0]} ...), which "
-                f"torch.compile cannot trace (each switches the autocast state); apply the "
-                f"plan to the model uncompiled ({failures.unwrap_hint(part)})")
-
-
-def _check_module(u, m):
-    """Raises a ValueError when module ``m`` is not the one unit ``u`` was measured on."""
-    if type(m).__name__ != u.type:
-        raise ValueError(f"ampc.autoprecision.Plan.apply: module {u.module} is a "
-                         f"{type(m).__name__}, the plan was made for a {u.type}")
-    if u.shapes is not None:
-        have = param_shapes(m)
-        want = {n: list(v) for n, v in u.shapes.items()}
-        if have != want:
-            raise ValueError(f"ampc.autoprecision.Plan.apply: module {u.module} has "
-                             f"parameters {have}, the plan was made for {want}")
-    if u.choice == "fp8" and not (_units.fp8_capable(m) or _is_fp8(m)):
-        raise ValueError(f"ampc.autoprecision.Plan.apply: module {u.module} cannot "
-                         "run in fp8 (an nn.Linear with in and out features multiple "
-                         "of 16)")
-
-
-def _by_region(plan, kind, choice):
-    """Whether a unit of ``kind`` at ``choice`` needs no scope of its own: a GEMM at the
-    dtype the region gives the ops outside the units (a scope's hooks cost time on every
-    call), or any module of an all-fp32 plan (no autocast region); norms in 16 bits always
-    get theirs (their reduction)."""
-    return (kind != "norm" and choice == plan.rest and choice != "fp8") or plan.dtype == "fp32"
-
-
-def _cast_outputs(plan, choice):
-    """float32 for a unit whose 16-bit dtype is not the one the region gives the ops around
-    it (fp16 in a bf16 region), else None: torch's autocast refuses such a tensor in its
-    promote ops (a cache's ``cat``), and float32 holds the unit's result without rounding."""
-    mine, rest = _units.DTYPES[choice], _units.DTYPES[plan.rest]
-    if torch.float32 in (mine, rest) or mine == rest:
-        return None
-    return torch.float32
-
-
-def _torch_dtype(dtype):
-    return "torch." + str(dtype).split(".")[-1]
-
-
-def _is_fp8(module):
-    return isinstance(module, ampc.fp8.Linear)
-
-
-class _Fp8Off:
-    """Hooks that run one ampc.fp8.Linear outside FP8 (a nested disabled fp8 region)."""
-
-    def __init__(self, module):
-        self.stack = []
-
-        def pre(mod, args):
-            ctx = ampc.fp8.autocast(enabled=False)
-            ctx.__enter__()
-            self.stack.append(ctx)
-
-        def post(mod, args, out):
-            if self.stack:      # the pre-hook may have been traced by torch.compile, not run
-                self.stack.pop().__exit__(None, None, None)
-
-        self.handles = [module.register_forward_pre_hook(pre),
-                        module.register_forward_hook(post, always_call=True)]
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
-
-class Applied:
-    """A plan applied to a model: ``changes`` lists (module, type, choice) for every
-    module given a precision; ``set(name, choice)`` changes one; ``remove()`` takes the
-    scopes off again (fp8 modules stay ampc.fp8.Linear, run outside FP8)."""
-
-    def __init__(self, plan: Plan, model: torch.nn.Module) -> None:
-        self.plan, self.model = plan, model
-        self.modules = dict(model.named_modules())
-        self.handles = {}
-        self._changes = {}       # name -> (name, type, choice), in the order first set
-        self._by_region = {}     # modules the region's dtype already gives their choice
-
-    @property
-    def changes(self) -> list[tuple[str, str, str]]:
-        return list(self._changes.values())
-
-    @property
-    def by_region(self) -> list[str]:
-        return list(self._by_region)
-
-    def set(self, name: str, choice: str, reason: Reason = Reason.SET) -> None:
-        """Gives module ``name`` (or the loss, ``"(loss)"``) the precision ``choice`` (the
-        plan's record changes too; a ``plan.loss(...)`` made before follows it)."""
-        if choice == "fp8" and name in self.modules:   # fp8.convert would skip a Conv1D silently
-            _check_module(replace(self.plan.unit(name), choice=choice), self.modules[name])
-        region = (self.plan.dtype, self.plan.rest)
-        self.plan.set_choice(name, choice, reason)
-        if name == _loss.NAME and self.plan.loss_unit is not None:
-            return
-        # a new region dtype changes what every unit needs (its scope, its outputs' cast)
-        others = [n for n in self.handles if n != name] \
-            if (self.plan.dtype, self.plan.rest) != region else []
-        for n in others + [name]:
-            self.place(n)
-
-    def place(self, name: str) -> None:
-        """Puts module ``name`` at the precision its plan record holds."""
-        m = self.modules[name]
-        choice = self.plan.choice(name)
-        for h in self.handles.pop(name, []):
-            h.remove()
-        dtype, ops = _units.scope_args(m, choice)
-        # an ampc.fp8.Linear at another choice keeps a scope (its dtype outside FP8)
-        fp8_now = _is_fp8(m)
-        by_region = _by_region(self.plan, _units.kind(m), choice) and not fp8_now
-        handles = [] if by_region else [ampc.policy.module_scope(
-            m, dtype=dtype, ops=ops, cast_outputs=_cast_outputs(self.plan, choice))]
-        if choice == "fp8":
-            ampc.fp8.convert(m)
-        elif fp8_now:
-            handles.append(_Fp8Off(m))
-        self.handles[name] = handles
-        self._changes.pop(name, None)
-        self._changes[name] = (name, type(m).__name__, choice)
-        self._by_region.pop(name, None)
-        if by_region:
-            self._by_region[name] = None
-
-    def remove(self) -> None:
-        for hs in self.handles.values():
-            for h in hs:
-                h.remove()
-        self.handles = {}
-
-    def __str__(self) -> str:
-        return "\n".join([f"ampc.autoprecision: {len(self._changes)} modules set"]
-                         + [f"  {n} ({t}): {c}" + (" (by the autocast region)"
-                                                    if n in self._by_region else "")
-                            for n, t, c in self._changes.values()])
-
-    def monitor(self, loss_fn: Callable | None = None, **kwargs: Any) -> Monitor:
-        """A :class:`Monitor` re-checking these modules during training."""
-        return Monitor(self, loss_fn, **kwargs)

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 from . import _loss, _measure, _units
-from ._plan import Plan, VERSION, param_shapes
+from ._apply import param_shapes
+from ._plan import Plan, VERSION
 from ._solve import (CEILING, ERRORS, MARGIN, Budget, Over, clearly_faster, order, raise_one,
                      solve)
 from ._units import Reason
