@@ -1,0 +1,135 @@
+"""Peak memory and step time of a GPT-2-shaped training step, side by side in one run: torch's step,
+torch's whole-block checkpointing, ampc's lean state, and ampc's lean state with chosen modules recomputed.
+
+    python benchmarks/bench_memory.py [--sizes 4x128,16x256] [--reps 5] [--compute fp32|bf16]
+                                      [--recompute transformer.h.*.mlp.act] [--report-dir DIR]
+                                      [--width 512] [--layers 4] [--vocab 8192]
+
+Model: bench_lean_memory.py's (transformers' GPT2LMHeadModel, width 512, 4 layers, vocab 8192, dropout 0), with
+its KV cache off (a training step does not use it; on, it holds every layer's keys and values), random tokens,
+next-token cross-entropy. Arms:
+- torch: torch.optim.AdamW(fused=True); with --compute bf16 the forward under torch.autocast(bf16) (torch.amp).
+- torch + block checkpoint: the same, every transformer block run through torch.utils.checkpoint (non-reentrant).
+- ampc lean: ampc.optim.AdamW(state="lean") (8-bit moments) on the fp32 weights; with --compute bf16,
+  ampc.prepare(model, AdamW, bf16, state="lean") (bf16 weights, no master copy).
+- ampc lean + recompute: the same, and ampc.memory.recompute(model, the --recompute patterns).
+--compute fp32 (the default) because on a CPU without native bf16 (AVX2 only) a bf16 matmul is emulated and a
+step takes ~10x longer. Peak: ampc.memory.report (the live-tensor bytes at the step's highest point, measured from
+the tensors and the profiler's allocations, not the allocator's cache), after one warm-up step. Time: the step
+alone (no profiler), reps interleaved across the arms, median and quartiles.
+"""
+import argparse
+import functools
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+import _harness as H
+
+ampc = H.import_ampc()
+import ampc.memory  # noqa: E402
+from bench_lean_memory import gpt2  # noqa: E402
+
+ARMS = ("torch", "torch + block checkpoint", "ampc lean", "ampc lean + recompute")
+
+
+class Checkpointed(torch.nn.Module):
+    """A transformer block run through torch's non-reentrant checkpoint (torch's whole-block recipe)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(functools.partial(self.block, **kwargs), *args,
+                                                 use_reentrant=False)
+
+
+def arm(name, args, batch, context):
+    """(model, optimizer, step, batch, loss_fn) of one arm, from the same weights."""
+    torch.manual_seed(0)
+    model = gpt2(argparse.Namespace(vocab=args.vocab, context=context, width=args.width, layers=args.layers,
+                                    batch=batch))
+    model.config.use_cache = False
+    bf16 = args.compute == "bf16"
+    if name.startswith("torch"):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        if bf16:   # torch.amp: the model's forward under autocast, the loss outside it (as bench_lean_memory)
+            model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+        if "checkpoint" in name:
+            model.transformer.h = torch.nn.ModuleList(Checkpointed(b) for b in model.transformer.h)
+    elif bf16:
+        model, opt = ampc.prepare(model, ampc.optim.AdamW, torch.bfloat16, lr=1e-3, state="lean")
+    else:
+        opt = ampc.optim.AdamW(model.parameters(), lr=1e-3, state="lean")
+    if name.endswith("recompute"):
+        ampc.memory.recompute(model, args.recompute)
+    x = torch.randint(0, args.vocab, (batch, context), generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(out, tokens):
+        return F.cross_entropy(out.logits.float()[:, :-1].reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(input_ids=x), x).backward()
+        opt.step()
+    return model, opt, step, ({"input_ids": x}, x), loss_fn
+
+
+def run_size(args, batch, context):
+    arms, rows = {}, []
+    for name in ARMS:
+        model, opt, step, data, loss_fn = arm(name, args, batch, context)
+        r = ampc.memory.report(model, opt, data, loss_fn, warmup=1)
+        arms[name] = (step, r)
+        if args.report_dir:     # each arm's memory report: the table and the picture
+            stem = f"{args.report_dir}/{batch}x{context}_{name.replace(' ', '_').replace('+', 'and')}"
+            with open(stem + ".txt", "w") as f:
+                f.write(f"{name}, batch {batch} x context {context}, {args.compute} compute\n{r.table(12)}\n")
+            r.plot(stem + ".png", 12, title=f"GPT-2-shaped, {batch} x {context}, {args.compute}: {name}")
+        print(f"  {name}: peak {r.peak / 2**20:.1f} MiB measured", flush=True)
+    times = {name: [] for name in arms}
+    for _ in range(args.reps):                 # interleaved: a busy machine slows every arm alike
+        for name, (step, _) in arms.items():
+            t = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t)
+    base_peak, base_t = arms[ARMS[0]][1].peak, statistics.median(times[ARMS[0]])
+    for name, (_, r) in arms.items():
+        q = statistics.quantiles(times[name], n=4) if len(times[name]) > 1 else times[name] * 3
+        rows.append({"batch x context": f"{batch} x {context}", "arm": name, "peak MiB": r.peak / 2**20,
+                     "peak vs torch": r.peak / base_peak, "saved act MiB": sum(r.saved.values()) / 2**20,
+                     "peak in": r.phase, "step s (median)": q[1], "q1": q[0], "q3": q[2],
+                     "time vs torch": q[1] / base_t})
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="4x128,16x256", help="batch x context pairs, comma-separated")
+    p.add_argument("--reps", type=int, default=5, help="timed steps per arm and size")
+    p.add_argument("--compute", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--recompute", action="append", help="module patterns the last arm recomputes "
+                   "(repeatable; default: transformer.h.*.mlp.act)")
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--report-dir", help="write each arm's memory report (table .txt and picture .png) here")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    args.recompute = args.recompute or ["transformer.h.*.mlp.act"]
+    hdr = H.machine("cpu")
+    hdr.update(compute=args.compute, recompute=",".join(args.recompute), reps=args.reps)
+    rows = []
+    for size in args.sizes.split(","):
+        b, c = (int(v) for v in size.split("x"))
+        print(f"{b} x {c}:", flush=True)
+        rows += run_size(args, b, c)
+    H.report(hdr, rows, args.json, [])
+
+
+if __name__ == "__main__":
+    main()
