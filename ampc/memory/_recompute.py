@@ -10,6 +10,7 @@ and the hooks on it stay as they were.
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Iterable
 from fnmatch import fnmatchcase
 
@@ -56,6 +57,13 @@ def recomputed(model: torch.nn.Module) -> list[str]:
     return [n or "(model)" for n, m in model.named_modules() if _ATTR in m.__dict__]
 
 
+def _matches(name: str, pattern: str) -> bool:
+    """Shell-style match, part by part: ``*`` stands within one dotted part, so
+    ``"blocks.*"`` is each block, not also every module inside them."""
+    names, pats = name.split("."), pattern.split(".")
+    return len(names) == len(pats) and all(fnmatchcase(n, p) for n, p in zip(names, pats))
+
+
 def _find(model, items):
     """The modules named or given, in order, each once; raises before anything changes."""
     where = "ampc.memory.recompute"
@@ -64,7 +72,7 @@ def _find(model, items):
     chosen = []
     for i, item in enumerate(items):
         if isinstance(item, str):
-            found = [m for n, m in named if fnmatchcase(n, item)]
+            found = [m for n, m in named if _matches(n, item)]
             if not found:
                 near = difflib.get_close_matches(item, [n for n, _ in named if n], n=3)
                 raise ValueError(f"{where}: modules[{i}] {item!r} names no module of the model"
@@ -95,7 +103,8 @@ def recompute(model: torch.nn.Module, modules: str | torch.nn.Module | Iterable)
     Args:
         model (nn.Module): the model.
         modules: a qualified module name (``"transformer.h.0.attn"``; shell-style patterns
-            match several: ``"transformer.h.*.mlp"``), a module of ``model``, or a list of them.
+            match several, ``*`` within one dotted part: ``"transformer.h.*.mlp"``), a module
+            of ``model``, or a list of them.
 
     Returns:
         :class:`Recompute`: ``.remove()`` undoes it; usable as a context manager.
@@ -114,24 +123,25 @@ def recompute(model: torch.nn.Module, modules: str | torch.nn.Module | Iterable)
     chosen, names = _find(model, items)
     handle = Recompute(names, chosen)
     for m in chosen:
-        before = m.__dict__.get("forward")
-        m.__dict__["forward"] = _checkpointed(m, m.forward)
-        m.__dict__[_ATTR] = (handle, before)
+        m.__dict__[_ATTR] = (handle, m.__dict__.get("forward"))
+        m.__dict__["forward"] = functools.partial(_recomputed_forward, m)
     return handle
 
 
-def _checkpointed(module, inner):
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)                  # nothing is saved: nothing to recompute
-        note_held(module, (args, kwargs))
-        keys = list(kwargs)
+def _recomputed_forward(module, *args, **kwargs):
+    # a module-level function bound by functools.partial, not a closure: a deepcopy of the
+    # model then calls its own module (and pickle can save it)
+    before = module.__dict__[_ATTR][1]
+    inner = before if before is not None else type(module).forward.__get__(module)
+    if not torch.is_grad_enabled():
+        return inner(*args, **kwargs)                      # nothing is saved: nothing to recompute
+    note_held(module, (args, kwargs))
+    keys = list(kwargs)
 
-        # keyword values go in as positional ones: torch's checkpoint finds the devices whose
-        # random state it replays in its positional arguments only
-        def run(*values):
-            n = len(values) - len(keys)
-            return inner(*values[:n], **dict(zip(keys, values[n:])))
-        return torch.utils.checkpoint.checkpoint(run, *args, *kwargs.values(), use_reentrant=False,
-                                                 preserve_rng_state=True)
-    return forward
+    # keyword values go in as positional ones: torch's checkpoint finds the devices whose
+    # random state it replays in its positional arguments only
+    def run(*values):
+        n = len(values) - len(keys)
+        return inner(*values[:n], **dict(zip(keys, values[n:])))
+    return torch.utils.checkpoint.checkpoint(run, *args, *kwargs.values(), use_reentrant=False,
+                                             preserve_rng_state=True)

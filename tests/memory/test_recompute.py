@@ -53,8 +53,9 @@ def batch():
     return torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
 
 
-@pytest.mark.parametrize("which", ["blocks.*", ["blocks.1"], "module objects"])
-def test_gradients_equal_bit_for_bit_with_dropout(which):
+@pytest.mark.parametrize("which, blocks", [("blocks.*", [0, 1, 2]), (["blocks.1"], [1]),
+                                           ("module objects", [0, 2])])
+def test_gradients_equal_bit_for_bit_with_dropout(which, blocks):
     x, y = batch()
     plain = make()
     want = grads(plain, x, y, seed=7)
@@ -62,6 +63,7 @@ def test_gradients_equal_bit_for_bit_with_dropout(which):
     if which == "module objects":
         which = [model.blocks[0], model.blocks[2]]
     handle = mem.recompute(model, which)
+    assert mem.recomputed(model) == [f"blocks.{i}" for i in blocks]   # "*" stays within one part
     got = grads(model, x, y, seed=7)
     assert torch.equal(got[0], want[0])
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
@@ -136,3 +138,18 @@ def test_recomputing_twice_is_refused():
     assert mem.recomputed(model) == ["blocks.1"]
     with pytest.raises(TypeError, match="ampc.memory.recompute: model is str"):
         mem.recompute("model", "blocks.1")
+
+
+def test_a_copy_of_the_model_recomputes_its_own_modules():
+    import copy
+    import pickle
+    x, y = batch()
+    model = make()
+    mem.recompute(model, "blocks.*")
+    twin = copy.deepcopy(model)
+    want = grads(make(), x, y, seed=3)[1]
+    got = grads(twin, x, y, seed=3)[1]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(p.grad is None for p in model.parameters())       # the original was not run
+    assert [b.calls for b in twin.blocks] == [2, 2, 2] and mem.recomputed(twin) == mem.recomputed(model)
+    assert mem.recomputed(pickle.loads(pickle.dumps(model))) == ["blocks.0", "blocks.1", "blocks.2"]
