@@ -278,13 +278,17 @@ def _result(prof, device, base, saved, grads, recomputed_names, allocator_peak):
     # a saved storage or a grad is the block at its address when its phase ended
     fwd_blocks = alive_at(last_before(marks["forward"][1]))
     bwd_blocks = alive_at(last_before(marks["backward"][1]))
+
+    def at_peak_bytes(then, ptr):     # the bytes of that block if it is still alive at the peak
+        b = then.get(ptr)
+        return b[3] if b is not None and at_peak.get(ptr) is b else 0
     saved_by, saved_at_peak = {}, {}
     for ptr, (nbytes, name) in saved.items():
         saved_by[name] = saved_by.get(name, 0) + nbytes
-        b = fwd_blocks.get(ptr)
-        if b is not None and at_peak.get(ptr) is b:
-            saved_at_peak[name] = saved_at_peak.get(name, 0) + b[3]
-    grads_at_peak = sum(b[3] for p in grads for b in [bwd_blocks.get(p)] if b is not None and at_peak.get(p) is b)
+        live = at_peak_bytes(fwd_blocks, ptr)
+        if live:
+            saved_at_peak[name] = saved_at_peak.get(name, 0) + live
+    grads_at_peak = sum(at_peak_bytes(bwd_blocks, p) for p in grads)
     acts = sum(saved_at_peak.values())
     parts = {**base, "grads": base["grads"] + grads_at_peak, "saved activations": acts,
              "other": top - grads_at_peak - acts}

@@ -140,3 +140,16 @@ def test_a_saved_tensor_changed_in_place_raises_as_torch_does():
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         mem.report(model, opt, (torch.randn(N), None), sum_loss, warmup=0)
     assert model[0].w.grad is None
+
+
+def test_a_peak_in_the_optimizer_step_holds_every_grad_and_no_activation():
+    # large weights, a one-row batch: the step's temporaries, with every grad alive, top the forward
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    r = mem.report(model, opt, (torch.randn(1, 512), None), sum_loss)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert r.phase == "step"
+    assert r.parts["grads"] == params and r.saved_at_peak == {} and r.parts["saved activations"] == 0
+    # tanh saves its output and the next Linear the same tensor, its input: one storage, under tanh
+    assert r.saved == {"1": 512 * 4}
