@@ -191,17 +191,19 @@ def test_bn_cnn_plan_trains_inside_fp32_seed_spread():
     plan, report, row = plan_against_fp32_seeds(BNCNN, template_task(32, 16, 1.0), 20, 3e-3)
     assert len(plan.units) == 7
     assert not report.too_wide and report.spread > 0
-    assert row["within_spread"] is True and row["final_gap"] <= report.spread
+    assert row["within_spread"] is True and abs(row["gap"]) <= report.spread
     assert report.base.losses[-1] < 0.9 * report.base.losses[0]      # it learns
 
 
 def test_resnet18_plan_trains_inside_fp32_seed_spread():
     torchvision = pytest.importorskip("torchvision")
     # 12 steps of batch 16 at 16x16 (CI time): ResNet-18's fp32 seeds end far apart on so
-    # short a run (about 30%, over validate's 5% for a verdict), so validate holds the plan
-    # to 5% of fp32 (Comparison.ok) as well as to the spread it measured
+    # short a run (about 10% over the last quarter, over validate's 5% for a verdict), so
+    # validate holds the plan to 5% of fp32 (Comparison.ok) as well as to the spread it
+    # measured; both by the statistic its verdict reads, the paired gap over the last quarter
+    # (a single last step's gap is noisier: 15% against that 10% in one run)
     plan, report, row = plan_against_fp32_seeds(lambda: torchvision.models.resnet18(num_classes=10),
                                                 template_task(16, 16, 3.0), 12, 1e-3)
     assert len(plan.units) == 41
-    assert row["final_gap"] <= report.spread
+    assert abs(row["gap"]) <= report.spread
     assert report.ok(), report.table()
