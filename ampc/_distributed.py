@@ -18,7 +18,6 @@ import sys
 import weakref
 from itertools import repeat
 
-import torch
 import torch.distributed as dist
 
 __all__ = ["is_dtensor", "check_group", "local_lists", "split_grads", "agree_found_inf",

@@ -344,12 +344,8 @@ class Plan:
     # ---- using it ----
 
     def apply(self, model: torch.nn.Module) -> Applied:
-        """Gives each module of the plan its precision (a module_scope, and for fp8 an
-        ampc.fp8.Linear). Refuses, before changing anything, a plan naming a module
-        ``model`` lacks, one of another type or with parameters of other shapes (plans
-        that record them), or fp8 on a module that cannot take it; should placing a
-        module still fail, the modules placed so far are put back as they were.
-        Returns an :class:`Applied` listing every module changed."""
+        """Gives each module of the plan its precision; returns an :class:`Applied` (see
+        ``_apply.apply``: what it refuses before changing anything)."""
         return _apply.apply(self, model)
 
     def autocast(self) -> contextlib.ExitStack:

@@ -52,13 +52,17 @@ def _tables(device):
 
 def has_moments(state: dict) -> bool:
     """Whether one param's state holds moments (of any kind)."""
-    return "exp_avg" in state or "exp_avg_codes" in state
+    return "exp_avg" in state or CODES["exp_avg"] in state
+
+
+def moment_names(kind: str) -> tuple[str, str]:
+    """The keys moments of `kind` are kept under: torch's names, or those of 8-bit codes."""
+    return (CODES["exp_avg"], CODES["exp_avg_sq"]) if kind == "8bit" else ("exp_avg", "exp_avg_sq")
 
 
 def moment_keys(state: dict) -> tuple[str, str]:
-    """The keys of one param's moments: torch's names, or those of 8-bit codes."""
-    return ("exp_avg_codes", "exp_avg_sq_codes") if "exp_avg_codes" in state else \
-        ("exp_avg", "exp_avg_sq")
+    """The keys of one param's moments."""
+    return moment_names("8bit" if CODES["exp_avg"] in state else "fp32")
 
 
 def upgrade_codes(state: dict) -> dict:
@@ -78,7 +82,7 @@ def layout_of(state: dict) -> tuple[str, str]:
     """(moments, weight) of one param's optimizer state, read from what it holds."""
     m = state.get(moment_keys(state)[0])
     kind = _KIND.get(m.dtype, "?") if isinstance(m, torch.Tensor) else "fp32"
-    if "exp_avg_codes" in state and kind != "8bit":
+    if CODES["exp_avg"] in state and kind != "8bit":
         kind = "?"
     weight = "master" if "master" in state else "kahan" if "compensation" in state else "none"
     return kind, weight
@@ -127,8 +131,5 @@ def encode_moments(m: torch.Tensor, v: torch.Tensor, kind: str, step: torch.Tens
                       [g.float().contiguous().reshape(-1)], [cm.reshape(-1)], [cv.reshape(-1)],
                       [torch.zeros(1, device=m.device)], lr=0.0, beta1=0.0, beta2=0.0,
                       exp_avg_scales=[sm], exp_avg_sq_scales=[sv])
-        if key == "exp_avg":
-            out["exp_avg_codes"], out["exp_avg_scale"] = cm, sm
-        else:
-            out["exp_avg_sq_codes"], out["exp_avg_sq_scale"] = cv, sv
+        out[CODES[key]], out[key + "_scale"] = (cm, sm) if key == "exp_avg" else (cv, sv)
     return out

@@ -7,7 +7,7 @@ import torch
 
 from .. import _distributed, ops
 from . import _shards
-from ._codes import CODES, MOMENTS, blocks, has_moments, layout_of, moment_keys
+from ._codes import MOMENTS, blocks, has_moments, layout_of, moment_keys, moment_names
 from ._control import control, hyper, lr_on, name
 from ._packed import wants_master
 
@@ -61,8 +61,7 @@ def new_moments(who, p, moments) -> dict:
     """A param's zero step and moments of kind `moments` (with their scales)."""
     zeros = lambda dt: torch.zeros_like(p, dtype=dt,  # noqa: E731
                                         memory_format=torch.contiguous_format)
-    m_key, v_key = (CODES["exp_avg"], CODES["exp_avg_sq"]) if moments == "8bit" else \
-        ("exp_avg", "exp_avg_sq")
+    m_key, v_key = moment_names(moments)
     state = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
              m_key: zeros(MOMENTS[moments]), v_key: zeros(MOMENTS[moments])}
     if moments == "8bit" and _distributed.is_dtensor(p):     # per-shard blocks
