@@ -289,7 +289,15 @@ def adam_master(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
         bool(decoupled), bool(maximize), bool(stochastic), _int64(seed))
 
 
-QBLOCK = 256    # elements a scale of 8-bit moments (lean.h's AMPC_QBLOCK)
+def _lean_layout():
+    """lean.h's layout of 8-bit moments, from the C library: elements a scale, and the
+    largest value of exp_avg's and of sqrt(exp_avg_sq)'s codes."""
+    qblock, m_max, v_max = ctypes.c_int64(), ctypes.c_float(), ctypes.c_float()
+    _clib.ampc_lean_layout(ctypes.byref(qblock), ctypes.byref(m_max), ctypes.byref(v_max))
+    return qblock.value, m_max.value, v_max.value
+
+
+QBLOCK, Q8M_MAX, Q8V_MAX = _lean_layout()   # QBLOCK: elements a scale of 8-bit moments
 
 
 def adam_lean(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],

@@ -29,7 +29,7 @@ _KIND = {v: k for k, v in MOMENTS.items()}
 # torch's moment names -> where 8-bit codes live instead (see the module docstring)
 CODES = {"exp_avg": "exp_avg_codes", "exp_avg_sq": "exp_avg_sq_codes"}
 
-_M_MAX, _V_MAX = 480.0, 496.0       # the largest code values (lean.h)
+_M_MAX, _V_MAX = ops.Q8M_MAX, ops.Q8V_MAX      # the largest code values (lean.h)
 
 
 def _table(mant_bits):

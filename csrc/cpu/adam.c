@@ -43,15 +43,15 @@ INLINE void adam_scalar(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype gt,
                         int64_t n, const struct ampc_adam_coef *c)
 {
     for (; i < n; i++) {
-        float w = q->at.master ? q->at.master[i] : load1(q->at.param, pt, i);
-        ampc_adam_element(load1(q->at.grad, gt, i), &w, &q->at.m[i], &q->at.v[i],
+        float w = q->at.master ? q->at.master[i] : ampc_load(q->at.param, pt, i);
+        ampc_adam_element(ampc_load(q->at.grad, gt, i), &w, &q->at.m[i], &q->at.v[i],
                           q->at.vmax ? &q->at.vmax[i] : NULL, c);
         if (q->at.master)
             q->at.master[i] = w;
         if (q->out)
             q->out[i] = w;
         else
-            store1(q->at.param, pt, i, w);
+            ampc_store(q->at.param, pt, i, w);
     }
 }
 

@@ -24,7 +24,7 @@ static void cast_scalar(void *dst, ampc_dtype dt, const void *src, ampc_dtype st
                         int64_t n)
 {
     for (; i < n; i++)
-        store1(dst, dt, i, load1(src, st, i));
+        ampc_store(dst, dt, i, ampc_load(src, st, i));
 }
 
 // ---- AVX-512: 16 lanes ----
@@ -135,29 +135,13 @@ CLONES static void store_bf16_stochastic(uint16_t *dst, const float *src, int64_
         dst[i] = ampc_f32_to_bf16_sr(src[i], ampc_random_bits_keyed(key, index_lo + (uint32_t)i));
 }
 
-/* The stochastically rounded fp16 values, still as fp32 (each exactly representable in
- * fp16, or 65536 for overflow): the rule of ampc_f32_to_f16_sr in dtype.h, written
- * without branches so it vectorizes. For |x| of fp32 exponent e the fp16 ulp is
- * 2^(max(e, 113) - 137) (113 is fp16's smallest normal exponent, 2^-14), the neighbour
- * toward zero is trunc(|x| / ulp) * ulp (|x| / ulp < 2^11, so an int32 truncates it),
- * and every step is exact in fp32. */
+/* The stochastically rounded fp16 values, still as fp32 (cast.h's ampc_f16_sr_value: exact
+ * in fp16, so the round-to-nearest store that follows only packs them). */
 CLONES static void f16_stochastic_values(float *out, const float *src, int64_t n,
                                          uint32_t key, uint32_t index_lo)
 {
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u = ampc_f32_bits(src[i]);
-        uint32_t a = u & 0x7fffffffu;
-        uint32_t e = a >> 23 < 113 ? 113 : a >> 23;
-        float ulp = ampc_bits_f32((e - 10) << 23);
-        float inv_ulp = ampc_bits_f32((264 - e) << 23);
-        float x = ampc_bits_f32(a);
-        float lo = (float)(int32_t)(x * inv_ulp) * ulp;   /* x / ulp < 2^11: fits */
-        uint32_t rnd = ampc_random_bits_keyed(key, index_lo + (uint32_t)i);
-        float u01 = (float)(rnd >> 8) * 5.9604644775390625e-8f;
-        float r = (x - lo) > u01 * ulp ? lo + ulp : lo;
-        r = a >= 0x7f800000u ? x : r;               /* inf and nan pass through */
-        out[i] = ampc_bits_f32(ampc_f32_bits(r) | (u & 0x80000000u));
-    }
+    for (int64_t i = 0; i < n; i++)
+        out[i] = ampc_f16_sr_value(src[i], ampc_random_bits_keyed(key, index_lo + (uint32_t)i));
 }
 
 /* The run is split where the index's high half changes (a new key). */
@@ -170,7 +154,6 @@ void ampc_store_stochastic(uint16_t *dst, ampc_dtype dtype, const float *src, in
         run = run < n ? run : n;
         uint32_t key = ampc_random_key(seed, (uint32_t)(k >> 32));
         if (dtype == AMPC_F16) {
-            /* exact values by now: the round-to-nearest store only packs them */
             float buf[AMPC_BLOCK];
             for (int64_t i = 0; i < run; i += AMPC_BLOCK) {
                 int64_t m = run - i < AMPC_BLOCK ? run - i : AMPC_BLOCK;

@@ -21,7 +21,7 @@ static int square_sum_scalar(const void *g, ampc_dtype t, int64_t i, int64_t n, 
     int bad = 0;
     double s = 0;
     for (; i < n; i++) {
-        float f = load1(g, t, i);
+        float f = ampc_load(g, t, i);
         bad |= ampc_non_finite(f);
         s += ampc_square(f);
     }

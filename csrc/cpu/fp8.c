@@ -28,7 +28,7 @@ INLINE uint32_t cast_fp8_scalar(uint8_t *dst, const void *src, ampc_dtype st, fl
     float fmax = ampc_bits_f32(f.fmax);
     uint32_t m = 0;
     for (; i < n; i++) {
-        float x = load1(src, st, i);
+        float x = ampc_load(src, st, i);
         uint32_t b = ampc_abs_bits(x);
         m = b > m ? b : m;
         if (dst)
@@ -438,7 +438,7 @@ AVX512 INLINE void from_fp8_loop16(void *dst, ampc_dtype dt, const uint8_t *src,
         store16(dst, dt, i, _mm512_mul_ps(_mm512_i32gather_ps(q, table, 4), vs));
     }
     for (; i < n; i++)
-        store1(dst, dt, i, ampc_fp8_mul(table[src[i]], s));
+        ampc_store(dst, dt, i, ampc_fp8_mul(table[src[i]], s));
 }
 
 AVX2 INLINE void from_fp8_loop8(void *dst, ampc_dtype dt, const uint8_t *src,
@@ -451,7 +451,7 @@ AVX2 INLINE void from_fp8_loop8(void *dst, ampc_dtype dt, const uint8_t *src,
         store8(dst, dt, i, _mm256_mul_ps(_mm256_i32gather_ps(table, q, 4), vs));
     }
     for (; i < n; i++)
-        store1(dst, dt, i, ampc_fp8_mul(table[src[i]], s));
+        ampc_store(dst, dt, i, ampc_fp8_mul(table[src[i]], s));
 }
 
 AVX512 static void from_fp8_avx512(void *dst, ampc_dtype dt, const uint8_t *src,
@@ -487,7 +487,7 @@ static void cast_from_fp8_span(void *ctx, const struct ampc_span *s)
     case ISA_AVX2: from_fp8_avx2(dst, dt, src, job->table, scale_inv, n); break;
     default:
         for (int64_t i = 0; i < n; i++)
-            store1(dst, dt, i, ampc_fp8_mul(job->table[src[i]], scale_inv));
+            ampc_store(dst, dt, i, ampc_fp8_mul(job->table[src[i]], scale_inv));
     }
 }
 

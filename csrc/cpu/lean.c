@@ -29,17 +29,27 @@ ampc_status ampc_adam_lean_cpu(const struct ampc_lean_lists *lists,
     if (!coef)
         return AMPC_ERR_NOMEM;
     ampc_dtype pt = lists->params.dtype;
-    struct lean_job job = { lists, coef, args->moments, WEIGHT_PARAM, WRITE_NEAREST };
+    struct lean_job job = { lists, coef, args->moments, AMPC_WEIGHT_PARAM, AMPC_WRITE_NEAREST };
     if (lists->masters.count)
-        job.weight = WEIGHT_MASTER;
+        job.weight = AMPC_WEIGHT_MASTER;
     else if (lists->compensations.count)
-        job.weight = WEIGHT_KAHAN;      /* the pair is written to nearest, always */
-    if (args->adam.stochastic && pt != AMPC_F32 && job.weight != WEIGHT_KAHAN)
-        job.write = pt == AMPC_BF16 ? WRITE_SR : WRITE_LATER;
+        job.weight = AMPC_WEIGHT_KAHAN;      /* the pair is written to nearest, always */
+    if (args->adam.stochastic && pt != AMPC_F32 && job.weight != AMPC_WEIGHT_KAHAN)
+        job.write = pt == AMPC_BF16 ? AMPC_WRITE_SR : AMPC_WRITE_LATER;
     ampc_status st = ampc_for_each_chunk(&lists->params, lean_span, &job);
     if (st == AMPC_OK)
         for (int64_t t = 0; t < lists->steps.count; t++)
             *(float *)lists->steps.ptr[t] += 1.0f;
     free(coef);
     return st;
+}
+
+/* The 8-bit moments' layout (lean.h) for the Python side (ampc.ops.QBLOCK, the codes'
+ * tables), so that it is written once. */
+__attribute__((visibility("default"))) void ampc_lean_layout(int64_t *qblock, float *m_max,
+                                                            float *v_max)
+{
+    *qblock = AMPC_QBLOCK;
+    *m_max = AMPC_Q8M_MAX;
+    *v_max = AMPC_Q8V_MAX;
 }

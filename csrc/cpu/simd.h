@@ -29,24 +29,7 @@ enum ampc_isa { ISA_UNKNOWN, ISA_SCALAR, ISA_AVX2, ISA_AVX512 };
 /* The best path the CPU has; AMPC_CPU_ISA=avx2 or =scalar caps it (cpu.c). */
 enum ampc_isa ampc_cpu_isa(void);
 
-// ---- scalar ----
-INLINE float load1(const void *p, ampc_dtype t, int64_t i)
-{
-    if (t == AMPC_F32)
-        return ((const float *)p)[i];
-    uint16_t h = ((const uint16_t *)p)[i];
-    return t == AMPC_F16 ? ampc_f16_to_f32(h) : ampc_bf16_to_f32(h);
-}
-
-INLINE void store1(void *p, ampc_dtype t, int64_t i, float f)
-{
-    if (t == AMPC_F32)
-        ((float *)p)[i] = f;
-    else
-        ((uint16_t *)p)[i] = t == AMPC_F16 ? ampc_f32_to_f16(f) : ampc_f32_to_bf16(f);
-}
-
-// ---- AVX-512: 16 lanes ----
+// ---- AVX-512: 16 lanes (one element at a time: dtype.h's ampc_load, ampc_store) ----
 
 AVX512 INLINE __m512 load16(const void *p, ampc_dtype t, int64_t i)
 {

@@ -16,7 +16,7 @@ static int unscale_scalar(void *g, ampc_dtype t, float s, int64_t i, int64_t n)
 {
     int bad = 0;
     for (; i < n; i++)
-        store1(g, t, i, ampc_unscale_element(load1(g, t, i), s, &bad));
+        ampc_store(g, t, i, ampc_unscale_element(ampc_load(g, t, i), s, &bad));
     return bad;
 }
 

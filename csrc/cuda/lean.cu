@@ -1,7 +1,7 @@
 /*
  * lean.cu: the lean Adam/AdamW step, the CUDA twin of ampc_adam_lean_cpu (ampc.h's
- * struct ampc_lean_lists, lean.h). Per element it runs adam.h's ampc_adam_element and
- * lean.h's codes, so the bits equal the CPU's (--fmad=false, IEEE sqrt and division).
+ * struct ampc_lean_lists). Per element it runs lean.h's ampc_lean_element, as the CPU's
+ * loops do, so the bits equal the CPU's (--fmad=false, IEEE sqrt and division).
  *
  * Launch shape: one launch per tensor, one block of AMPC_QBLOCK threads per block of the
  * 8-bit moments (one element a thread), so a block's absmax is one reduction in shared
@@ -16,14 +16,9 @@
 #include "common.cuh"
 #include "lean.h"
 
-/* One tensor's pointers. */
+/* One tensor's pointers and kinds. */
 struct lean_tensor {
-    void *param;
-    const void *grad;
-    float *master;
-    uint16_t *comp;
-    void *m;
-    void *v;
+    struct ampc_lean_at at;
     float *m_scale;
     float *v_scale;
     const float *step;
@@ -31,15 +26,9 @@ struct lean_tensor {
     int64_t index;          /* list-wide index of element 0 (Note [stochastic rounding]) */
     ampc_dtype pd;
     ampc_dtype gd;
+    int weight;             /* AMPC_WEIGHT_* (lean.h) */
+    int write;              /* AMPC_WRITE_NEAREST or _SR */
 };
-
-__device__ __forceinline__ float load_any(const void *p, ampc_dtype dt, int64_t i)
-{
-    if (dt == AMPC_F32)
-        return ((const float *)p)[i];
-    uint16_t h = ((const uint16_t *)p)[i];
-    return dt == AMPC_F16 ? ampc_f16_to_f32(h) : ampc_bf16_to_f32(h);
-}
 
 __device__ __forceinline__ bool skipped(const float *found_inf)
 {
@@ -63,25 +52,16 @@ lean_kernel(const struct lean_tensor t, const struct ampc_adam_control ctl,
     const int64_t i = block * AMPC_QBLOCK + tid;
     const bool live = i < t.numel;
     const uint64_t k = (uint64_t)(t.index + i);
-    float w = 0.0f, m = 0.0f, v = 0.0f;
+    float m = 0.0f, v = 0.0f, w;
     if (live) {
-        if (t.master)
-            w = t.master[i];
-        else if (t.comp)
-            w = ampc_kahan_weight(((const uint16_t *)t.param)[i], t.comp[i]);
-        else
-            w = load_any(t.param, t.pd, i);
-        if (args.moments == AMPC_MOMENTS_F32) {
-            m = ((float *)t.m)[i];
-            v = ((float *)t.v)[i];
-        } else if (args.moments == AMPC_MOMENTS_BF16) {
-            m = ampc_bf16_to_f32(((uint16_t *)t.m)[i]);
-            v = ampc_bf16_to_f32(((uint16_t *)t.v)[i]);
-        } else {
-            m = ampc_q8m_decode(((uint8_t *)t.m)[i], ampc_q8m_factor(t.m_scale[block]));
-            v = ampc_q8v_decode(((uint8_t *)t.v)[i], ampc_q8v_factor(t.v_scale[block]));
+        const struct ampc_lean_keys keys = ampc_lean_keys(coef.seed, (uint32_t)(k >> 32));
+        float fm = 0.0f, fv = 0.0f;
+        if (args.moments == AMPC_MOMENTS_Q8) {
+            fm = ampc_q8m_factor(t.m_scale[block]);
+            fv = ampc_q8v_factor(t.v_scale[block]);
         }
-        ampc_adam_element(load_any(t.grad, t.gd, i), &w, &m, &v, NULL, &coef);
+        ampc_lean_element(&t.at, i, (uint32_t)k, &keys, &coef, coef.flags, coef.w1 < 0.5f,
+                          args.moments, t.weight, t.write, t.pd, t.gd, fm, fv, &m, &v, &w);
     }
     if (args.moments == AMPC_MOMENTS_Q8) {
         /* every thread has read its block's scales above, before thread 0 rewrites them */
@@ -102,31 +82,11 @@ lean_kernel(const struct lean_tensor t, const struct ampc_adam_control ctl,
             t.v_scale[block] = smax;
         }
         if (live) {
-            ((uint8_t *)t.m)[i] = ampc_q8_codes_zero(mmax) ? (uint8_t)0 : ampc_q8m_encode(m, mmax);
-            ((uint8_t *)t.v)[i] =
+            ((uint8_t *)t.at.m)[i] =
+                ampc_q8_codes_zero(mmax) ? (uint8_t)0 : ampc_q8m_encode(m, mmax);
+            ((uint8_t *)t.at.v)[i] =
                 ampc_q8_codes_zero(smax) ? (uint8_t)0 : ampc_q8v_encode(sqrtf(v), smax);
         }
-    }
-    if (!live)
-        return;
-    if (args.moments == AMPC_MOMENTS_F32) {
-        ((float *)t.m)[i] = m;
-        ((float *)t.v)[i] = v;
-    } else if (args.moments == AMPC_MOMENTS_BF16) {
-        ((uint16_t *)t.m)[i] =
-            ampc_f32_to_bf16_sr(m, ampc_random_bits(coef.seed ^ AMPC_SEED_EXP_AVG, k));
-        ((uint16_t *)t.v)[i] =
-            ampc_f32_to_bf16_sr(v, ampc_random_bits(coef.seed ^ AMPC_SEED_EXP_AVG_SQ, k));
-    }
-    if (t.master)
-        t.master[i] = w;
-    if (t.comp) {
-        ampc_kahan_store(w, &((uint16_t *)t.param)[i], &t.comp[i]);
-    } else if (t.pd == AMPC_F32) {
-        ((float *)t.param)[i] = w;
-    } else {
-        ((uint16_t *)t.param)[i] =
-            (uint16_t)ampc_round_bits(w, t.pd, args.adam.stochastic, coef.seed, k);
     }
 }
 
@@ -150,12 +110,12 @@ extern "C" ampc_status ampc_adam_lean_cuda_impl(const struct ampc_lean_lists *li
     int64_t index = 0;
     for (int64_t i = 0; i < lists->params.count; i++) {
         struct lean_tensor t;
-        t.param = lists->params.ptr[i];
-        t.grad = lists->grads.ptr[i];
-        t.master = (float *)at_or_null(&lists->masters, i);
-        t.comp = (uint16_t *)at_or_null(&lists->compensations, i);
-        t.m = lists->exp_avgs.ptr[i];
-        t.v = lists->exp_avg_sqs.ptr[i];
+        t.at.param = lists->params.ptr[i];
+        t.at.grad = lists->grads.ptr[i];
+        t.at.master = (float *)at_or_null(&lists->masters, i);
+        t.at.comp = (uint16_t *)at_or_null(&lists->compensations, i);
+        t.at.m = lists->exp_avgs.ptr[i];
+        t.at.v = lists->exp_avg_sqs.ptr[i];
         t.m_scale = (float *)at_or_null(&lists->exp_avg_scales, i);
         t.v_scale = (float *)at_or_null(&lists->exp_avg_sq_scales, i);
         t.step = (const float *)lists->steps.ptr[i];
@@ -163,6 +123,9 @@ extern "C" ampc_status ampc_adam_lean_cuda_impl(const struct ampc_lean_lists *li
         t.index = index;
         t.pd = lists->params.dtype;
         t.gd = lists->grads.dtype;
+        t.weight = t.at.master ? AMPC_WEIGHT_MASTER
+                 : t.at.comp ? AMPC_WEIGHT_KAHAN : AMPC_WEIGHT_PARAM;
+        t.write = args->adam.stochastic ? AMPC_WRITE_SR : AMPC_WRITE_NEAREST;
         index += t.numel;
         int64_t blocks = CEIL_DIV(t.numel, AMPC_QBLOCK);
         if (blocks == 0)

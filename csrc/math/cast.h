@@ -71,23 +71,30 @@ AMPC_HD uint16_t ampc_f32_to_bf16_sr(float f, uint32_t rnd)
  * away when the distance past lo exceeds u * ulp, u = 24 random bits / 2^24 in [0, 1).
  * Both sides of the comparison are exact in fp32, so the probability is distance / ulp
  * rounded up to a multiple of 2^-24: exact for fp32 inputs of magnitude 2^-14 and up
- * (at most 13 bits fall below an fp16 ulp there), a hair high for tinier ones. */
-AMPC_HD uint16_t ampc_f32_to_f16_sr(float f, uint32_t rnd)
+ * (at most 13 bits fall below an fp16 ulp there), a hair high for tinier ones.
+ * The result is still an fp32 value, exact in fp16 (or 65536, which is inf there), so the
+ * store that follows only packs it; written without branches so that a CPU loop over it
+ * vectorizes. For |f| of fp32 exponent e the fp16 ulp is 2^(max(e, 113) - 137) (113 is
+ * fp16's smallest normal exponent, 2^-14), lo = trunc(|f| / ulp) * ulp (|f| / ulp < 2^11,
+ * so an int32 truncates it), every step exact in fp32. inf and nan pass through. */
+AMPC_HD float ampc_f16_sr_value(float f, uint32_t rnd)
 {
     uint32_t u = ampc_f32_bits(f);
-    uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
-    float a = ampc_bits_f32(u & 0x7fffffffu);
-    if (!(a < ampc_bits_f32(0x7f800000u)))  /* inf or nan: as round to nearest */
-        return ampc_f32_to_f16(f);
-    uint16_t lo = (uint16_t)(ampc_f32_to_f16(a) & 0x7fff);
-    if (ampc_f16_to_f32(lo) > a)            /* rounded up: step back toward zero */
-        lo = (uint16_t)(lo - 1);
-    float lo_f = ampc_f16_to_f32(lo);
-    /* the step past 65504 is 32 (to 65536, which is inf in fp16) */
-    float ulp = lo == 0x7bff ? 32.0f : ampc_f16_to_f32((uint16_t)(lo + 1)) - lo_f;
-    float u01 = (float)(rnd >> 8) * 5.9604644775390625e-8f;  /* 24 random bits / 2^24 */
-    uint16_t away = (a - lo_f) > u01 * ulp;
-    return (uint16_t)(sign | (uint16_t)(lo + away));
+    uint32_t a = u & 0x7fffffffu;
+    uint32_t e = a >> 23 < 113 ? 113 : a >> 23;
+    float ulp = ampc_bits_f32((e - 10) << 23);
+    float inv_ulp = ampc_bits_f32((264 - e) << 23);
+    float x = ampc_bits_f32(a);
+    float lo = (float)(int32_t)(x * inv_ulp) * ulp;
+    float u01 = (float)(rnd >> 8) * 5.9604644775390625e-8f;
+    float r = (x - lo) > u01 * ulp ? lo + ulp : lo;
+    r = a >= 0x7f800000u ? x : r;
+    return ampc_bits_f32(ampc_f32_bits(r) | (u & 0x80000000u));
+}
+
+AMPC_HD uint16_t ampc_f32_to_f16_sr(float f, uint32_t rnd)
+{
+    return ampc_f32_to_f16(ampc_f16_sr_value(f, rnd));
 }
 
 /* The raw bits of f rounded to dtype dt (fp32 kept as is): to nearest even, or with

@@ -7,7 +7,8 @@
  * (its payload bits may differ from torch's, which itself differs between its scalar
  * and vector paths). fp16 overflow goes to inf, fp16 subnormals are produced exactly.
  * Up-conversions are exact. Also here: the size of an element and the non-finite test,
- * the one definition of each for C and CUDA. Stochastic rounding is cast's (cast.h).
+ * the one definition of each for C and CUDA, and reading or writing element i of a
+ * float tensor of any of the three dtypes. Stochastic rounding is cast's (cast.h).
  */
 #ifndef AMPC_DTYPE_H
 #define AMPC_DTYPE_H
@@ -49,6 +50,18 @@ AMPC_HD int64_t ampc_dtype_size(ampc_dtype dtype)
 AMPC_HD int ampc_non_finite(float f)
 {
     return (ampc_f32_bits(f) & AMPC_EXP_BITS) == AMPC_EXP_BITS;
+}
+
+/*
+ * Note [amax as bits]: with the sign bit cleared, the order of fp32 bit patterns read as
+ * unsigned integers is the order of the values, and every NaN pattern lies above inf. So
+ * max |x| is an integer max of the patterns: exact, independent of the order of the
+ * reduction (and it vectorizes), and a NaN anywhere makes the result a NaN without a
+ * compare that a NaN would fail.
+ */
+AMPC_HD uint32_t ampc_abs_bits(float x)
+{
+    return ampc_f32_bits(x) & 0x7fffffffu;
 }
 
 // ---- up-conversions (exact) ----
@@ -101,6 +114,24 @@ AMPC_HD uint16_t ampc_f32_to_f16(float f)
     uint32_t odd = (a >> 13) & 1;
     a += 0xc8000fffu + odd;                 /* rebias exponent (-112 << 23) and round */
     return (uint16_t)(sign | (uint16_t)(a >> 13));
+}
+
+// ---- element i of a tensor of dtype t, widened or rounded to nearest ----
+
+AMPC_HD float ampc_load(const void *p, ampc_dtype t, int64_t i)
+{
+    if (t == AMPC_F32)
+        return ((const float *)p)[i];
+    uint16_t h = ((const uint16_t *)p)[i];
+    return t == AMPC_F16 ? ampc_f16_to_f32(h) : ampc_bf16_to_f32(h);
+}
+
+AMPC_HD void ampc_store(void *p, ampc_dtype t, int64_t i, float f)
+{
+    if (t == AMPC_F32)
+        ((float *)p)[i] = f;
+    else
+        ((uint16_t *)p)[i] = t == AMPC_F16 ? ampc_f32_to_f16(f) : ampc_f32_to_bf16(f);
 }
 
 #endif /* AMPC_DTYPE_H */

@@ -97,18 +97,8 @@ AMPC_HD float ampc_fp8_decode(uint8_t q, ampc_dtype dt)
     return ampc_bits_f32(sign | ((exp + rebias) << 23) | (man << shift));
 }
 
-/*
- * Note [amax as bits]: with the sign bit cleared, the order of fp32 bit patterns read as
- * unsigned integers is the order of the values, and every NaN pattern lies above inf. So
- * max |x| is an integer max of the patterns: exact, independent of the order of the
- * reduction, and a NaN anywhere makes the result a NaN without a compare that a NaN would
- * fail. The result's NaN is made the canonical quiet NaN (0x7fc00000).
- */
-AMPC_HD uint32_t ampc_abs_bits(float x)
-{
-    return ampc_f32_bits(x) & 0x7fffffffu;
-}
-
+/* The max of ampc_abs_bits (Note [amax as bits], dtype.h) as a value; a NaN made the
+ * canonical quiet NaN (0x7fc00000). */
 AMPC_HD float ampc_amax_value(uint32_t bits)
 {
     return ampc_bits_f32(bits > 0x7f800000u ? 0x7fc00000u : bits);

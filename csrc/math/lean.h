@@ -1,8 +1,11 @@
 /*
- * lean.h: the per-element math of the lean Adam step (adam_lean), shared by the CPU
- * loops (cpu/lean.c) and the CUDA kernel (cuda/lean.cu): the 8-bit block-wise moment
- * codes, the Kahan-compensated bf16 weight, and the random streams of the bf16 moments.
- * The Adam arithmetic itself is adam.h's, unchanged.
+ * lean.h: the per-element lean Adam step (adam_lean), ampc_lean_element, the one both
+ * the CPU loops (cpu/lean_loops.h) and the CUDA kernel (cuda/lean.cu) run, and what it
+ * is made of: the 8-bit block-wise moment codes, the Kahan-compensated bf16 weight, and
+ * the random streams of the bf16 moments. The Adam arithmetic itself is adam.h's,
+ * unchanged. What differs between the two callers is only how a block's absmax is found
+ * before its 8-bit codes are written: a loop's running max on the CPU, a reduction in
+ * shared memory on CUDA.
  *
  * Note [8-bit moments]: a tensor's moments are cut into blocks of AMPC_QBLOCK elements
  * (the last one shorter); each block stores one fp32 scale, the absmax of its values, and
@@ -27,7 +30,7 @@
 
 #include <math.h>
 
-#include "dtype.h"
+#include "adam.h"          // includes: cast.h, dtype.h
 
 #define AMPC_QBLOCK 256
 #define AMPC_Q8M_MAX 480.0f
@@ -142,14 +145,6 @@ AMPC_HD float ampc_q8v_decode(uint8_t c, float factor)
     return s * s;
 }
 
-/* A block's absmax is the largest of these bits (a max of integers, which vectorizes):
- * non-negative floats order like their bits, and a nan's bits exceed inf's, so the absmax
- * is nan when any value is, inf when any is inf and none is nan. */
-AMPC_HD uint32_t ampc_abs_bits(float x)
-{
-    return ampc_f32_bits(x) & 0x7fffffffu;
-}
-
 /* Note [Kahan-compensated bf16 weights]: without an fp32 master, the weight is the pair
  * (p, c) of bf16 values, worth p + c. The step updates w = p + c in fp32 (adam.h), then
  * stores p = bf16(w) and c = bf16(w - p), both to nearest even: w - p is exact in fp32,
@@ -176,5 +171,102 @@ AMPC_HD void ampc_kahan_store(float w, uint16_t *p, uint16_t *c)
  * when 1 - beta2 is under half a bf16 ulp (2^-9), as it is for beta2 = 0.999. */
 #define AMPC_SEED_EXP_AVG 0x243F6A8885A308D3ull
 #define AMPC_SEED_EXP_AVG_SQ 0x13198A2E03707344ull
+
+/* How the weight is kept: where the step reads it and writes it back. */
+enum {
+    AMPC_WEIGHT_PARAM,      /* the param itself (fp32, or 16-bit without a master) */
+    AMPC_WEIGHT_MASTER,     /* the fp32 master; the param is written from it */
+    AMPC_WEIGHT_KAHAN,      /* the bf16 param plus its bf16 compensation */
+};
+
+/* How a 16-bit param is written from the fp32 weight (AMPC_WEIGHT_PARAM, _MASTER). */
+enum {
+    AMPC_WRITE_NEAREST,
+    AMPC_WRITE_SR,          /* stochastic rounding, element by element */
+    AMPC_WRITE_LATER,       /* left to the caller (the CPU rounds fp16 in cast.c's loop) */
+};
+
+/* One tensor's lean state from the element the caller counts from (the CPU: a block's
+ * first; CUDA: the tensor's first); NULL where the layout keeps none. */
+struct ampc_lean_at {
+    void *param;
+    const void *grad;
+    float *master;
+    uint16_t *comp;
+    void *m;                /* exp_avg: fp32, bf16 or 8-bit codes */
+    void *v;                /* exp_avg_sq */
+};
+
+/* The keys of an element's random streams (Note [stochastic rounding]) for the high half
+ * of its list-wide index: the weight's, then the bf16 moments'. */
+struct ampc_lean_keys {
+    uint32_t w, m, v;
+};
+
+AMPC_HD struct ampc_lean_keys ampc_lean_keys(uint64_t seed, uint32_t index_hi)
+{
+    struct ampc_lean_keys k;
+    k.w = ampc_random_key(seed, index_hi);
+    k.m = ampc_random_key(seed ^ AMPC_SEED_EXP_AVG, index_hi);
+    k.v = ampc_random_key(seed ^ AMPC_SEED_EXP_AVG_SQ, index_hi);
+    return k;
+}
+
+/* Element i's lean step: reads the weight (master, param or Kahan pair) and the moments
+ * (8-bit ones through their block's factors fm, fv), takes adam.h's step, writes the
+ * weight (to nearest, stochastically or as the Kahan pair) and fp32 or bf16 moments.
+ * 8-bit moments wait for their block's new absmax: the new m and v are left in *m_out
+ * and *v_out for the caller to code; the new weight in *w_out (AMPC_WRITE_LATER).
+ * index_lo is the low half of the element's list-wide index. The kinds are arguments, so
+ * that a caller that knows them at compile time gets a loop with no test in it. */
+AMPC_HD void ampc_lean_element(const struct ampc_lean_at *a, int64_t i, uint32_t index_lo,
+                               const struct ampc_lean_keys *k,
+                               const struct ampc_adam_coef *c, const int flags,
+                               const int small_w1, const int moments, const int weight,
+                               const int write, const ampc_dtype pt, const ampc_dtype gt,
+                               float fm, float fv, float *m_out, float *v_out, float *w_out)
+{
+    uint16_t *const p16 = (uint16_t *)a->param;
+    float w, m, v;
+    if (weight == AMPC_WEIGHT_MASTER)
+        w = a->master[i];
+    else if (weight == AMPC_WEIGHT_KAHAN)
+        w = ampc_kahan_weight(p16[i], a->comp[i]);
+    else
+        w = ampc_load(a->param, pt, i);
+    if (moments == AMPC_MOMENTS_Q8) {
+        m = ampc_q8m_decode(((const uint8_t *)a->m)[i], fm);
+        v = ampc_q8v_decode(((const uint8_t *)a->v)[i], fv);
+    } else if (moments == AMPC_MOMENTS_BF16) {
+        m = ampc_bf16_to_f32(((const uint16_t *)a->m)[i]);
+        v = ampc_bf16_to_f32(((const uint16_t *)a->v)[i]);
+    } else {
+        m = ((const float *)a->m)[i];
+        v = ((const float *)a->v)[i];
+    }
+    ampc_adam_element_as(ampc_load(a->grad, gt, i), &w, &m, &v, NULL, c, flags, small_w1);
+    if (moments == AMPC_MOMENTS_BF16) {
+        ((uint16_t *)a->m)[i] = ampc_f32_to_bf16_sr(m, ampc_random_bits_keyed(k->m, index_lo));
+        ((uint16_t *)a->v)[i] = ampc_f32_to_bf16_sr(v, ampc_random_bits_keyed(k->v, index_lo));
+    } else if (moments == AMPC_MOMENTS_F32) {
+        ((float *)a->m)[i] = m;
+        ((float *)a->v)[i] = v;
+    }
+    if (weight == AMPC_WEIGHT_MASTER)
+        a->master[i] = w;
+    if (weight == AMPC_WEIGHT_KAHAN) {
+        ampc_kahan_store(w, &p16[i], &a->comp[i]);
+    } else if (pt == AMPC_F32) {
+        ((float *)a->param)[i] = w;
+    } else if (write == AMPC_WRITE_SR) {
+        uint32_t r = ampc_random_bits_keyed(k->w, index_lo);
+        p16[i] = pt == AMPC_BF16 ? ampc_f32_to_bf16_sr(w, r) : ampc_f32_to_f16_sr(w, r);
+    } else if (write == AMPC_WRITE_NEAREST) {
+        ampc_store(a->param, pt, i, w);
+    }
+    *m_out = m;
+    *v_out = v;
+    *w_out = w;
+}
 
 #endif /* AMPC_LEAN_H */

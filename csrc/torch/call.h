@@ -199,6 +199,31 @@ void *option(struct call *c, struct list *ls, const char *name, int32_t dtype);
 /* lr (unless it lives on the device), betas, eps and weight_decay of an Adam op are in
  * range (ops_adam.c). */
 void check_adam_args(struct call *c, const struct ampc_adam_args *a, int lr_on_device);
+/* One fp32 step count a param (ops_adam.c). */
+void check_steps(struct call *c, struct list *steps, struct list *params);
+
+/* The arguments every Adam op shares (ampc_ops.h's AMPC_ADAM_CONTROL, AMPC_ADAM_ROUNDING)
+ * from its struct <op>_args `a` into a struct ampc_adam_control and ampc_adam_args,
+ * checked: the device values (lists of zero or one fp32 tensor), the numbers, the
+ * rounding. */
+#define TAKE_ADAM_ARGS(c, control, args, a)                                               \
+    do {                                                                                  \
+        int32_t f32_ = aoti_torch_dtype_float32();                                        \
+        (control)->lr = option(c, (a)->lr_tensor, "lr_tensor", f32_);                     \
+        (control)->inv_scale = option(c, (a)->inv_scale, "inv_scale", f32_);              \
+        (control)->clip_coef = option(c, (a)->clip_coef, "clip_coef", f32_);              \
+        (control)->found_inf = option(c, (a)->found_inf, "found_inf", f32_);              \
+        (args)->lr = (a)->lr;                                                             \
+        (args)->beta1 = (a)->beta1;                                                       \
+        (args)->beta2 = (a)->beta2;                                                       \
+        (args)->eps = (a)->eps;                                                           \
+        (args)->weight_decay = (a)->weight_decay;                                         \
+        (args)->decoupled = (a)->decoupled;                                               \
+        (args)->maximize = (a)->maximize;                                                 \
+        (args)->stochastic = (a)->stochastic;                                             \
+        (args)->seed = (uint64_t)(a)->seed;                                               \
+        check_adam_args(c, (args), (control)->lr != NULL);                                \
+    } while (0)
 
 // ---- running ----
 

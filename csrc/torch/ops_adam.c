@@ -35,12 +35,6 @@ static struct ampc_list f32_list(struct call *c, struct list *ls, const char *na
     return out;
 }
 
-/* A list of zero or one 1-element fp32 tensor: its data, or NULL. */
-static const float *f32_option(struct call *c, struct list *ls, const char *name)
-{
-    return option(c, ls, name, aoti_torch_dtype_float32());
-}
-
 void check_adam_args(struct call *c, const struct ampc_adam_args *a, int lr_on_device)
 {
     if (!lr_on_device && !(a->lr >= 0 && isfinite(a->lr)))
@@ -55,25 +49,14 @@ void check_adam_args(struct call *c, const struct ampc_adam_args *a, int lr_on_d
         fail(c, "weight_decay must be a finite number >= 0, got %g", a->weight_decay);
 }
 
-/* The control values (lr_tensor, inv_scale, clip_coef, found_inf: lists of zero or one
- * tensor), the numbers and the rounding of both Adam ops, checked. */
-#define TAKE_ADAM_ARGS(c, job, a)                                                         \
-    do {                                                                                  \
-        (job)->control.lr = f32_option(c, (a)->lr_tensor, "lr_tensor");                   \
-        (job)->control.inv_scale = f32_option(c, (a)->inv_scale, "inv_scale");            \
-        (job)->control.clip_coef = f32_option(c, (a)->clip_coef, "clip_coef");            \
-        (job)->control.found_inf = f32_option(c, (a)->found_inf, "found_inf");            \
-        (job)->args.lr = (a)->lr;                                                         \
-        (job)->args.beta1 = (a)->beta1;                                                   \
-        (job)->args.beta2 = (a)->beta2;                                                   \
-        (job)->args.eps = (a)->eps;                                                       \
-        (job)->args.weight_decay = (a)->weight_decay;                                     \
-        (job)->args.decoupled = (a)->decoupled;                                           \
-        (job)->args.maximize = (a)->maximize;                                             \
-        (job)->args.stochastic = (a)->stochastic;                                         \
-        (job)->args.seed = (uint64_t)(a)->seed;                                           \
-        check_adam_args(c, &(job)->args, (job)->control.lr != NULL);                      \
-    } while (0)
+void check_steps(struct call *c, struct list *steps, struct list *params)
+{
+    if (steps->count != params->count)
+        fail(c, "steps must have as many tensors as params (%lld), got %lld",
+             (long long)params->count, (long long)steps->count);
+    for (int64_t i = 0; i < steps->count; i++)
+        check_scalar(c, &steps->t[i], aoti_torch_dtype_float32(), 0);
+}
 
 void ampc_op_adam_master(struct call *c, struct adam_master_args *a)
 {
@@ -90,12 +73,8 @@ void ampc_op_adam_master(struct call *c, struct adam_master_args *a)
                                   "params", 1);
     struct list *steps = a->steps;
     l->steps = (struct ampc_list){ steps->ptr, steps->numel, steps->count, AMPC_F32 };
-    if (steps->count != a->params->count)
-        fail(c, "steps must have as many tensors as params (%lld), got %lld",
-             (long long)a->params->count, (long long)steps->count);
-    for (int64_t i = 0; i < steps->count; i++)
-        check_scalar(c, &steps->t[i], aoti_torch_dtype_float32(), 0);
-    TAKE_ADAM_ARGS(c, &job, a);
+    check_steps(c, steps, a->params);
+    TAKE_ADAM_ARGS(c, &job.control, &job.args, a);
     check_overlap(c);
     run(c, adam_on_cpu, adam_on_cuda, &job);
 }
@@ -187,7 +166,7 @@ void ampc_op_adam_packed(struct call *c, struct adam_packed_args *a)
     check_same_shapes(c, a->grads, "grads", a->params, "params");
     if (!packed_lists(c, &job, a->params, a->state, a->steps, a->layout, a->amsgrad, a->master))
         return;
-    TAKE_ADAM_ARGS(c, &job, a);
+    TAKE_ADAM_ARGS(c, &job.control, &job.args, a);
     check_overlap(c);
     run(c, adam_on_cpu, adam_on_cuda, &job);
     c->ret = 0;

@@ -2,18 +2,10 @@
  * ops_lean.c: the lean Adam step in the torch glue (adam_lean): its arguments, read by the
  * code the op list generates, checked, then the kernel run.
  */
-#include <math.h>
-
 #include "call.h"
 #include "lean.h"
 
-// ---- adam_lean(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters,
-//                Tensor(c!)[] compensations, Tensor(d!)[] exp_avgs, Tensor(e!)[] exp_avg_sqs,
-//                Tensor(f!)[] exp_avg_scales, Tensor(g!)[] exp_avg_sq_scales,
-//                Tensor(h!)[] steps, Tensor[] lr_tensor, Tensor[] inv_scale,
-//                Tensor[] clip_coef, Tensor[] found_inf, float lr, float beta1, float beta2,
-//                float eps, float weight_decay, bool decoupled, bool maximize,
-//                bool stochastic, int seed) ----
+// ---- adam_lean (its schema: ampc_ops.h) ----
 
 struct lean_job {
     struct ampc_lean_lists lists;
@@ -22,9 +14,6 @@ struct lean_job {
 };
 
 ON_DEVICES(adam_lean, lean_job, &job->lists, &job->control, &job->args)
-
-enum { PARAMS, GRADS, MASTERS, COMPS, EXP_AVGS, EXP_AVG_SQS, M_SCALES, V_SCALES, STEPS,
-       LR_TENSOR, INV_SCALE, CLIP_COEF, FOUND_INF, N_LISTS };
 
 /* Every tensor of ls has torch dtype `dtype` (shown as `want` in messages). */
 static void check_dtype(struct call *c, struct list *ls, int32_t dtype, const char *want)
@@ -79,68 +68,45 @@ static void check_scales(struct call *c, struct list *scales, const char *name,
 
 void ampc_op_adam_lean(struct call *c, struct adam_lean_args *a)
 {
-    struct list *ls[N_LISTS] = { a->params, a->grads, a->masters, a->compensations,
-                                 a->exp_avgs, a->exp_avg_sqs, a->exp_avg_scales,
-                                 a->exp_avg_sq_scales, a->steps, a->lr_tensor, a->inv_scale,
-                                 a->clip_coef, a->found_inf };
     describe_all(c);
     struct lean_job job;
     struct ampc_lean_lists *l = &job.lists;
-    l->params = float_list(c, ls[PARAMS]);
-    l->grads = float_list(c, ls[GRADS]);
-    check_same_shapes(c, ls[GRADS], "grads", ls[PARAMS], "params");
-    l->masters = as_list(ls[MASTERS], AMPC_F32);
-    if (ls[MASTERS]->count) {
-        check_dtype(c, ls[MASTERS], aoti_torch_dtype_float32(), "torch.float32");
-        check_same_shapes(c, ls[MASTERS], "masters", ls[PARAMS], "params");
+    l->params = float_list(c, a->params);
+    l->grads = float_list(c, a->grads);
+    check_same_shapes(c, a->grads, "grads", a->params, "params");
+    l->masters = as_list(a->masters, AMPC_F32);
+    if (a->masters->count) {
+        check_dtype(c, a->masters, aoti_torch_dtype_float32(), "torch.float32");
+        check_same_shapes(c, a->masters, "masters", a->params, "params");
     }
-    l->compensations = as_list(ls[COMPS], AMPC_BF16);
-    if (ls[COMPS]->count) {
-        if (ls[MASTERS]->count)
+    l->compensations = as_list(a->compensations, AMPC_BF16);
+    if (a->compensations->count) {
+        if (a->masters->count)
             fail(c, "compensations and masters are two ways to keep the weight: give one");
-        if (ls[PARAMS]->count && l->params.dtype != AMPC_BF16)
+        if (a->params->count && l->params.dtype != AMPC_BF16)
             fail(c, "compensations need torch.bfloat16 params, got %s",
-                 dtype_name(ls[PARAMS]->t[0].dtype));
-        check_dtype(c, ls[COMPS], aoti_torch_dtype_bfloat16(), "torch.bfloat16");
-        check_same_shapes(c, ls[COMPS], "compensations", ls[PARAMS], "params");
+                 dtype_name(a->params->t[0].dtype));
+        check_dtype(c, a->compensations, aoti_torch_dtype_bfloat16(), "torch.bfloat16");
+        check_same_shapes(c, a->compensations, "compensations", a->params, "params");
     }
-    job.args.moments = moments_kind(c, ls[EXP_AVGS], ls[EXP_AVG_SQS]);
+    job.args.moments = moments_kind(c, a->exp_avgs, a->exp_avg_sqs);
     ampc_dtype mdt = job.args.moments == AMPC_MOMENTS_F32 ? AMPC_F32 : AMPC_BF16;
-    l->exp_avgs = as_list(ls[EXP_AVGS], mdt);
-    l->exp_avg_sqs = as_list(ls[EXP_AVG_SQS], mdt);
-    check_same_shapes(c, ls[EXP_AVGS], "exp_avgs", ls[PARAMS], "params");
-    check_same_shapes(c, ls[EXP_AVG_SQS], "exp_avg_sqs", ls[PARAMS], "params");
-    l->exp_avg_scales = as_list(ls[M_SCALES], AMPC_F32);
-    l->exp_avg_sq_scales = as_list(ls[V_SCALES], AMPC_F32);
+    l->exp_avgs = as_list(a->exp_avgs, mdt);
+    l->exp_avg_sqs = as_list(a->exp_avg_sqs, mdt);
+    check_same_shapes(c, a->exp_avgs, "exp_avgs", a->params, "params");
+    check_same_shapes(c, a->exp_avg_sqs, "exp_avg_sqs", a->params, "params");
+    l->exp_avg_scales = as_list(a->exp_avg_scales, AMPC_F32);
+    l->exp_avg_sq_scales = as_list(a->exp_avg_sq_scales, AMPC_F32);
     if (job.args.moments == AMPC_MOMENTS_Q8) {
-        check_scales(c, ls[M_SCALES], "exp_avg_scales", ls[PARAMS]);
-        check_scales(c, ls[V_SCALES], "exp_avg_sq_scales", ls[PARAMS]);
-    } else if (ls[M_SCALES]->count || ls[V_SCALES]->count) {
+        check_scales(c, a->exp_avg_scales, "exp_avg_scales", a->params);
+        check_scales(c, a->exp_avg_sq_scales, "exp_avg_sq_scales", a->params);
+    } else if (a->exp_avg_scales->count || a->exp_avg_sq_scales->count) {
         fail(c, "exp_avg_scales and exp_avg_sq_scales are for 8-bit (torch.uint8) moments "
-             "only: give none with %s moments", dtype_name(ls[EXP_AVGS]->t[0].dtype));
+             "only: give none with %s moments", dtype_name(a->exp_avgs->t[0].dtype));
     }
-    l->steps = as_list(ls[STEPS], AMPC_F32);
-    if (ls[STEPS]->count != ls[PARAMS]->count)
-        fail(c, "steps must have as many tensors as params (%lld), got %lld",
-             (long long)ls[PARAMS]->count, (long long)ls[STEPS]->count);
-    for (int64_t i = 0; i < ls[STEPS]->count; i++)
-        check_scalar(c, &ls[STEPS]->t[i], aoti_torch_dtype_float32(), 0);
-    int32_t f32 = aoti_torch_dtype_float32();
-    job.control.lr = option(c, ls[LR_TENSOR], "lr_tensor", f32);
-    job.control.inv_scale = option(c, ls[INV_SCALE], "inv_scale", f32);
-    job.control.clip_coef = option(c, ls[CLIP_COEF], "clip_coef", f32);
-    job.control.found_inf = option(c, ls[FOUND_INF], "found_inf", f32);
-    struct ampc_adam_args *adam = &job.args.adam;
-    adam->lr = a->lr;
-    adam->beta1 = a->beta1;
-    adam->beta2 = a->beta2;
-    adam->eps = a->eps;
-    adam->weight_decay = a->weight_decay;
-    adam->decoupled = a->decoupled;
-    adam->maximize = a->maximize;
-    adam->stochastic = a->stochastic;
-    adam->seed = (uint64_t)a->seed;
-    check_adam_args(c, adam, job.control.lr != NULL);
+    l->steps = as_list(a->steps, AMPC_F32);
+    check_steps(c, a->steps, a->params);
+    TAKE_ADAM_ARGS(c, &job.control, &job.args.adam, a);
     check_overlap(c);
     run(c, adam_lean_on_cpu, adam_lean_on_cuda, &job);
 }

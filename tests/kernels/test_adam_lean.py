@@ -150,10 +150,12 @@ def test_fp32_moments_match_adam_master(weights):
 
 # ---- 8-bit moments ----
 
-@pytest.mark.parametrize("weights", ["fp32", "master", "sr", "kahan"])
+@pytest.mark.parametrize("weights", ["fp32", "master", "sr", "kahan", "sr16", "master_sr16"])
 def test_q8_step_equals_decode_adam_encode(weights):
     """One step is, bit for bit: decode the codes (transcription), adam_master on fp32
-    copies (the tested fp32 arithmetic), encode the new moments (transcription)."""
+    copies (the tested fp32 arithmetic), encode the new moments (transcription), and the
+    weight written as cast writes it (fp16 and bf16 stochastic rounding included: cast's
+    bits are checked against a transcription in test_stochastic_bits.py)."""
     gen = torch.Generator().manual_seed(2)
     sizes = SIZES
     w0 = [torch.randn(n, generator=gen) for n in sizes]
@@ -163,8 +165,10 @@ def test_q8_step_equals_decode_adam_encode(weights):
     kw = dict(lr=1e-2, weight_decay=0.1, inv_scale=torch.tensor([0.25]),
               clip_coef=torch.tensor([0.8]), seed=77)
 
-    params = [x.clone() if weights == "fp32" else x.to(bf16) for x in w0]
-    masters = [x.clone() for x in w0] if weights == "master" else None
+    pdtype = f32 if weights == "fp32" else f16 if weights.endswith("16") else bf16
+    stochastic = weights.startswith("sr") or weights == "master_sr16"
+    params = [x.to(pdtype, copy=True) for x in w0]
+    masters = [x.clone() for x in w0] if weights.startswith("master") else None
     comps = ([(x - x.to(bf16).float()).to(bf16) for x in w0] if weights == "kahan" else None)
     cm = [s[0].clone() for s in state]
     ms = [s[1].clone() for s in state]
@@ -172,16 +176,16 @@ def test_q8_step_equals_decode_adam_encode(weights):
     vs = [s[3].clone() for s in state]
     steps = [s.clone() for s in steps0]
     ampc.ops.adam_lean(params, grads, cm, cv, steps, masters=masters, compensations=comps,
-                       exp_avg_scales=ms, exp_avg_sq_scales=vs, stochastic=weights == "sr",
+                       exp_avg_scales=ms, exp_avg_sq_scales=vs, stochastic=stochastic,
                        **kw)
 
     # the reference: weights in fp32, adam_master, then the same write of the weight
-    if weights == "master":
+    if weights.startswith("master"):
         rw = [x.clone() for x in w0]
     elif weights == "kahan":
         rw = [p.float() + c.float() for p, c in zip([x.to(bf16) for x in w0], comps0(w0))]
-    elif weights == "sr":
-        rw = [x.to(bf16).float() for x in w0]
+    elif weights.startswith("sr"):
+        rw = [x.to(pdtype).float() for x in w0]
     else:
         rw = [x.clone() for x in w0]
     moments = [decode(*s) for s in state]
@@ -203,10 +207,12 @@ def test_q8_step_equals_decode_adam_encode(weights):
         for k in range(len(sizes)):
             assert_same(masters[k], rw[k], f"master {k}")
             assert_same(params[k], rw[k].to(bf16), f"param {k}")
-    elif weights == "sr":
-        want = ampc.ops.cast(rw, bf16, stochastic=True, seed=ampc.ops.step_seed(77, 5))
+    elif stochastic:
+        want = ampc.ops.cast(rw, pdtype, stochastic=True, seed=ampc.ops.step_seed(77, 5))
         for k in range(len(sizes)):
             assert_same(params[k], want[k], f"param {k}")
+            if masters is not None:
+                assert_same(masters[k], rw[k], f"master {k}")
     else:
         for k in range(len(sizes)):
             hi = rw[k].to(bf16)

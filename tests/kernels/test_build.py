@@ -42,7 +42,7 @@ def listed(kind):
 def test_library_exports_only_its_entry_points():
     exported = [s for s in symbols(LIB, "--defined-only") if not s.startswith("_")]
     assert sorted(exported) == ["ampc_cache_bytes", "ampc_cpu_isa_name", "ampc_cuda_refusal",
-                                "ampc_refuse_cuda", "ampc_register", "ampc_set_cuda_api",
+                                "ampc_lean_layout", "ampc_refuse_cuda", "ampc_register", "ampc_set_cuda_api",
                                 "ampc_set_cuda_emulation"]
 
 

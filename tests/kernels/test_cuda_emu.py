@@ -628,14 +628,16 @@ LEAN_SIZES = [0, 1, 7, 255, 256, 257, 2048 + 3, 9000, 3]
 
 
 def lean_inputs(weights, moments, seed=0):
-    """adam_lean's tensor lists: weights "fp32", "master", "sr", "kahan" or "rne"; moments
-    fp32, bf16 or uint8 (8-bit codes: random codes and positive scales)."""
+    """adam_lean's tensor lists: weights "fp32", "master", "sr", "kahan" or "rne" (bf16
+    params), "sr16" or "master16" (fp16 params, written stochastically); moments fp32, bf16
+    or uint8 (8-bit codes: random codes and positive scales)."""
     sizes = LEAN_SIZES
     g = torch.Generator().manual_seed(seed)
     w = [finite(n, f32, seed + i) for i, n in enumerate(sizes)]
-    params = [x if weights == "fp32" else x.to(bf16) for x in w]
+    pdtype = f32 if weights == "fp32" else f16 if weights.endswith("16") else bf16
+    params = [x.to(pdtype) for x in w]
     grads = [finite(n, f32, seed + 50 + i, 0.1).to(bf16) for i, n in enumerate(sizes)]
-    masters = [x.clone() for x in w] if weights == "master" else []
+    masters = [x.clone() for x in w] if weights.startswith("master") else []
     comps = [(x - x.to(bf16).float()).to(bf16) for x in w] if weights == "kahan" else []
     if moments == torch.uint8:
         m = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
@@ -654,11 +656,13 @@ def lean_op(weights, found=None):
     opt = lambda t: [] if t is None else [torch.tensor([t], dtype=f32)]  # noqa: E731
     return lambda *lists: torch.ops.ampc.adam_lean(
         *lists, [], opt(0.5), opt(0.9), opt(found), 1e-3, 0.9, 0.999, 1e-8, 0.01, True, False,
-        weights == "sr", 1234)
+        weights in ("sr", "sr16", "master16"), 1234)
 
 
+# fp16 params written stochastically: the CPU rounds them in cast.c's loop after the step,
+# CUDA in the step; both through cast.h's ampc_f16_sr_value
 @pytest.mark.parametrize("moments", [f32, bf16, torch.uint8], ids=name)
-@pytest.mark.parametrize("weights", ["fp32", "master", "sr", "kahan", "rne"])
+@pytest.mark.parametrize("weights", ["fp32", "master", "sr", "kahan", "rne", "sr16", "master16"])
 def test_adam_lean_every_layout(weights, moments):
     both_ways(lean_op(weights), lean_inputs(weights, moments, seed=11),
               f"adam_lean {weights}/{name(moments)}")
