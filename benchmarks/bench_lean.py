@@ -9,12 +9,16 @@ One optimizer step, timed with the optimizers' own step() (Python included), in 
   kahan    ampc.optim.AdamW(moments="8bit", kahan_summation=True) on bf16 params: a bf16 compensation
   master   ampc.optim.AdamW on bf16 params with fp32 master weights (today's master-weight step)
   torch    torch.optim.AdamW(fused=True) on fp32 params
-and, with --anchors DIR (or AMPC_BENCH_ANCHORS=DIR; a folder with torchao and torch-optimi in it, e.g. from
-`pip install --no-deps --target DIR torchao torch-optimi`, so that they cannot replace the torch in use):
+and, with --anchors DIR (or AMPC_BENCH_ANCHORS=DIR; a folder with the anchors in it, e.g. from
+`pip install --no-deps --target DIR torchao torch-optimi bitsandbytes flashoptim`, so that they cannot
+replace the torch in use):
   torchao  torchao.optim.AdamW8bit(bf16_stochastic_round=True) on bf16 params: 8-bit moments, the lean preset's
            layout (its step goes through torch.compile: the first step of each case compiles)
   optimi   optimi.AdamW(kahan_sum=True) on bf16 params: moments in the params' dtype, as optimi keeps them, and a bf16
            Kahan compensation
+  bnb      bitsandbytes.optim.AdamW8bit on bf16 params: block-wise 8-bit moments, the weights in bf16
+  flashoptim  flashoptim.FlashAdamW on bf16 params (its defaults: 8-bit moments and a 24-bit master split
+           over the param and a byte of correction; its quantization needs CUDA, so it is left out on the CPU)
 An anchor that does not import or does not run here is left out with a line saying why.
 Workloads: one tensor of 1M, 10M and 100M params (2-d, 1024 columns), and 1,000 small 2-d tensors of 1k-16k
 elements (64 columns; those under 4,096 elements keep fp32 moments, as the lean options do by default).
@@ -68,6 +72,8 @@ ANCHORS = {
     "torchao": lambda params: __import__("torchao.optim", fromlist=["AdamW8bit"]).AdamW8bit(
         params, lr=1e-3, bf16_stochastic_round=True),
     "optimi": lambda params: __import__("optimi").AdamW(params, lr=1e-3, kahan_sum=True),
+    "bnb": lambda params: __import__("bitsandbytes").optim.AdamW8bit(params, lr=1e-3),
+    "flashoptim": lambda params: __import__("flashoptim").FlashAdamW(params, lr=1e-3),
 }
 
 
@@ -222,7 +228,7 @@ def main() -> int:
     H.report(hdr, rows, args.json, [
         "lean: ampc.optim.AdamW(state='lean'); kahan: moments='8bit', kahan_summation=True; master: "
         "ampc.optim.AdamW with fp32 masters; torch: torch.optim.AdamW(fused=True) on fp32 params; torchao: "
-        "AdamW8bit(bf16_stochastic_round=True), optimi: AdamW(kahan_sum=True), both on bf16 params",
+        "AdamW8bit(bf16_stochastic_round=True), optimi: AdamW(kahan_sum=True), bnb: AdamW8bit, flashoptim: FlashAdamW, all on bf16 params",
         "q1/q3: quartiles of the interleaved reps; ratio q1/q3: quartiles of torch's time over the arm's, "
         "rep by rep (each pair taken one after the other); B/param moved counted from the tensors (grad read, param "
         "written and, without a master, read; state read and written); roofline: in-place mul_ over 512 MiB"])
