@@ -228,7 +228,8 @@ def main() -> int:
     H.report(hdr, rows, args.json, [
         "lean: ampc.optim.AdamW(state='lean'); kahan: moments='8bit', kahan_summation=True; master: "
         "ampc.optim.AdamW with fp32 masters; torch: torch.optim.AdamW(fused=True) on fp32 params; torchao: "
-        "AdamW8bit(bf16_stochastic_round=True), optimi: AdamW(kahan_sum=True), bnb: AdamW8bit, flashoptim: FlashAdamW, all on bf16 params",
+        "AdamW8bit(bf16_stochastic_round=True), optimi: AdamW(kahan_sum=True), bnb: AdamW8bit, "
+        "flashoptim: FlashAdamW, all on bf16 params",
         "q1/q3: quartiles of the interleaved reps; ratio q1/q3: quartiles of torch's time over the arm's, "
         "rep by rep (each pair taken one after the other); B/param moved counted from the tensors (grad read, param "
         "written and, without a master, read; state read and written); roofline: in-place mul_ over 512 MiB"])
