@@ -52,6 +52,7 @@ stage 240 "$py" -m pytest -q -m cuda --tb=short --junitxml="$work/junit.xml" tes
 benches="cast unscale"
 [ -f benchmarks/bench_adam.py ] && benches="$benches adam"
 [ -f benchmarks/bench_fp8.py ] && benches="$benches fp8"
+[ -f benchmarks/bench_lean.py ] && benches="$benches lean"
 for b in $benches; do
     stage 100 "$py" "benchmarks/bench_$b.py" --device cuda --json \
         >"$work/bench_$b.json" 2>"$work/bench_$b.err"
@@ -91,7 +92,14 @@ for b in sys.argv[3:]:
     if rc != "0" or not rows:
         print(f"bench_{b}: {len(rows)} rows, exit {rc}")
         bad = True
+    torch_ms = {r["case"]: r["ms"] for r in rows if r.get("arm") == "torch"}
     for r in rows:
+        if "arm" in r:      # bench_lean: a row an arm, each against torch's fused AdamW
+            if r["arm"] == "torch":
+                continue
+            r = {**r, "case": f"{r['case']} {r['arm']}", "ampc ms": r["ms"],
+                 "torch ms": torch_ms.get(r["case"]), "torch/ampc": r["torch/arm"],
+                 "ampc GB/s": r["GB/s"]}
         case = f"{b}: {r.get('case')}"
         gbs = r.get("ampc GB/s")
         of_peak = 100 * gbs / peak if isinstance(gbs, (int, float)) else None

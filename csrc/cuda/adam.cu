@@ -26,6 +26,7 @@
 #include "adam.h"
 #include "common.cuh"
 #include "multi_tensor.cuh"
+#include "steps.cuh"
 
 /* The lists of the table, one pointer each per tensor; params first, for the numbering of
  * Note [stochastic rounding]. */
@@ -47,18 +48,6 @@ using adam_table = mt_table_of<ADAM_LISTS, P>;
 
 static_assert(MT_PARAMS_OTHER >= sizeof(struct ampc_adam_control) + sizeof(struct ampc_adam_args),
               "adam's kernel arguments do not fit beside its table");
-
-/* The step counts one launch advances: as many as fit the kernel parameter space P. */
-template <int P>
-struct adam_steps {
-    float *ptr[(P - 16) / sizeof(float *) - 1];
-    int32_t count;
-};
-
-__device__ __forceinline__ bool skipped(const float *found_inf)
-{
-    return found_inf && *found_inf != 0.0f;
-}
 
 // ---- W elements: one (the fallback) or 8 (one 16-byte vector of 16-bit values) ----
 
@@ -213,17 +202,6 @@ adam_kernel(const __grid_constant__ adam_table<P> tab,
         adam_elements<PD, GD, 1>(&q, i, k, &c, &args);
 }
 
-/* One block over the step counts; runs after every update launch of the call. */
-template <int P>
-__global__ void adam_steps_kernel(const __grid_constant__ struct adam_steps<P> steps,
-                                  const float *found_inf)
-{
-    if (skipped(found_inf))
-        return;
-    for (int i = threadIdx.x; i < steps.count; i += blockDim.x)
-        *steps.ptr[i] += 1.0f;
-}
-
 // ---- launchers ----
 
 template <int P>
@@ -241,30 +219,6 @@ static ampc_status adam_launch(const adam_table<P> *tab, int nblocks, void *ctx)
     const struct adam_ctx<P> *c = (const struct adam_ctx<P> *)ctx;
     AMPC_LAUNCH(c->kernel, nblocks, ADAM_THREADS, 0, c->stream)(*tab, c->control, c->args);
     return ampc_cuda_status(cudaGetLastError());
-}
-
-/* Adds 1 to every step count of the list, as many a launch as adam_steps<P> holds. */
-template <int P>
-static ampc_status advance_steps(const struct ampc_list *list, const float *found_inf,
-                                 cudaStream_t stream)
-{
-    static_assert(sizeof(struct adam_steps<P>) + sizeof(float *) <= P,
-                  "adam step arguments over the kernel parameter space");
-    const int max_steps = (int)(sizeof(adam_steps<P>::ptr) / sizeof(float *));
-    struct adam_steps<P> steps;
-
-    for (int64_t i = 0; i < list->count; i += max_steps) {
-        int64_t left = list->count - i;
-        steps.count = left < max_steps ? (int32_t)left : max_steps;
-        for (int j = 0; j < steps.count; j++)
-            steps.ptr[j] = (float *)list->ptr[i + j];
-        int threads = CEIL_DIV(steps.count < 1024 ? steps.count : 1024, 32) * 32;
-        AMPC_LAUNCH(adam_steps_kernel<P>, 1, threads, 0, stream)(steps, found_inf);
-        ampc_status st = ampc_cuda_status(cudaGetLastError());
-        if (st != AMPC_OK)
-            return st;
-    }
-    return AMPC_OK;
 }
 
 template <int P>

@@ -51,6 +51,7 @@ LARGE = DEVICE == "h200" and os.environ.get("AMPC_CUDA_SMALL_PARAMS", "0") in ("
 # 7 lists, fp8's 4 lists (always 4 KB)
 CAP2 = {True: 902, False: 106}
 CAP_ADAM = {True: 427, False: 50}
+CAP_LEAN = {True: 353, False: 41}   # the lean step's 9 lists
 CAP_FP8 = 73
 VEC_STEP = 512 * 4 * 8      # elements one pass of a block's vector loop covers (fp16)
 # around the 8-element vector, one pass of the vector loop, the smallest and largest chunk
@@ -675,3 +676,25 @@ def test_adam_lean_found_inf_skips():
     for k, (a, b) in enumerate(zip(out, before)):
         for x, y in zip(a, b):
             assert_bits(x, y, f"adam_lean skipped: argument {k}")
+
+
+@pytest.mark.parametrize("count", [1, 41, 42, 353, 354, 1000])
+def test_adam_lean_launches_and_every_launch_matches(count):
+    """All tensors in the multi-tensor walk's launches (not one a tensor), each bit-equal
+    to the CPU; sizes around the 256-element block of the 8-bit moments."""
+    sizes = [[1, 255, 256, 257, 600][i % 5] for i in range(count)]
+    g = torch.Generator().manual_seed(count)
+    params = [finite(n, f32, i).to(bf16) for i, n in enumerate(sizes)]
+    grads = [finite(n, f32, 5000 + i, 0.1).to(bf16) for i, n in enumerate(sizes)]
+    m = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    v = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    scales = [[torch.rand(-(-n // 256), generator=g) * 0.01 for n in sizes] for _ in range(2)]
+    steps = [torch.full((1,), float(1 + i % 4)) for i in range(count)]
+    _emu.ampc_emu_clear_launches()
+    both_ways(lean_op("sr"), [params, grads, [], [], m, v, scales[0], scales[1], steps],
+              f"adam_lean of {count}")
+    got = [l[0] for l in launches()]
+    large = count > CAP_LEAN[False] and LARGE
+    n = math.ceil(count / CAP_LEAN[large])
+    steps_launches = math.ceil(count / (4093 if large else 509))
+    assert got == ["lean_launch"] * n + ["advance_steps"] * steps_launches, got
