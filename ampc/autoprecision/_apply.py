@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
-from . import _loss, _units
+from . import _candidates, _loss, _units
 from ._monitor import Monitor
 from ._units import Reason
 from .._numerics import failures
@@ -62,10 +62,10 @@ def autocast(plan) -> contextlib.ExitStack:
     (only the plan's fp8 modules) when there are any."""
     stack = contextlib.ExitStack()
     if plan.dtype != "fp32":
-        stack.enter_context(ampc.autocast(plan.device, dtype=_units.DTYPES[plan.dtype]))
+        stack.enter_context(ampc.autocast(plan.device, dtype=_candidates.get(plan.dtype).dtype))
         if plan.rest == "fp32":     # the modules' own scopes set their precision inside
             stack.enter_context(ampc.policy.scope(dtype=torch.float32))
-    if plan._uses("fp8"):
+    if plan._uses_any(_candidates.fp8_linear):
         stack.enter_context(ampc.fp8.autocast(recipe=_units.fp8_recipe(plan.data.get("fp8_recipe")),
                                               modules=()))
     return stack
@@ -80,7 +80,7 @@ def python(plan) -> str:
     fp8 = []
     for u in plan:
         c = u.choice
-        if c == "fp8":
+        if _candidates.fp8_linear(c):
             fp8.append(u.module)
         if _by_region(plan, u.kind, c):
             continue
@@ -92,7 +92,7 @@ def python(plan) -> str:
         if out is not None:
             ops += f", cast_outputs={_torch_dtype(out)}"
         lines.append(f"ampc.policy.module_scope({expression(u.module)}, "
-                     f"dtype={_torch_dtype(_units.DTYPES[c])}{ops})")
+                     f"dtype={_torch_dtype(_candidates.get(c).dtype)}{ops})")
     if fp8:
         lines += ["", f"FP8_MODULES = {set(fp8)!r}", "",
                   "def fp8_filter(module, fqn):",
@@ -104,7 +104,7 @@ def python(plan) -> str:
     if region == "fp32":          # no autocast region at all
         lines += ["", f"# each step (every module fp32: nothing to set): {step}"] + loss
         return "\n".join(lines)
-    ctx = f'ampc.autocast("{dev}", dtype={_torch_dtype(_units.DTYPES[region])})'
+    ctx = f'ampc.autocast("{dev}", dtype={_torch_dtype(_candidates.get(region).dtype)})'
     if plan.rest == "fp32":
         ctx += ", ampc.policy.scope(dtype=torch.float32)"
     if fp8:
@@ -122,7 +122,7 @@ def _loss_lines(plan, dev):
     c = plan._loss.choice
     if c == "fp32":
         return "out = model(x)", ["# then, outside it: loss = loss_fn(out.float(), y)"]
-    dt = _torch_dtype(_units.DTYPES[c])
+    dt = _torch_dtype(_candidates.get(c).dtype)
     ops = "{" + ", ".join(f'"{o}": "lower_precision_fp"' for o in _loss.LOSS_OPS) + "}"
     return "out = model(x)", [
         f"# then the loss in {c}: with ampc.autocast(\"{dev}\", dtype={dt}), "
@@ -156,7 +156,7 @@ def _check_module(u, m):
         if have != want:
             raise ValueError(f"ampc.autoprecision.Plan.apply: module {u.module} has "
                              f"parameters {have}, the plan was made for {want}")
-    if u.choice == "fp8" and not (_units.fp8_capable(m) or _is_fp8(m)):
+    if not (_candidates.get(u.choice).fits(m) or _is_fp8(m)):
         raise ValueError(f"ampc.autoprecision.Plan.apply: module {u.module} cannot "
                          "run in fp8 (an nn.Linear with in and out features multiple "
                          "of 16)")
@@ -167,14 +167,15 @@ def _by_region(plan, kind, choice):
     dtype the region gives the ops outside the units (a scope's hooks cost time on every
     call), or any module of an all-fp32 plan (no autocast region); norms in 16 bits always
     get theirs (their reduction)."""
-    return (kind != "norm" and choice == plan.rest and choice != "fp8") or plan.dtype == "fp32"
+    return (kind != "norm" and choice == plan.rest
+             and not _candidates.fp8_linear(choice)) or plan.dtype == "fp32"
 
 
 def _cast_outputs(plan, choice):
     """float32 for a unit whose 16-bit dtype is not the one the region gives the ops around
     it (fp16 in a bf16 region), else None: torch's autocast refuses such a tensor in its
     promote ops (a cache's ``cat``), and float32 holds the unit's result without rounding."""
-    mine, rest = _units.DTYPES[choice], _units.DTYPES[plan.rest]
+    mine, rest = _candidates.get(choice).dtype, _candidates.get(plan.rest).dtype
     if torch.float32 in (mine, rest) or mine == rest:
         return None
     return torch.float32
@@ -234,7 +235,7 @@ class Applied:
     def set(self, name: str, choice: str, reason: Reason = Reason.SET) -> None:
         """Gives module ``name`` (or the loss, ``"(loss)"``) the precision ``choice`` (the
         plan's record changes too; a ``plan.loss(...)`` made before follows it)."""
-        if choice == "fp8" and name in self.modules:   # fp8.convert would skip a Conv1D silently
+        if _candidates.fp8_linear(choice) and name in self.modules:   # fp8.convert would skip a Conv1D silently
             _check_module(replace(self.plan.unit(name), choice=choice), self.modules[name])
         region = (self.plan.dtype, self.plan.rest)
         self.plan.set_choice(name, choice, reason)
@@ -258,7 +259,7 @@ class Applied:
         by_region = _by_region(self.plan, _units.kind(m), choice) and not fp8_now
         handles = [] if by_region else [ampc.policy.module_scope(
             m, dtype=dtype, ops=ops, cast_outputs=_cast_outputs(self.plan, choice))]
-        if choice == "fp8":
+        if _candidates.fp8_linear(choice):
             ampc.fp8.convert(m)
         elif fp8_now:
             handles.append(_Fp8Off(m))

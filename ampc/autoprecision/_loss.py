@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 import ampc
-from . import _units
+from . import _candidates, _objectives
 from ._solve import clearly_faster
 from .._numerics.errors import fp16_loss_scale, fp16_range, rel_error
 from .._numerics.model import default_loss, float_tensors
@@ -37,7 +37,6 @@ from .._walk import map_tensors
 
 NAME = "(loss)"                  # the loss unit's name in a plan (no module has it)
 KIND = "loss"
-CANDIDATES = ("fp32", "bf16", "fp16")
 LOSS_OPS = ("log_softmax", "softmax", "logsumexp", "cross_entropy_loss", "nll_loss",
             "nll_loss2d", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
             "binary_cross_entropy_with_logits", "soft_margin_loss", "poisson_nll_loss")
@@ -64,7 +63,7 @@ def region(choice: str, device: str) -> contextlib.AbstractContextManager:
     with LOSS_OPS lowered to it."""
     if choice == "fp32":
         return torch.autocast(device, enabled=False)
-    dtype = _units.DTYPES[choice]
+    dtype = _candidates.get(choice).dtype
     stack = contextlib.ExitStack()
     stack.enter_context(ampc.autocast(device, dtype=dtype))
     stack.enter_context(ampc.policy.scope(dtype=dtype,
@@ -80,9 +79,9 @@ class AtPrecision:
 
     def __init__(self, loss_fn: Callable | None, choice: str | Callable[[], str],
                  device: str) -> None:
-        if not callable(choice) and choice not in CANDIDATES:
+        if not callable(choice) and choice not in _candidates.loss_names():
             raise ValueError(f"ampc.autoprecision: the loss's choice must be one of "
-                             f"{', '.join(CANDIDATES)}, got {choice!r}")
+                             f"{', '.join(_candidates.loss_names())}, got {choice!r}")
         self.loss_fn, self._choice, self.device = loss_fn or default_loss, choice, device
 
     @property
@@ -91,7 +90,7 @@ class AtPrecision:
 
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
         choice = self.choice
-        dtype = _units.DTYPES[choice]
+        dtype = _candidates.get(choice).dtype
         output = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)
         with region(choice, self.device):
             loss = self.loss_fn(output, target)
@@ -131,7 +130,7 @@ class Tally:
 
     def __init__(self, loss_fn, candidates, device, repeats=2):
         self.fns = {c: AtPrecision(loss_fn, c, device) for c in ("fp32",) + tuple(
-            c for c in candidates if c in CANDIDATES and c != "fp32")}
+            c for c in candidates if c in _candidates.loss_names() and c != "fp32")}
         self.sums = {c: {"loss_err": [], "dgrad_err": [], "underflow": [], "overflow": []}
                      for c in self.fns}
         self.times = {c: [] for c in self.fns}
@@ -147,10 +146,10 @@ class Tally:
             for c, fn in self.fns.items():     # fp32 first: fp16's scale is read from it
                 if c in self.errors:
                     continue
-                if c == "fp16":
+                if _candidates.loss_scaled(c):
                     scale = loss_scale(scale, runs["fp32"][1])
                 try:
-                    r = _run(fn, step.output, step.target, scale if c == "fp16" else 1.0)
+                    r = _run(fn, step.output, step.target, scale if _candidates.loss_scaled(c) else 1.0)
                 except RuntimeError as e:
                     if c == "fp32":
                         raise
@@ -174,7 +173,7 @@ class Tally:
             sums["loss_err"].append(abs(loss - ref_loss) / max(abs(ref_loss), 1e-12)
                                     if math.isfinite(loss) else math.inf)
             sums["dgrad_err"].append(rel_error(grads, ref_grads))
-            if c == "fp16":
+            if _candidates.loss_scaled(c):
                 under, over = fp16_range([g for g in ref_grads if g is not None], scale, outputs)
                 sums["underflow"].append(under)
                 sums["overflow"].append(over)
@@ -188,10 +187,10 @@ class Tally:
             r.update(out_err=r["loss_err"], wgrad_err=None, wgrad_noise=None,
                      dgrad_noise=self.noise.value(),
                      ms=1e3 * min(self.times[c]) if self.times[c] else None,
-                     bytes=self.numel * _units.BYTES[c])
+                     bytes=self.numel * _candidates.get(c).bytes)
             if c in self.errors:
                 r["error"] = self.errors[c]
-            if c == "fp16" and self.scale is not None:
+            if _candidates.loss_scaled(c) and self.scale is not None:
                 r["loss_scale"] = self.scale
             out[c] = r
         return out
@@ -211,14 +210,15 @@ def keep_fp32(measured, choice, objective):
     if c == "fp32":
         return None
     mine, fp32 = measured[NAME][c], measured[NAME]["fp32"]
-    if objective == "time" and clearly_faster(mine["ms"] or math.inf, fp32["ms"] or math.inf):
+    by_speed = _objectives.get(objective).by_speed
+    if by_speed and clearly_faster(mine["ms"] or math.inf, fp32["ms"] or math.inf):
         return None
     total = sum(opts["fp32"]["bytes"] or 0 for opts in measured.values())
     saved = (fp32["bytes"] or 0) - (mine["bytes"] or 0)
     if saved >= SHARE * total:
         return None
     return (f"saves {saved} bytes, under {SHARE:.0%} of the units' {total} at fp32"
-            + (", and not clearly faster" if objective == "time" else ""))
+            + (", and not clearly faster" if by_speed else ""))
 
 
 def loss_scale(scale, grads):

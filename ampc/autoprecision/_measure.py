@@ -31,7 +31,7 @@ import copy
 import torch
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
-from . import _loss, _units
+from . import _candidates, _loss, _units
 from .._numerics.capture import Call, capture
 from .._numerics.errors import fp16_loss_scale, fp16_range, loss_error, rel_error, silent
 from .._numerics.model import call_model, float_tensors
@@ -145,7 +145,7 @@ def at(module, choice, device, recipe):
     with contextlib.ExitStack() as stack:
         stack.enter_context(ampc.autocast(device, dtype=dtype))
         stack.enter_context(ampc.policy.scope(dtype=dtype, ops=ops))
-        if choice == "fp8":
+        if _candidates.fp8_linear(choice):
             stack.enter_context(ampc.fp8.autocast(recipe=recipe, modules=()))
         yield
 
@@ -170,7 +170,7 @@ def unit_bytes(rec, module, choice):
     n = sum(t.numel() for t in float_tensors((rec.args, rec.kwargs)))
     n += 0 if rec.out is None else rec.out.numel()
     n += _units.param_bytes(module)
-    return n * _units.BYTES[choice]
+    return n * _candidates.get(choice).bytes
 
 
 class Tally:
@@ -211,7 +211,7 @@ def _copies(units, options):
         copies[name] = {}
         for c in options[name]:
             m = copy.deepcopy(module)
-            if c == "fp8":
+            if _candidates.fp8_linear(c):
                 ampc.fp8.convert(m)
             copies[name][c] = m
     return copies
@@ -234,7 +234,7 @@ def _warm_up(copies, tallies, rec, device, recipe, scale, slow, verdict=None, k=
     ran = []
     for c, m in copies.items():
         try:
-            run_at(m, c, rec, device, recipe, scale if c == "fp16" else 1.0)
+            run_at(m, c, rec, device, recipe, scale if _candidates.loss_scaled(c) else 1.0)
             ran.append(c)
         except RuntimeError as e:
             tallies[c].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
@@ -258,7 +258,7 @@ def _interleaved(copies, live, rec, device, recipe, scale, repeats):
     out = {}
     for _ in range(repeats):
         for c in live:
-            r = run_at(copies[c], c, rec, device, recipe, scale if c == "fp16" else 1.0)
+            r = run_at(copies[c], c, rec, device, recipe, scale if _candidates.loss_scaled(c) else 1.0)
             out[c] = r if c not in out else out[c][:3] + (min(out[c][3], r[3]),)
     return out
 
@@ -277,7 +277,7 @@ def _measure_unit(copies, tallies, rec, step, device, recipe, scale, repeats):
         if c not in runs or c == "fp32":
             continue
         y, dx, dw, t = runs[c]
-        under, over = unit_fp16_range(rec, ref_dw, scale) if c == "fp16" else (None, None)
+        under, over = unit_fp16_range(rec, ref_dw, scale) if _candidates.loss_scaled(c) else (None, None)
         tally.add(out_err=rel_error([y], [ref_y]),
                   loss_err=loss_error(y, ref_y, rec.grad, step.loss),
                   dgrad_err=rel_error(dx, ref_dx), wgrad_err=rel_error(dw, ref_dw),

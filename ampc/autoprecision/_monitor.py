@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from . import _measure, _units
+from . import _candidates, _measure, _units
 from ._solve import _err
 from ._spikes import SpikeWatch
 from ._units import Reason
@@ -208,7 +208,7 @@ class Monitor:
         return taken
 
     def _act(self, name, choice, ratio):
-        new = _units.RAISE_TO[choice] if self.action == "raise" else choice
+        new = _candidates.get(choice).raise_to if self.action == "raise" else choice
         d = {"step": self.steps, "module": name, "from": choice, "to": new,
              "ratio": ratio, "action": self.action}
         if self.action == "raise":
@@ -230,7 +230,8 @@ class Monitor:
                                                           for m in units.values())
         batch = tuple(batch)
         plan = self.plan
-        recipe = _units.fp8_recipe(plan.data.get("fp8_recipe")) if "fp8" in plan.choices.values() else None
+        recipe = (_units.fp8_recipe(plan.data.get("fp8_recipe"))
+                  if any(map(_candidates.fp8_linear, plan.choices.values())) else None)
         with torch.random.fork_rng(devices=[]):
             step = capture(model, batch, self.loss_fn, names, state=state)
             scale = _measure.loss_scale_for(step)      # where GradScaler would be now
@@ -245,7 +246,7 @@ class Monitor:
                     out[name] = {"loss_err": 0.0, "dgrad_err": 0.0, "wgrad_err": 0.0}
                     continue
                 ref_y, ref_dx, ref_dw, _ = _measure.run_at(m, "fp32", rec, self.device, None, 1.0)
-                s = scale if c == "fp16" else 1.0
+                s = scale if _candidates.loss_scaled(c) else 1.0
                 y, dx, dw, _ = _measure.run_at(m, c, rec, self.device, recipe, s)
                 out[name] = {"loss_err": loss_error(y, ref_y, rec.grad, step.loss),
                              "dgrad_err": rel_error(dx, ref_dx),

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
-from . import _apply, _loss, _table, _units
+from . import _apply, _candidates, _loss, _objectives, _table
 from ._apply import Applied
 from ._solve import Budget
 from ._units import Reason
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from ..validate import Comparison
 
 VERSION = 1
-RAISE_TO = _units.RAISE_TO
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,6 @@ class Unit:
 
 _FIELDS = frozenset(f.name for f in fields(Unit))
 _REASONS = frozenset(r.value for r in Reason)
-_OBJECTIVES = ("time", "memory")
 
 
 def _bad(msg):
@@ -89,8 +87,8 @@ def _check_unit(k, d):
         if not isinstance(d.get(key), str):
             raise _bad(f"units[{k}].{key} must be a string, got {d.get(key)!r}")
     where = f"units[{k}] ({d['module']!r})"
-    if d["choice"] not in _units.CANDIDATES:
-        raise _bad(f"{where}.choice must be one of {', '.join(_units.CANDIDATES)}, "
+    if d["choice"] not in _candidates.REGISTRY:
+        raise _bad(f"{where}.choice must be one of {', '.join(_candidates.REGISTRY)}, "
                    f"got {d['choice']!r}")
     for key in ("options", "rejected"):
         if not isinstance(d.get(key, {}), Mapping):
@@ -115,12 +113,12 @@ def _check_record(data):
     if data.get("device") not in ampc.policy.DEVICES:
         raise _bad(f"device must be one of {', '.join(ampc.policy.DEVICES)}, "
                    f"got {data.get('device')!r}")
-    if data.get("objective") not in _OBJECTIVES:
-        raise _bad(f"objective must be one of {', '.join(_OBJECTIVES)}, "
+    if data.get("objective") not in _objectives.REGISTRY:
+        raise _bad(f"objective must be one of {', '.join(_objectives.REGISTRY)}, "
                    f"got {data.get('objective')!r}")
     cands = data.get("candidates")
-    if not isinstance(cands, (list, tuple)) or not all(c in _units.CANDIDATES for c in cands):
-        raise _bad(f"candidates must be a list of {', '.join(_units.CANDIDATES)}, got {cands!r}")
+    if not isinstance(cands, (list, tuple)) or not all(c in _candidates.REGISTRY for c in cands):
+        raise _bad(f"candidates must be a list of {', '.join(_candidates.REGISTRY)}, got {cands!r}")
     budget = data.get("budget")
     if not isinstance(budget, Mapping):
         raise _bad(f"budget must be a dict, got {budget!r}")
@@ -146,8 +144,8 @@ def _check_record(data):
     loss = data.get("loss")
     if loss is not None and not isinstance(loss, Unit):
         _check_unit("loss", loss)
-        if loss["choice"] not in _loss.CANDIDATES:
-            raise _bad(f"loss.choice must be one of {', '.join(_loss.CANDIDATES)}, "
+        if loss["choice"] not in _candidates.loss_names():
+            raise _bad(f"loss.choice must be one of {', '.join(_candidates.loss_names())}, "
                        f"got {loss['choice']!r}")
 
 
@@ -214,13 +212,13 @@ class Plan:
 
     def set_choice(self, name: str, choice: str, reason: Reason = Reason.SET) -> Unit:
         """The one way a unit's choice changes; returns its new record."""
-        if choice not in _units.CANDIDATES:
+        if choice not in _candidates.REGISTRY:
             raise ValueError(f"ampc.autoprecision.Plan: choice must be one of "
-                             f"{', '.join(_units.CANDIDATES)}, got {choice!r}")
+                             f"{', '.join(_candidates.REGISTRY)}, got {choice!r}")
         if name == _loss.NAME and self._loss is not None:
-            if choice not in _loss.CANDIDATES:
+            if choice not in _candidates.loss_names():
                 raise ValueError(f"ampc.autoprecision.Plan: the loss's choice must be one "
-                                 f"of {', '.join(_loss.CANDIDATES)}, got {choice!r}")
+                                 f"of {', '.join(_candidates.loss_names())}, got {choice!r}")
             self._loss = replace(self._loss, choice=choice, reason=Reason(reason))
             return self._loss
         old = self._units[name]
@@ -260,16 +258,15 @@ class Plan:
     def device(self) -> str:
         return self.data["device"]
 
-    def _uses(self, choice):
-        return self._counts[choice] > 0
+    def _uses_any(self, test):
+        """Whether a unit's choice passes ``test`` (a name -> bool of _candidates)."""
+        return any(n > 0 and test(c) for c, n in self._counts.items())
 
     @property
     def dtype(self) -> str:
-        """The region dtype: bf16 when any unit runs bf16 or fp8, else fp16 when any runs
-        fp16, else fp32 (no autocast region at all)."""
-        if self._uses("bf16") or self._uses("fp8"):
-            return "bf16"
-        return "fp16" if self._uses("fp16") else "fp32"
+        """The region dtype (_candidates.region_dtype): bf16 when any unit runs in bf16
+        (fp8 included), else fp16 when any runs fp16, else fp32 (no autocast region)."""
+        return _candidates.region_dtype(c for c, n in self._counts.items() if n > 0)
 
     @property
     def rest(self) -> str:
@@ -284,7 +281,8 @@ class Plan:
 
     def needs_scaler(self) -> bool:
         """An fp16 choice (a module's or the loss's) needs loss scaling (GradScaler)."""
-        return self._uses("fp16") or (self._loss is not None and self._loss.choice == "fp16")
+        return (self._uses_any(_candidates.loss_scaled)
+                or (self._loss is not None and _candidates.loss_scaled(self._loss.choice)))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Plan) and self.decisions == other.decisions and \
@@ -366,7 +364,7 @@ class Plan:
         from the same weights on the same batches. Returns the Comparison: its table gives
         each one's gap to fp32 of the same seed over the last quarter of the run, the
         verdict (inside fp32's run-to-run spread or not) and the median step time."""
-        dtype = _units.DTYPES["bf16" if self.dtype == "fp32" else self.dtype]
+        dtype = _candidates.get("bf16" if self.dtype == "fp32" else self.dtype).dtype
         return compare(make_model, make_batch, loss_fn, steps,
                                 setups=tuple(setups) + (self,), dtype=dtype, device=self.device,
                                 seeds=seeds, **kwargs)

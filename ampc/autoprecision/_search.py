@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
-from . import _loss, _measure, _units
+from . import _candidates, _loss, _measure, _objectives, _units
 from ._apply import param_shapes
 from ._plan import Plan, VERSION
 from ._solve import (CEILING, ERRORS, MARGIN, Budget, Over, clearly_faster, order, raise_one,
@@ -25,7 +25,6 @@ from .._numerics.noise import spread
 RACE_ROUNDS = 3      # turns each entrant takes in race()
 FN = "ampc.autoprecision.search"
 
-OBJECTIVES = ("time", "memory")
 SLOW = 4.0       # a candidate whose matmul is this many times slower than fp32 is not tried
 
 
@@ -35,7 +34,7 @@ def _matmul_ms(choice, device, n=512, reps=20, seconds=0.2):
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     x = torch.randn(n, n, device=device)
     lin = torch.nn.Linear(n, n, bias=False).to(device)
-    if choice == "fp8":
+    if _candidates.fp8_linear(choice):
         ampc.fp8.convert(lin)
     base = torch.nn.Linear(n, n, bias=False).to(device)
     best = {choice: math.inf, "fp32": math.inf}
@@ -93,13 +92,13 @@ def _check_args(model, batches, candidates, budget, objective):
         raise ValueError("ampc.autoprecision.search: batches must be a non-empty list of "
                          "(inputs, target) pairs")
     candidates = tuple(candidates)
-    bad = [c for c in candidates if c not in _units.CANDIDATES]
+    bad = [c for c in candidates if c not in _candidates.REGISTRY]
     if bad or not candidates:
         raise ValueError(f"ampc.autoprecision.search: candidates must be among "
-                         f"{', '.join(_units.CANDIDATES)}, got {candidates!r}")
-    if objective not in OBJECTIVES:
-        raise ValueError(f"ampc.autoprecision.search: objective must be 'time' or 'memory', "
-                         f"got {objective!r}")
+                         f"{', '.join(_candidates.REGISTRY)}, got {candidates!r}")
+    if objective not in _objectives.REGISTRY:
+        raise ValueError(f"ampc.autoprecision.search: objective must be one of "
+                         f"{', '.join(_objectives.REGISTRY)}, got {objective!r}")
     if budget is None:
         budget = Budget()
     elif isinstance(budget, dict):
@@ -180,7 +179,7 @@ def measure_plan(work, batches, loss_fn, plan, ref, device):
     error, fp32's batch-to-batch spread of the weight gradients, and step times."""
     m = work.under(plan)
     scale = plan.data.get("loss_scale", 1.0) if plan.needs_scaler() else 1.0
-    if plan.loss_unit is not None and plan.loss_unit.choice == "fp16":
+    if plan.loss_unit is not None and _candidates.loss_scaled(plan.loss_unit.choice):
         # an fp16 loss's own gradient is the scale: a run backs off to what it measured at
         scale = min(scale, plan.loss_unit.options["fp16"].get("loss_scale") or scale)
     plan_loss = plan.loss(loss_fn)
@@ -288,10 +287,11 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
         raise ValueError(f"ampc.autoprecision.search: fp8_recipe must be 'delayed' or "
                          f"'current', got {fp8_recipe!r}")
     warmup, ceiling = _check_warmup(warmup), _check_ceiling(max_slowdown)
-    if objective != "memory":
+    goal = _objectives.get(objective)
+    if not goal.has_ceiling:
         ceiling = None               # the time objective takes the fastest anyway
     # a candidate this slow is not measured further (the ceiling would rule it out)
-    slow = SLOW if objective == "time" else ceiling and max(SLOW, ceiling)
+    slow = SLOW if goal.by_speed else ceiling and max(SLOW, ceiling)
     loss_fn = loss_fn or default_loss
     params = list(model.parameters())
     device = device or (params[0].device.type if params else "cpu")
@@ -347,7 +347,7 @@ def _units_and_options(model, types, candidates, objective, device):
         raise ValueError("ampc.autoprecision.search: the model has no module of the types "
                          "it decides (Linear, convolutions, attention, norms, softmax); "
                          "name yours with units=")
-    skipped = probe(candidates, device) if objective == "time" else {}
+    skipped = probe(candidates, device) if _objectives.get(objective).by_speed else {}
     notes = [f"{c} not tried: {why}" for c, why in skipped.items()]
     tried = [c for c in candidates if c not in skipped]
     return found, {n: _units.candidates_for(m, tried) for n, m in found.items()}, notes
@@ -480,7 +480,7 @@ def _raise_failed(plan, result):
     names = [n for n in result["involved"] if plan.unit(n).choice != "fp32"]
     for name in names:
         u = plan.unit(name)
-        new = _units.RAISE_TO[u.choice]
+        new = _candidates.get(u.choice).raise_to
         plan.data["backoffs"].append({"module": name, "from": u.choice, "to": new,
                                       "why": "the whole plan raised an error"})
         plan.set_choice(name, new, Reason.BACKED_OFF)
@@ -494,12 +494,13 @@ def _check_whole(model, batches, loss_fn, plan, measured, budget, objective, dev
     notes = plan.data["notes"]
     ref_model, ref = _fp32_reference(model, batches, loss_fn, device)
     ceiling = plan.data.get("ceiling")
-    if objective != "time" and ceiling is None:
+    goal = _objectives.get(objective)
+    if not goal.by_speed and ceiling is None:
         ref_model = None        # only the time objective and the ceiling race fp32
     fp32_ms = 1e3 * min(r[2] for r in ref)
     work = WorkingCopy(model)
     result = check_plan(work, batches, loss_fn, plan, ref, device)
-    if objective == "time":
+    if goal.by_speed:
         result = _whole_low(work, batches, loss_fn, plan, ref, device, result, measured,
                             budget, notes)
     result = _back_off(work, batches, loss_fn, plan, ref, device, result, measured, budget,
@@ -511,7 +512,7 @@ def _check_whole(model, batches, loss_fn, plan, measured, budget, objective, dev
         plan.set_choices(dict.fromkeys(plan.decisions, "fp32"), Reason.ALL_FP32)
         result = dict(result, loss_err=0.0, grad_err=0.0, wgrad_err=0.0, wgrad_worst=None,
                       plan_ms=fp32_ms)
-    if objective == "time" and plan.dtype != "fp32":
+    if goal.by_speed and plan.dtype != "fp32":
         result, fp32_ms = _fastest(work, batches, loss_fn, plan, ref, ref_model, device,
                                    result, budget, notes)
     if ceiling is not None and plan.dtype != "fp32" and result["plan_ms"] > ceiling * fp32_ms:
@@ -533,7 +534,7 @@ def _whole_low(work, batches, loss_fn, plan, ref, device, result, measured, budg
     with every module at its least precise candidate that fits the budget; that plan wins
     unless the modules' own choice measured clearly faster (by more than MARGIN), the two
     timed turn about (:func:`race`)."""
-    low, _ = solve_with_loss(measured, budget, "memory")
+    low, _ = solve_with_loss(measured, budget, "memory")    # ranked by bytes: the least precise
     if low == plan.decisions or result.get("failed"):    # a failed plan is not raced
         return result
     mine = plan.decisions

@@ -13,6 +13,8 @@ import heapq
 import math
 from dataclasses import asdict, dataclass
 
+from . import _objectives
+
 ERRORS = ("loss_err", "dgrad_err", "wgrad_err")
 
 # Timing decisions and noise: a choice that needs more memory (a higher precision, fp32 for
@@ -123,7 +125,7 @@ def noise_ratio(r, key):
 
 
 def cost_of(r, objective):
-    v = r["bytes"] if objective == "memory" else r["ms"]
+    v = r[_objectives.get(objective).cost]
     return math.inf if v is None else v
 
 
@@ -135,7 +137,7 @@ def order(options, objective, margin=MARGIN):
         r = options[c]
         return (r["bytes"], _err(r, "loss_err") + _err(r, "dgrad_err") + _err(r, "wgrad_err"))
     names = sorted(options, key=lambda c: (cost_of(options[c], objective), key(c)))
-    if objective != "time" or not names:
+    if not _objectives.get(objective).by_speed or not names:
         return names
     out = []
     while names:

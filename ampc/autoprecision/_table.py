@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import textwrap
 
+from . import _objectives
 from ._solve import OVER_CEILING, clearly_faster, noise_ratio
 from ._units import Reason
 from ..validate import format_table
@@ -59,7 +60,7 @@ def reasons(plan, u) -> dict[str, tuple[str, str]]:
             continue
         if u.reason in _HELD:
             out[c] = _HELD[u.reason]
-        elif (plan.data["objective"] == "time" and r.get("ms") and mine.get("ms")
+        elif (_objectives.get(plan.data["objective"]).by_speed and r.get("ms") and mine.get("ms")
               and clearly_faster(mine["ms"], r["ms"])):
             out[c] = ("slower", f"slower: {r['ms']:.2f} ms against {mine['ms']:.2f} at "
                                 f"{u.choice}")

@@ -19,17 +19,13 @@ from __future__ import annotations
 
 import enum
 
-import torch
 from torch import nn
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
+from . import _candidates
 from .. import _module_kinds
 
-CANDIDATES = ("fp32", "bf16", "fp16", "fp8")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "fp8": torch.bfloat16}
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-RAISE_TO = {"fp8": "bf16", "bf16": "fp32", "fp16": "fp32", "fp32": "fp32"}   # one step up
+CANDIDATES = tuple(_candidates.REGISTRY)     # their records: _candidates.py
 FP8_RECIPES = ("delayed", "current")
 
 GEMM_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d,
@@ -63,15 +59,9 @@ def kind(module):
     return _module_kinds.kind(module) or "other"
 
 
-def fp8_capable(module):
-    """ampc.fp8.Linear takes an nn.Linear whose in and out features are multiples of 16."""
-    return (type(module) is nn.Linear and module.in_features % 16 == 0
-            and module.out_features % 16 == 0)
-
-
 def candidates_for(module, candidates):
     """The candidates that mean something for ``module`` (fp8: Linear layers only)."""
-    return [c for c in candidates if c != "fp8" or fp8_capable(module)]
+    return [c for c in candidates if _candidates.get(c).fits(module)]
 
 
 def find_units(model: nn.Module, types: tuple | None = None) -> dict[str, nn.Module]:
@@ -105,7 +95,7 @@ def scope_args(module, choice):
         # fp32 needs no op policy: the scope casts the module's inputs to fp32 and its
         # reductions follow them
         ops = {op: "lower_precision_fp" for op in REDUCTION_OPS}
-    return DTYPES[choice], ops
+    return _candidates.get(choice).dtype, ops
 
 
 def param_bytes(module):
