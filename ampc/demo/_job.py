@@ -11,7 +11,7 @@ import torch
 import ampc
 from ampc import autoprecision, validate
 from ampc.__main__ import cpu_model
-from ampc.validate._compare import DEFAULT_DTYPE, LEAN_SETUP
+from ampc.validate import DEFAULT_DTYPE, LEAN_SETUP
 
 from ._model import SIZES, batch_maker, model_maker, sample
 from ._report import describe_plan, result_rows, results_table, write_all

@@ -4,7 +4,7 @@ from __future__ import annotations  # "X | None" hints on Python 3.9 too; none e
 import os
 
 from ampc.lean_state import state_bytes
-from ampc.validate._report import NO_MATPLOTLIB, fmt, format_table, write_outputs
+from ampc._outputs import NO_MATPLOTLIB, fmt, format_table, write_outputs
 
 LABELS = {"fp32": "fp32", "torch.amp": "torch.amp", "ampc": "ampc drop-in",
           "ampc.master": "ampc master weights", "ampc.auto": "ampc auto",

@@ -7,7 +7,8 @@ import time
 import torch
 
 from ampc.__main__ import cpu_model
-from ampc.validate._compare import LEAN_SETUP, train_one
+from ampc import validate
+from ampc.validate import LEAN_SETUP
 
 from ._model import SIZES, batch_maker, model_maker
 from ._text import VOCAB
@@ -71,7 +72,7 @@ def prober(train, device, dtype, lr):
                    for k in range(6)]
         t = {}
         for kind in ("fp32", "torch.amp", "ampc", "ampc.master", LEAN_SETUP):
-            run = train_one(kind, dtype, model_maker(size), batches, lr=lr, device=device)
+            run = validate.train(kind, dtype, model_maker(size), batches, lr=lr, device=device)
             t[kind] = min(run.step_ms[1:]) / 1e3
         # ampc auto: about the drop-in's step (its modules at fp32 or 16 bits, each the faster)
         runs = 2 * t["fp32"] + t["torch.amp"] + 2 * t["ampc"] + t["ampc.master"] + t[LEAN_SETUP]

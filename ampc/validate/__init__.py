@@ -13,14 +13,18 @@ for a model trained in fp32 or bf16, which modules' outputs or gradients fp16 ca
     print(report.table()); report.save("out")          # out/compare.{txt,json,png}
     print(ampc.validate.layers(model, batch).table())
 
+``train(setup, dtype, make_model, batches)`` trains one setup (a name of ``ALL_SETUPS`` or a
+Plan) and returns its ``Run``.
+
 Command line: ``python -m ampc.validate mymodels:make_model --steps 200 --out out``.
 """
-from ._compare import (ALL_SETUPS, CONTRAST_SETUPS, DTYPES, SETUPS, Run, compare, default_loss,
-                       evaluate)
+from ._compare import (ALL_SETUPS, CONTRAST_SETUPS, DEFAULT_DTYPE, DTYPES, LEAN_SETUP, SETUPS, Run,
+                       compare, default_loss, evaluate)
+from ._compare import train_one as train
 from ._fp16_ready import Fp16Readiness, fp16_ready
 from ._layers import layers
 from ._report import Comparison, LayerReport, format_table
 
 __all__ = ["compare", "layers", "fp16_ready", "Comparison", "LayerReport", "Fp16Readiness", "Run",
-           "SETUPS", "ALL_SETUPS", "CONTRAST_SETUPS", "DTYPES", "default_loss", "evaluate",
-           "format_table"]
+           "SETUPS", "ALL_SETUPS", "CONTRAST_SETUPS", "LEAN_SETUP", "DTYPES", "DEFAULT_DTYPE",
+           "default_loss", "evaluate", "format_table", "train"]

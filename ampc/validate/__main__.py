@@ -12,7 +12,7 @@ import sys
 import torch
 
 from . import ALL_SETUPS, DTYPES, SETUPS, compare, layers
-from ._report import NO_MATPLOTLIB
+from .._outputs import NO_MATPLOTLIB
 
 
 def _load(spec, what, parser, default_module=None):

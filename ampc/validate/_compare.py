@@ -1,22 +1,7 @@
 """compare(): train the same model on the same batches under fp32 and under each
 mixed-precision setup, and measure how far each one drifts from fp32.
 
-Setups (each in float16 or bfloat16):
-  torch.amp    fp32 weights, torch.autocast, torch.amp.GradScaler (fp16), torch AdamW
-  ampc         fp32 weights, ampc.autocast, ampc.GradScaler (fp16), ampc.optim.AdamW
-  ampc.master  ampc.prepare: 16-bit weights, fp32 master weights in ampc.optim.AdamW,
-               ampc.GradScaler (fp16)
-  ampc.fp8     (asked for by name, not run by default) fp32 weights, ampc.autocast with the
-               nn.Linear GEMMs in FP8 (ampc.fp8.autocast, delayed scaling), ampc.optim.AdamW,
-               ampc.GradScaler (fp16)
-  torch.amp.noscale  (by name) as torch.amp, without a GradScaler: in fp16, what happens when
-               loss scaling is left out (gradients below 2**-24 flush to zero)
-  pure         (by name) the model cast to the 16-bit dtype, torch AdamW on its 16-bit
-               weights (no fp32 master copy, no autocast, no GradScaler); float inputs are cast
-               to the dtype on the way in and the output back to fp32 for the loss
-  ampc.lean    (by name) ampc.prepare with ampc.optim.AdamW(state="lean"): 16-bit weights
-               written by stochastic rounding (no master copy), 8-bit moments (see
-               ampc.lean_state), ampc.GradScaler (fp16)
+The setups (each in float16 or bfloat16) are the records of _setups.py.
 
 Every run builds its model with ``make_model()`` right after ``torch.manual_seed(seed)``,
 so all runs of one seed start from the same weights (checked before any training), and
@@ -40,19 +25,16 @@ import torch
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 from .._numerics import failures
 from .._numerics.model import call_model, default_loss, to_device
-from .._walk import map_tensors
+from . import _setups
 from ._report import Comparison
 from ._run import Run
 
 FN = "ampc.validate.compare"
-SETUPS = ("torch.amp", "ampc", "ampc.master")
-FP8_SETUP = "ampc.fp8"
+SETUPS = tuple(n for n, s in _setups.REGISTRY.items() if s.default)
 PLAN_SETUP = "ampc.auto"      # an ampc.autoprecision.Plan given as a setup
-NOSCALE_SETUP = "torch.amp.noscale"
-PURE_SETUP = "pure"
-CONTRAST_SETUPS = (NOSCALE_SETUP, PURE_SETUP)   # what mixed precision guards against
+CONTRAST_SETUPS = ("torch.amp.noscale", "pure")     # what mixed precision guards against
 LEAN_SETUP = "ampc.lean"
-ALL_SETUPS = SETUPS + (FP8_SETUP, LEAN_SETUP) + CONTRAST_SETUPS
+ALL_SETUPS = tuple(n for n in _setups.REGISTRY if n != "fp32")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
@@ -67,8 +49,9 @@ def parse_setup(spec, dtype):
         raise TypeError(f"ampc.validate: a setup must be a string like 'ampc' or 'ampc@fp16', "
                         f"got {type(spec).__name__}")
     kind, _, suffix = spec.partition("@")
-    if kind not in ALL_SETUPS:
-        raise ValueError(f"ampc.validate: unknown setup {kind!r}; choose from {', '.join(ALL_SETUPS)} "
+    if kind not in _setups.REGISTRY or kind == "fp32":
+        known = [n for n in _setups.REGISTRY if n != "fp32"]
+        raise ValueError(f"ampc.validate: unknown setup {kind!r}; choose from {', '.join(known)} "
                          f"(optionally with @fp16 or @bf16)")
     if suffix:
         if suffix not in DTYPES:
@@ -187,14 +170,6 @@ def _grad_norm(model):
     return torch.linalg.vector_norm(norms).item()
 
 
-def _torch_adamw(params, lr):
-    params = list(params)
-    try:
-        return torch.optim.AdamW(params, lr=lr, fused=True)
-    except (RuntimeError, ValueError):       # a device or dtype fused AdamW does not take
-        return torch.optim.AdamW(params, lr=lr)
-
-
 class Trainer:
     """One setup being trained: its model, optimizer, scaler, autocast region and Run.
 
@@ -222,39 +197,17 @@ class Trainer:
                                  f"parameter {pname} is {p.dtype}")
         model.train()
         fp16 = dtype == torch.float16 and kind != "fp32"
-        self.scaler = None
         if plan is not None:
             plan.apply(model)
-            fp16 = plan.needs_scaler()
             self.opt = ampc.optim.AdamW(model.parameters(), lr=lr)
-        elif kind in ("fp32", "torch.amp"):
-            self.opt = _torch_adamw(model.parameters(), lr)
-            self.scaler = torch.amp.GradScaler(device) if fp16 else None
-        elif kind == NOSCALE_SETUP:
-            self.opt, fp16 = _torch_adamw(model.parameters(), lr), False
-        elif kind == PURE_SETUP:
-            _make_pure(model, dtype)
-            self.opt, fp16 = _torch_adamw(model.parameters(), lr), False
-        elif kind in ("ampc", FP8_SETUP):
-            if kind == FP8_SETUP:
-                ampc.fp8.convert(model)     # FP8 from the first step, for a bare Linear too
-            self.opt = ampc.optim.AdamW(model.parameters(), lr=lr)
-        else:       # ampc.master, ampc.lean
-            lean = {"state": "lean"} if kind == LEAN_SETUP else {}
-            model, self.opt = ampc.prepare(model, ampc.optim.AdamW, dtype, lr=lr, **lean)
-        if fp16 and kind != "torch.amp":
-            self.scaler = ampc.GradScaler(device)
-        self.model = model
-        if kind in ("torch.amp", NOSCALE_SETUP):
-            self.region = lambda: torch.autocast(device, dtype=dtype)   # noqa: E731
-        elif kind == "ampc":
-            self.region = lambda: ampc.autocast(device, dtype=dtype)    # noqa: E731
-        elif kind == FP8_SETUP:
-            self.region = lambda: _fp8_region(device, dtype)           # noqa: E731
-        elif plan is not None:
+            self.scaler = _setups.scaler("ampc" if plan.needs_scaler() else None, device)
             self.region = plan.autocast
         else:
-            self.region = contextlib.nullcontext
+            setup = _setups.REGISTRY[kind]
+            model, self.opt = setup.build(model, dtype, lr)
+            self.scaler = _setups.scaler(setup.scaler if fp16 else None, device)
+            self.region = lambda: setup.region(device, dtype)     # noqa: E731
+        self.model = model
         self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         torch.manual_seed(seed)                 # the same dropout draws in every setup
         self.rng = self._get_rng()
@@ -374,25 +327,6 @@ def check_make_model(make_model, seeds):
                                  "global generator, which compare seeds before each call, or "
                                  "load them, so that every run of a seed starts from the same "
                                  "weights")
-
-
-def _make_pure(model, dtype):
-    """Casts ``model`` to ``dtype`` in place; its float inputs are cast to ``dtype`` on the
-    way in and its float outputs back to fp32 (the loss is computed in fp32, as for the
-    other setups)."""
-    model.to(dtype)
-
-    def cast(value, to):
-        return map_tensors(lambda t: t.to(to) if t.is_floating_point() else t, value)
-    model.register_forward_pre_hook(lambda m, args, kwargs: (cast(args, dtype), cast(kwargs, dtype)),
-                                    with_kwargs=True)
-    model.register_forward_hook(lambda m, args, out: cast(out, torch.float32))
-
-
-@contextlib.contextmanager
-def _fp8_region(device, dtype):
-    with ampc.autocast(device, dtype=dtype), ampc.fp8.autocast(recipe=ampc.fp8.DelayedScaling()):
-        yield
 
 
 def train_one(kind, dtype, make_model, batches, *, val_batches=(), progress=False, **kwargs):

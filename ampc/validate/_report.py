@@ -4,69 +4,16 @@ matplotlib is optional: without it ``save`` says so and writes the table and JSO
 """
 from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
 
-import json
 import math
-import os
 import statistics
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ._run import TAIL, Run, _finite, mean_interval, rel_gap, smooth, t95, tail_gap
 
 
-def format_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    """Right-aligned columns under a header, separated by ' | '."""
-    cells = [list(map(str, header))] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = [" | ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def fmt(value, spec=".4f", none="-"):
-    if value is None:
-        return none
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return format(value, spec)
-
-
-def pyplot():
-    """matplotlib.pyplot with a file-only backend, or None when matplotlib is missing."""
-    try:
-        import matplotlib
-    except ImportError:
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-NO_MATPLOTLIB = "matplotlib is not installed: no picture (pip install matplotlib)"
-
-
-def write_outputs(out_dir, stem, text, data, draw):
-    """Writes STEM.txt, STEM.json and, with matplotlib, STEM.png (``draw(plt, path)``).
-    Returns {"txt": path, "json": path, "png": path or None}."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {k: os.path.join(out_dir, f"{stem}.{k}") for k in ("txt", "json", "png")}
-    with open(paths["txt"], "w") as f:
-        f.write(text + "\n")
-    with open(paths["json"], "w") as f:
-        json.dump(data, f, indent=1, default=_json_default)
-    plt = pyplot()
-    if plt is None:
-        paths["png"] = None
-    else:
-        draw(plt, paths["png"])
-    return paths
-
-
-def _json_default(value):
-    if isinstance(value, float):
-        return str(value)
-    return repr(value)
+from .._outputs import fmt, format_table, write_outputs
 
 
 # Above this, fp32's own run-to-run spread is too wide to judge a setup by its point

@@ -10,7 +10,7 @@ import torch
 
 from ampc import demo
 from ampc.demo import _sizing, _text
-from ampc.validate import _report
+from ampc import _outputs
 
 
 def test_short_demo_tracks_fp32_and_writes_outputs(tmp_path, capsys):
@@ -58,7 +58,7 @@ def test_short_demo_tracks_fp32_and_writes_outputs(tmp_path, capsys):
     assert "sample from the ampc master-weight model" in printed
     for name in ("demo.txt", "demo.json", "layers.txt", "layers.json", "plan.txt"):
         assert (out / name).stat().st_size > 100
-    if _report.pyplot() is not None:
+    if _outputs.pyplot() is not None:
         assert (out / "demo.png").stat().st_size > 10_000
         assert f"picture: {out / 'demo.png'}" in printed
     else:

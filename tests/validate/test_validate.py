@@ -12,7 +12,7 @@ from torch import nn
 import ampc
 from ampc import validate
 from ampc.validate import __main__ as cli
-from ampc.validate import _report
+from ampc import _outputs
 from ampc._numerics.model import expression
 
 VOCAB = 16
@@ -71,7 +71,7 @@ def test_compare_bf16_setups_track_fp32_and_report(tmp_path):
     assert [r["setup"] for r in data["summary"]] == [r.name for r in report.runs]
     assert len(data["runs"]) == 5 and len(data["runs"][0]["losses"]) == 20
     assert open(paths["txt"]).read().strip() == text
-    if _report.pyplot() is not None:
+    if _outputs.pyplot() is not None:
         assert os.path.getsize(paths["png"]) > 10_000
 
 
@@ -246,7 +246,7 @@ def test_expression_is_pasteable():
 
 
 def test_save_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(_report, "pyplot", lambda: None)
+    monkeypatch.setattr(_outputs, "pyplot", lambda: None)
     model_dir = _write_module(tmp_path)
     monkeypatch.syspath_prepend(str(model_dir))
     rc = cli.main(["tinymodel:make_model", "--steps", "3", "--setups", "ampc", "--seeds", "0",
