@@ -172,6 +172,23 @@ def saving(plan, times):
                f"{-diff:.2f} ms slower per step"))
 
 
+def search_cost(plan):
+    """What the search cost beside what it saves a step: the steps that repay it at the
+    whole-model saving measured (none without one)."""
+    d = plan.data
+    if d.get("search_s") is None:
+        return ""
+    line = f"search took {d['search_s']:.1f} s"
+    m = d.get("measured")
+    if not m or plan.dtype == "fp32":
+        return line
+    saved = m["fp32_ms"] - m["plan_ms"]
+    if saved <= 0:
+        return line + ": the plan saves no time a step against fp32 (measured)"
+    return (line + f", repaid after {math.ceil(1e3 * d['search_s'] / saved):,} steps at the "
+            f"{saved:.2f} ms a step it saves against fp32 (measured)")
+
+
 def render(plan, details=False):
     d = plan.data
     b = d["budget"]
@@ -200,8 +217,7 @@ def render(plan, details=False):
         tail.append(f"backed off: {step['module']} {step['from']} -> {step['to']} "
                     f"({step['why']})")
     tail += [f"note: {n}" for n in d.get("notes", [])]
-    if d.get("search_s") is not None:
-        tail.append(f"search took {d['search_s']:.1f} s")
+    tail.append(search_cost(plan))
     table = _wide(plan) if details else _narrow(plan)
     return "\n".join(_wrap(lines) + [table] + _wrap(t for t in tail if t))
 

@@ -83,3 +83,22 @@ def test_long_names_are_shortened_from_the_left_and_stay_apart():
     assert len(set(shown)) == 4, shown
     assert all(s.endswith("SelfAttention.q") and len(s) < len(n) for s, n in zip(shown, names))
     assert max(map(len, plan.table().splitlines())) <= WIDTH
+
+
+def _measured(fp32_ms, plan_ms):
+    return {"fp32_ms": fp32_ms, "plan_ms": plan_ms, "loss_err": 0.0, "grad_err": 0.0,
+            "wgrad_err": 0.0, "wgrad_worst": None}
+
+
+def test_the_search_cost_beside_what_it_saves():
+    units = [_unit("a", "bf16", _opts(1.0, 0.5))]
+    fast = Plan(dict(BASE, units=units, search_s=30.0, measured=_measured(10.0, 7.5)))
+    # 30 s at 2.5 ms a step: 12,000 steps
+    assert ("search took 30.0 s, repaid after 12,000 steps at the 2.50 ms a step it saves "
+            "against fp32 (measured)") in " ".join(fast.table().split())
+    slow = Plan(dict(BASE, units=units, search_s=30.0, measured=_measured(10.0, 11.0)))
+    assert "the plan saves no time a step against fp32" in " ".join(slow.table().split())
+    fp32 = Plan(dict(BASE, units=[_unit("a", "fp32", _opts(1.0, 0.5))], search_s=4.0,
+                     measured=_measured(10.0, 10.0)))
+    text = " ".join(fp32.table().split())
+    assert "search took 4.0 s" in text and "repaid" not in text
