@@ -307,8 +307,9 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, 
     busy machine only adds time). With ``slow``, a candidate whose warm time (fastest of a
     few interleaved runs after a first call) is ``slow`` times fp32's is not measured
     further for that unit (fp16 GEMMs on most CPUs); units of one type, parameter shapes
-    and argument shapes are judged once, the first of them for all, and share the fastest
-    time any of them measured (the repeated blocks of a transformer).
+    and argument shapes are judged once, the first of them for all, share the fastest
+    time any of them measured (the repeated blocks of a transformer), and only the first
+    repeats its runs: the others run each candidate once a batch, for their errors.
 
     With ``loss`` (an ``_loss.Tally``), the loss is measured as a unit too, on each step's
     recorded output, and its figures come back under ``_loss.NAME``; not when the model
@@ -321,6 +322,7 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, 
     scale = None
     verdicts = {}      # _signature -> the too-slow verdict of the first unit timed alike
     alike = {}         # _signature -> the units timed alike
+    first_alike = {}   # name -> whether it is the first of its units timed alike
     quiet = {}         # name -> why a batch could not show its error
     for batch in batches:
         step = capture(ref_model, batch, loss_fn, list(units), keep_output=loss is not None)
@@ -341,12 +343,15 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, 
             if not fp32.n and not fp32.error:    # the first batch it is measured on
                 sig = _signature(units[name], rec)
                 alike.setdefault(sig, []).append(name)
+                first_alike[name] = alike[sig][0] == name
                 verdicts[sig] = _warm_up(copies[name], tallies[name], rec, device, recipe, scale,
                                          slow, verdicts.get(sig))
             if fp32.error:
                 continue                        # it does not run alone: nothing to compare
+            # the errors need one run a candidate; the time is pooled over the units timed
+            # alike, so only the first of them repeats its runs for it
             ref_dx, ref_dw = _measure_unit(copies[name], tallies[name], rec, step, device, recipe,
-                                           scale, repeats)
+                                           scale, repeats if first_alike[name] else 1)
             spreads[name]["dgrad_noise"].add(ref_dx)
             spreads[name]["wgrad_noise"].add(ref_dw)
         if loss is not None and not _loss.owns_loss(step.output):

@@ -151,6 +151,36 @@ def test_units_timed_alike_share_the_fastest_time(monkeypatch):
         assert measured["3"][c]["ms"] == 1e3 * min(timed[8])
 
 
+def test_only_the_first_unit_timed_alike_repeats_its_runs(monkeypatch):
+    """The errors need one run a candidate and batch; the time is pooled over the units
+    timed alike, so the second and third identical Linear run once where the first runs
+    ``repeats`` times (after one untimed first call each)."""
+    real_run = _measure.run_at
+    runs = {}
+
+    def run_at(module, choice, *args):
+        runs[(id(module), choice)] = runs.get((id(module), choice), 0) + 1
+        return real_run(module, choice, *args)
+    monkeypatch.setattr(_measure, "run_at", run_at)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 8))
+    batches = [(torch.randn(8, 32), torch.randint(0, 8, (8,))) for _ in range(2)]
+    units = dict(model.named_children())
+    copies = {}
+    real_copies = _measure._copies
+
+    def keep_copies(units, options):
+        copies.update(real_copies(units, options))
+        return copies
+    monkeypatch.setattr(_measure, "_copies", keep_copies)
+    measured, _ = _measure.measure(model, batches, _measure_loss, units,
+                                   dict.fromkeys(units, ["fp32", "bf16"]), "cpu", None, repeats=3)
+    for name, want in (("0", 1 + 2 * 3), ("1", 1 + 2), ("2", 1 + 2), ("3", 1 + 2 * 3)):
+        for c in ("fp32", "bf16"):
+            assert runs[(id(copies[name][c]), c)] == want, (name, c)
+            assert measured[name][c]["wgrad_err"] is not None
+
+
 def _search_under_late_load(monkeypatch):
     """search (time objective) where the plan truly takes 0.8 of fp32's step, and the
     machine gets twice as slow for everything after fp32's reference was timed (its
