@@ -17,7 +17,7 @@ from torch import Tensor
 from ._lib import lib as _clib
 
 __all__ = ["cast", "cast_", "unscale_check", "check_norm", "update_scale", "adam_master",
-           "adam_packed", "adam_lean", "QBLOCK", "cast_fp8", "fp8_amax", "cast_from_fp8", "fp8_update_scales",
+           "adam_packed", "adam_lean", "QBLOCK", "encode_q8", "decode_q8", "cast_fp8", "fp8_amax", "cast_from_fp8", "fp8_update_scales",
            "FP8_MAX", "step_seed", "cpu_isa", "stream_bytes"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -347,6 +347,34 @@ def adam_lean(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seque
         _optional(op, "found_inf", found_inf), float(lr), float(beta1), float(beta2),
         float(eps), float(weight_decay), bool(decoupled), bool(maximize), bool(stochastic),
         _int64(seed))
+
+
+def encode_q8(src: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """Each tensor of ``src`` (contiguous fp32, fp16 or bf16) kept in 8 bits, in one call:
+    returns (codes, scales), codes[i] one uint8 an element of src[i] (its shape) and
+    scales[i] one float32 a block of ``QBLOCK`` elements, the block's largest |x|. A code
+    is a sign and a small float (4 exponent, 3 mantissa bits) relative to the block's
+    largest value: about 3% relative error down to 2^-9 of it, smaller values in steps of
+    2^-9 of it (the lean state's exp_avg codes). A block holding an inf or a nan decodes to
+    nan throughout. The same bits on the CPU and CUDA."""
+    op = "encode_q8"
+    _check_list_fast(op, "src", src)
+    codes = [torch.empty(t.shape, dtype=torch.uint8, device=t.device) for t in src]
+    scales = [torch.empty(-(-t.numel() // QBLOCK), device=t.device) for t in src]
+    _run(op, codes, scales, list(src))
+    return codes, scales
+
+
+def decode_q8(codes: Sequence[Tensor], scales: Sequence[Tensor],
+              dtype: torch.dtype = torch.float32) -> list[Tensor]:
+    """The values of :func:`encode_q8`'s codes and scales, as new tensors of ``dtype``
+    (float32, float16 or bfloat16; the value rounded to it to nearest even)."""
+    op = "decode_q8"
+    _check_list_fast(op, "codes", codes)
+    _check_list_fast(op, "scales", scales)
+    dst = [torch.empty(c.shape, dtype=dtype, device=c.device) for c in codes]
+    _run(op, dst, list(codes), list(scales))
+    return dst
 
 
 def adam_packed(params: Sequence[Tensor], grads: Sequence[Tensor], state: Tensor,

@@ -2,7 +2,8 @@
 torch's whole-block checkpointing, ampc's lean state, and ampc's lean state with chosen modules recomputed.
 
     python benchmarks/bench_memory.py [--sizes 4x128,16x256] [--reps 5] [--compute fp32|bf16]
-                                      [--recompute transformer.h.*.mlp.act] [--report-dir DIR]
+                                      [--recompute transformer.h.*.mlp.act] [--compress transformer.h.*]
+                                      [--report-dir DIR]
                                       [--width 512] [--layers 4] [--vocab 8192]
 
 Model: bench_lean_memory.py's (transformers' GPT2LMHeadModel, width 512, 4 layers, vocab 8192, dropout 0), with
@@ -13,6 +14,8 @@ next-token cross-entropy. Arms:
 - ampc lean: ampc.optim.AdamW(state="lean") (8-bit moments) on the fp32 weights; with --compute bf16,
   ampc.prepare(model, AdamW, bf16, state="lean") (bf16 weights, no master copy).
 - ampc lean + recompute: the same, and ampc.memory.recompute(model, the --recompute patterns).
+- ampc lean + 8-bit saved: ampc lean, and ampc.memory.compress(model, the --compress patterns, "8bit"): what those
+  modules save for the backward kept in 8 bits; "+ recompute": both.
 --compute fp32 (the default) because on a CPU without native bf16 (AVX2 only) a bf16 matmul is emulated and a
 step takes ~10x longer. Peak: ampc.memory.report (the live-tensor bytes at the step's highest point, measured from
 the tensors and the profiler's allocations, not the allocator's cache), after one warm-up step. Time: the step
@@ -33,7 +36,8 @@ ampc = H.import_ampc()
 import ampc.memory  # noqa: E402
 from bench_lean_memory import gpt2  # noqa: E402
 
-ARMS = ("torch", "torch + block checkpoint", "ampc lean", "ampc lean + recompute")
+ARMS = ("torch", "torch + block checkpoint", "ampc lean", "ampc lean + recompute", "ampc lean + 8-bit saved",
+        "ampc lean + 8-bit saved + recompute")
 
 
 class Checkpointed(torch.nn.Module):
@@ -67,6 +71,8 @@ def arm(name, args, batch, context):
         opt = ampc.optim.AdamW(model.parameters(), lr=1e-3, state="lean")
     if name.endswith("recompute"):
         ampc.memory.recompute(model, args.recompute)
+    if "8-bit saved" in name:
+        ampc.memory.compress(model, args.compress, "8bit")
     x = torch.randint(0, args.vocab, (batch, context), generator=torch.Generator().manual_seed(0))
 
     def loss_fn(out, tokens):
@@ -114,6 +120,8 @@ def main():
     p.add_argument("--compute", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--recompute", action="append", help="module patterns the last arm recomputes "
                    "(repeatable; default: transformer.h.*.mlp.act)")
+    p.add_argument("--compress", action="append", help="module patterns the 8-bit arms compress "
+                   "(repeatable; default: transformer.h.*, each block)")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
@@ -121,8 +129,10 @@ def main():
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     args.recompute = args.recompute or ["transformer.h.*.mlp.act"]
+    args.compress = args.compress or ["transformer.h.*"]
     hdr = H.machine("cpu")
-    hdr.update(compute=args.compute, recompute=",".join(args.recompute), reps=args.reps)
+    hdr.update(compute=args.compute, recompute=",".join(args.recompute), compress=",".join(args.compress),
+               reps=args.reps)
     rows = []
     for size in args.sizes.split(","):
         b, c = (int(v) for v in size.split("x"))

@@ -2,10 +2,13 @@
 
 ``report(model, optimizer, batch, loss_fn)`` runs a step and measures its peak and what the
 peak is made of (weights, grads, optimizer state, saved activations by module);
-``recompute(model, modules)`` makes modules recompute in the backward. ``python -m
+``recompute(model, modules)`` makes modules recompute in the backward;
+``compress(model, modules, "8bit")`` makes them keep what they save in 8 bits (or bf16). ``python -m
 ampc.memory`` reports on a GPT-2-shaped model. See docs/memory.md.
 """
+from ._compress import Compress, compress, compressed
 from ._recompute import Recompute, recompute, recomputed
 from ._report import MemoryReport, report
 
-__all__ = ["MemoryReport", "Recompute", "recompute", "recomputed", "report"]
+__all__ = ["Compress", "MemoryReport", "Recompute", "compress", "compressed", "recompute",
+           "recomputed", "report"]

@@ -22,9 +22,11 @@ from ._saved import note_held
 _ATTR = "_ampc_recompute"   # on a wrapped module: (its handle, the forward it had before)
 
 
-class Recompute:
-    """What :func:`recompute` returns: ``remove()`` (or the end of a ``with`` block) makes
-    the modules save for the backward again."""
+class ModuleHandle:
+    """Modules whose forward an instance attribute wraps, marked with ``_attr`` (the handle,
+    the forward they had before, ...): ``remove()`` (or the end of a ``with`` block)
+    restores each, once."""
+    _attr = ""
 
     def __init__(self, names: list[str], modules: list[torch.nn.Module]):
         self.names = names
@@ -32,10 +34,10 @@ class Recompute:
 
     def remove(self) -> None:
         for m in self._modules:
-            mark = m.__dict__.get(_ATTR)
+            mark = m.__dict__.get(self._attr)
             if mark is None or mark[0] is not self:
                 continue                                 # removed already
-            del m.__dict__[_ATTR]
+            del m.__dict__[self._attr]
             if mark[1] is None:
                 del m.__dict__["forward"]                  # the class's forward again
             else:
@@ -47,6 +49,12 @@ class Recompute:
 
     def __exit__(self, *exc):
         self.remove()
+
+
+class Recompute(ModuleHandle):
+    """What :func:`recompute` returns: ``remove()`` (or the end of a ``with`` block) makes
+    the modules save for the backward again."""
+    _attr = _ATTR
 
     def __repr__(self):
         return f"ampc.memory.Recompute({self.names})"
@@ -64,9 +72,19 @@ def _matches(name: str, pattern: str) -> bool:
     return len(names) == len(pats) and all(fnmatchcase(n, p) for n, p in zip(names, pats))
 
 
-def _find(model, items):
-    """The modules named or given, in order, each once; raises before anything changes."""
-    where = "ampc.memory.recompute"
+def _find_modules(where, model, modules, attr, already):
+    """The modules named or given (a name or pattern, a module, or a list of them), in
+    order, each once, as (modules, names); raises before anything changes, also for a
+    module that has ``attr`` already (it ``already``...)."""
+    if isinstance(modules, (str, torch.nn.Module)):
+        items = [modules]
+    elif isinstance(modules, Iterable):
+        items = list(modules)
+    else:
+        raise TypeError(f"{where}: modules is {type(modules).__name__}, expected a "
+                        "module name, a module, or a list of them")
+    if not items:
+        raise ValueError(f"{where}: modules is empty")
     named = list(model.named_modules())
     name_of = {m: n for n, m in named}
     chosen = []
@@ -85,8 +103,8 @@ def _find(model, items):
             raise TypeError(f"{where}: modules[{i}] is {type(item).__name__}, expected a module "
                             "name (str) or an nn.Module of model")
         for m in found:
-            if _ATTR in m.__dict__:
-                raise ValueError(f"{where}: modules[{i}] {name_of[m] or '(model)'!r} recomputes already "
+            if attr in m.__dict__:
+                raise ValueError(f"{where}: modules[{i}] {name_of[m] or '(model)'!r} {already} "
                                  "(remove() the handle that made it so first)")
             if m not in chosen:
                 chosen.append(m)
@@ -111,16 +129,8 @@ def recompute(model: torch.nn.Module, modules: str | torch.nn.Module | Iterable)
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"ampc.memory.recompute: model is {type(model).__name__}, expected a torch.nn.Module")
-    if isinstance(modules, (str, torch.nn.Module)):
-        items = [modules]
-    elif isinstance(modules, Iterable):
-        items = list(modules)
-    else:
-        raise TypeError(f"ampc.memory.recompute: modules is {type(modules).__name__}, expected a "
-                        "module name, a module, or a list of them")
-    if not items:
-        raise ValueError("ampc.memory.recompute: modules is empty")
-    chosen, names = _find(model, items)
+    chosen, names = _find_modules("ampc.memory.recompute", model, modules, _ATTR,
+                                  "recomputes already")
     handle = Recompute(names, chosen)
     for m in chosen:
         m.__dict__[_ATTR] = (handle, m.__dict__.get("forward"))

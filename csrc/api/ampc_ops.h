@@ -82,6 +82,15 @@ AMPC_KERNEL(cast_from_fp8, const struct ampc_list *dst, const struct ampc_list *
             const struct ampc_list *scale_inv)
 AMPC_KERNEL(fp8_amax, const struct ampc_list *amax, const struct ampc_list *src)
 
+/* Tensors kept in 8 bits (a saved activation, ampc.memory): codes[i] holds one byte an
+ * element of src[i] in lean.h's exp_avg codes (Note [8-bit moments]), scales[i] one fp32
+ * absmax a block of AMPC_QBLOCK elements; decode_q8 writes the values into dst[i] (fp32,
+ * fp16 or bf16). */
+AMPC_KERNEL(encode_q8, const struct ampc_list *codes, const struct ampc_list *scales,
+            const struct ampc_list *src)
+AMPC_KERNEL(decode_q8, const struct ampc_list *dst, const struct ampc_list *codes,
+            const struct ampc_list *scales)
+
 /* Delayed scaling of n fp8 tensors, see fp8_scaling.h for the exact rule. amax_history:
  * [H, n] fp32, row 0 newest; scale, scale_inv, amax: [n] fp32. */
 AMPC_KERNEL(fp8_update_scales, float *amax_history, float *scale, float *scale_inv,
@@ -131,6 +140,10 @@ AMPC_OP(adam_lean, NONE,
         AMPC_ARG(TENSORS_OUT, exp_avg_sqs) AMPC_ARG(TENSORS_OUT, exp_avg_scales)
         AMPC_ARG(TENSORS_OUT, exp_avg_sq_scales) AMPC_ARG(TENSORS_OUT, steps)
         AMPC_ADAM_CONTROL AMPC_ADAM_ROUNDING)
+AMPC_OP(encode_q8, NONE,
+        AMPC_ARG(TENSORS_OUT, codes) AMPC_ARG(TENSORS_OUT, scales) AMPC_ARG(TENSORS, src))
+AMPC_OP(decode_q8, NONE,
+        AMPC_ARG(TENSORS_OUT, dst) AMPC_ARG(TENSORS, codes) AMPC_ARG(TENSORS, scales))
 AMPC_OP(fp8_gemm, INT,
         AMPC_ARG(TENSOR_OUT, out) AMPC_ARG(TENSOR, a) AMPC_ARG(TENSOR, b_t)
         AMPC_ARG(TENSOR, scale_inv_a) AMPC_ARG(TENSOR, scale_inv_b) AMPC_ARG(OPTION, bias)

@@ -11,6 +11,7 @@
 
 #include "call.h"
 #include "dtype.h"          // defines: ampc_dtype_size
+#include "lean.h"           // defines: AMPC_QBLOCK
 
 // ---- freeing and failing ----
 
@@ -311,13 +312,43 @@ void shape(struct call *c, struct tensor *t)
 }
 
 /* dst[i] has the shape of src[i] for every i. */
+void check_dtype(struct call *c, struct list *ls, int32_t dtype, const char *want)
+{
+    char a[64];
+    for (int64_t i = 0; i < ls->count; i++)
+        if (ls->t[i].dtype != dtype)
+            fail(c, "%s must be %s, got %s", tensor_name(&ls->t[i], a, sizeof(a)), want,
+                 dtype_name(ls->t[i].dtype));
+}
+
+void check_count(struct call *c, struct list *a, const char *a_name, struct list *b,
+                 const char *b_name)
+{
+    if (a->count != b->count)
+        fail(c, "%s must have as many tensors as %s (%lld), got %lld", a_name, b_name,
+             (long long)b->count, (long long)a->count);
+}
+
+void check_block_scales(struct call *c, struct list *scales, const char *name,
+                        struct list *values, const char *values_name)
+{
+    char a[64];
+    check_count(c, scales, name, values, values_name);
+    check_dtype(c, scales, aoti_torch_dtype_float32(), "torch.float32");
+    for (int64_t i = 0; i < scales->count; i++) {
+        int64_t want = (values->numel[i] + AMPC_QBLOCK - 1) / AMPC_QBLOCK;
+        if (scales->numel[i] != want)
+            fail(c, "%s must hold %lld values (one a block of %d of %s[%lld]), got %lld",
+                 tensor_name(&scales->t[i], a, sizeof(a)), (long long)want, AMPC_QBLOCK,
+                 values_name, (long long)i, (long long)scales->numel[i]);
+    }
+}
+
 void check_same_shapes(struct call *c, struct list *a, const char *a_name,
                               struct list *b, const char *b_name)
 {
     char n[64];
-    if (a->count != b->count)
-        fail(c, "%s must have as many tensors as %s (%lld), got %lld", a_name, b_name,
-             (long long)b->count, (long long)a->count);
+    check_count(c, a, a_name, b, b_name);
     for (int64_t i = 0; i < a->count; i++) {
         struct tensor *ta = &a->t[i];
         struct tensor *tb = &b->t[i];

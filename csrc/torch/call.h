@@ -193,6 +193,20 @@ void check_same_shapes(struct call *c, struct list *a, const char *a_name, struc
                        const char *b_name);
 /* No tensor the op writes shares memory with any other tensor argument. */
 void check_overlap(struct call *c);
+/* a and b have as many tensors. */
+void check_count(struct call *c, struct list *a, const char *a_name, struct list *b,
+                 const char *b_name);
+/* Every tensor of ls has torch dtype `dtype` (shown as `want` in messages). */
+void check_dtype(struct call *c, struct list *ls, int32_t dtype, const char *want);
+/* The scales of 8-bit codes (lean.h): as many fp32 tensors as `values`, scales[i] holding
+ * one value a block of AMPC_QBLOCK elements of values[i]. */
+void check_block_scales(struct call *c, struct list *scales, const char *name,
+                        struct list *values, const char *values_name);
+/* ls as a kernel's list of dtype dt. */
+static inline struct ampc_list as_list(struct list *ls, ampc_dtype dt)
+{
+    return (struct ampc_list){ ls->ptr, ls->numel, ls->count, dt };
+}
 /* A list of zero or one 1-element tensor of `dtype`: its data, or NULL. */
 void *option(struct call *c, struct list *ls, const char *name, int32_t dtype);
 

@@ -15,21 +15,6 @@ struct lean_job {
 
 ON_DEVICES(adam_lean, lean_job, &job->lists, &job->control, &job->args)
 
-/* Every tensor of ls has torch dtype `dtype` (shown as `want` in messages). */
-static void check_dtype(struct call *c, struct list *ls, int32_t dtype, const char *want)
-{
-    char a[64];
-    for (int64_t i = 0; i < ls->count; i++)
-        if (ls->t[i].dtype != dtype)
-            fail(c, "%s must be %s, got %s", tensor_name(&ls->t[i], a, sizeof(a)), want,
-                 dtype_name(ls->t[i].dtype));
-}
-
-static struct ampc_list as_list(struct list *ls, ampc_dtype dt)
-{
-    return (struct ampc_list){ ls->ptr, ls->numel, ls->count, dt };
-}
-
 /* The kind of moments, from exp_avgs[0]'s dtype; both moment lists are checked to share it. */
 static int moments_kind(struct call *c, struct list *m, struct list *v)
 {
@@ -46,24 +31,6 @@ static int moments_kind(struct call *c, struct list *m, struct list *v)
     check_dtype(c, m, dt, name);
     check_dtype(c, v, dt, name);
     return kind;
-}
-
-/* 8-bit moments: one fp32 scale a block of AMPC_QBLOCK elements of each param. */
-static void check_scales(struct call *c, struct list *scales, const char *name,
-                         struct list *params)
-{
-    char a[64];
-    if (scales->count != params->count)
-        fail(c, "%s must have as many tensors as params (%lld) with 8-bit moments, got %lld",
-             name, (long long)params->count, (long long)scales->count);
-    check_dtype(c, scales, aoti_torch_dtype_float32(), "torch.float32");
-    for (int64_t i = 0; i < scales->count; i++) {
-        int64_t want = (params->numel[i] + AMPC_QBLOCK - 1) / AMPC_QBLOCK;
-        if (scales->numel[i] != want)
-            fail(c, "%s must hold %lld values (one a block of %d of params[%lld]), got %lld",
-                 tensor_name(&scales->t[i], a, sizeof(a)), (long long)want, AMPC_QBLOCK,
-                 (long long)i, (long long)scales->numel[i]);
-    }
 }
 
 void ampc_op_adam_lean(struct call *c, struct adam_lean_args *a)
@@ -98,8 +65,8 @@ void ampc_op_adam_lean(struct call *c, struct adam_lean_args *a)
     l->exp_avg_scales = as_list(a->exp_avg_scales, AMPC_F32);
     l->exp_avg_sq_scales = as_list(a->exp_avg_sq_scales, AMPC_F32);
     if (job.args.moments == AMPC_MOMENTS_Q8) {
-        check_scales(c, a->exp_avg_scales, "exp_avg_scales", a->params);
-        check_scales(c, a->exp_avg_sq_scales, "exp_avg_sq_scales", a->params);
+        check_block_scales(c, a->exp_avg_scales, "exp_avg_scales", a->params, "params");
+        check_block_scales(c, a->exp_avg_sq_scales, "exp_avg_sq_scales", a->params, "params");
     } else if (a->exp_avg_scales->count || a->exp_avg_sq_scales->count) {
         fail(c, "exp_avg_scales and exp_avg_sq_scales are for 8-bit (torch.uint8) moments "
              "only: give none with %s moments", dtype_name(a->exp_avgs->t[0].dtype));

@@ -698,3 +698,28 @@ def test_adam_lean_launches_and_every_launch_matches(count):
     n = math.ceil(count / CAP_LEAN[large])
     steps_launches = math.ceil(count / (4093 if large else 509))
     assert got == ["lean_launch"] * n + ["advance_steps"] * steps_launches, got
+
+
+# ---- encode_q8, decode_q8 ----
+
+CAP_Q8 = {True: 738, False: 86}     # 3 lists
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=name)
+@pytest.mark.parametrize("count", [1, 86, 87, 739])
+def test_q8_codes_and_values_match(dtype, count):
+    sizes = [[3000, 1, 255, 256, 257][i % 5] for i in range(count)]
+    src = [finite(n, dtype, i) for i, n in enumerate(sizes)]
+    if count == 1:
+        src[0][300] = math.inf          # a block of nan values
+    codes = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+    scales = [torch.empty(-(-n // 256)) for n in sizes]
+    _emu.ampc_emu_clear_launches()
+    both_ways(lambda c, s, x: torch.ops.ampc.encode_q8(c, s, x), [codes, scales, src],
+              f"encode_q8 {name(dtype)} x{count}")
+    large = count > CAP_Q8[False] and LARGE
+    assert [l[0] for l in launches()] == ["q8_launch"] * math.ceil(count / CAP_Q8[large])
+    torch.ops.ampc.encode_q8(codes, scales, src)
+    dst = [torch.empty(n, dtype=dtype) for n in sizes]
+    both_ways(lambda d, c, s: torch.ops.ampc.decode_q8(d, c, s), [dst, codes, scales],
+              f"decode_q8 {name(dtype)} x{count}")

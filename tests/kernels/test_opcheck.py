@@ -59,6 +59,19 @@ def adam_lean_samples():
                False, weights == "sr", 3)
 
 
+def encode_q8_samples():
+    for dt in (f32, bf16, f16):
+        src = [torch.randn(300).to(dt), torch.randn(2, 9).to(dt)]
+        yield ([torch.empty(t.shape, dtype=torch.uint8) for t in src],
+               [torch.empty(-(-t.numel() // 256)) for t in src], src)
+
+
+def decode_q8_samples():
+    for dt in (f32, bf16, f16):
+        codes = [torch.randint(0, 256, (300,), dtype=torch.uint8), torch.zeros(2, 9, dtype=torch.uint8)]
+        yield ([torch.empty(c.shape, dtype=dt) for c in codes], codes, [torch.rand(2), torch.rand(1)])
+
+
 e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
@@ -100,6 +113,8 @@ def fp8_scaling_samples():
     ("update_scale", scale_samples),
     ("adam_master", adam_samples),
     ("adam_lean", adam_lean_samples),
+    ("encode_q8", encode_q8_samples),
+    ("decode_q8", decode_q8_samples),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_opcheck(op, samples):
     for args in samples():

@@ -1,0 +1,170 @@
+"""Modules whose saved activations are kept in fewer bits until the backward needs them.
+
+Inside each chosen module's forward, autograd's saved-tensor hooks take every tensor the
+module saves for its backward and keep, instead of it:
+  "8bit"  one byte an element and one fp32 scale a block of 256 (``ampc.ops.encode_q8``:
+          a sign and 4 exponent and 3 mantissa bits under the block's largest value,
+          about 3% relative error), decoded back to the tensor's dtype in the backward;
+  "bf16"  a bfloat16 copy of an fp32 tensor (16-bit ones are kept as they are).
+Left as they are: the module's parameters and buffers, tensors of a parameter's shape in
+any order of its dimensions (the 16-bit copies autocast makes of the weights, saved
+transposed: an error there is an error in every input gradient), tensors under ``min_numel`` elements, and non-float ones. A storage saved twice
+in one forward (several views of one tensor) is coded once.
+
+The gradients are those of the module run on the decoded values: the error is what the
+codes lose, measured by ``ampc.autoprecision`` like any other choice. An in-place change to
+a saved tensor after the forward raises torch's error while the tensor is alive (a tensor
+freed since cannot be checked: autograd does not check the version of what a hook packed).
+A double backward (``create_graph=True``) through such a module is refused: the decoded
+values carry no graph.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Iterable
+
+import torch
+
+from .. import ops
+from ._recompute import ModuleHandle, _find_modules
+
+_ATTR = "_ampc_saved_as"    # on a wrapped module: (its handle, the forward it had before, how)
+HOWS = ("8bit", "bf16")
+MIN_NUMEL = 4096
+
+
+class Compress(ModuleHandle):
+    """What :func:`compress` returns: ``remove()`` (or the end of a ``with`` block) makes
+    the modules save as they did."""
+    _attr = _ATTR
+
+    def __init__(self, names: list[str], modules: list[torch.nn.Module], how: str):
+        super().__init__(names, modules)
+        self.how = how
+
+    def __repr__(self):
+        return f"ampc.memory.Compress({self.names}, how={self.how!r})"
+
+
+def compressed(model: torch.nn.Module) -> dict[str, str]:
+    """{module name: how} of the modules of ``model`` whose saved activations are kept in
+    fewer bits."""
+    return {n or "(model)": m.__dict__[_ATTR][2] for n, m in model.named_modules()
+            if _ATTR in m.__dict__}
+
+
+def compress(model: torch.nn.Module, modules: str | torch.nn.Module | Iterable,
+             how: str = "8bit", *, min_numel: int = MIN_NUMEL) -> Compress:
+    """Makes ``modules`` of ``model`` keep what they save for the backward in fewer bits
+    (see the module's docstring): ``how`` "8bit" (a byte an element) or "bf16" (fp32
+    tensors as bfloat16).
+
+    Args:
+        model (nn.Module): the model.
+        modules: a qualified module name (shell-style patterns match several, ``*`` within
+            one dotted part: ``"transformer.h.*.mlp"``), a module of ``model``, or a list.
+        how (str): "8bit" or "bf16".
+        min_numel (int): tensors with fewer elements are kept as they are.
+
+    Returns:
+        :class:`Compress`: ``.remove()`` undoes it; usable as a context manager.
+    """
+    where = "ampc.memory.compress"
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{where}: model is {type(model).__name__}, expected a torch.nn.Module")
+    if how not in HOWS:
+        raise ValueError(f"{where}: how must be one of {', '.join(HOWS)}, got {how!r}")
+    if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 1:
+        raise ValueError(f"{where}: min_numel must be an int >= 1, got {min_numel!r}")
+    chosen, names = _find_modules(where, model, modules, _ATTR, "keeps its saved tensors "
+                                  "in fewer bits already")
+    handle = Compress(names, chosen, how)
+    for m in chosen:
+        m.__dict__[_ATTR] = (handle, m.__dict__.get("forward"), how, min_numel)
+        m.__dict__["forward"] = functools.partial(_compressed_forward, m)
+    return handle
+
+
+def _compressed_forward(module, *args, **kwargs):
+    # a module-level function bound by functools.partial (a deepcopy of the model then
+    # calls its own module, and pickle can save it)
+    _, before, how, min_numel = module.__dict__[_ATTR]
+    inner = before if before is not None else type(module).forward.__get__(module)
+    if not torch.is_grad_enabled():
+        return inner(*args, **kwargs)
+    packer = _Packer(module, how, min_numel)
+    with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
+        return inner(*args, **kwargs)
+
+
+class _Packer:
+    """The hooks of one forward of one module."""
+
+    def __init__(self, module, how, min_numel):
+        held = list(module.parameters()) + list(module.buffers())
+        self.held = {id(t) for t in held}
+        # a parameter's shape in any order of its dims (autocast's copy of a weight is
+        # saved transposed by a Linear)
+        self.shapes = {tuple(sorted(t.shape)) for t in module.parameters()}
+        self.name = type(module).__name__
+        self.how = how
+        self.min_numel = min_numel
+        self.seen = {}      # storage, offset, shape, strides, dtype -> what was kept
+
+    def keep_as_is(self, t):
+        return (id(t) in self.held or isinstance(t, torch.nn.Parameter)
+                or not t.is_floating_point() or t.numel() < self.min_numel
+                or tuple(sorted(t.shape)) in self.shapes or type(t) is not torch.Tensor
+                or t.layout != torch.strided
+                or (self.how == "bf16" and t.dtype != torch.float32))
+
+    def pack(self, t):
+        if self.keep_as_is(t):
+            return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
+               t.dtype)
+        kept = self.seen.get(key)
+        if kept is None:
+            with torch.no_grad():
+                x = t.contiguous()
+                if self.how == "8bit":
+                    codes, scales = ops.encode_q8([x])
+                    data = (codes[0], scales[0])
+                else:
+                    data = x.to(torch.bfloat16)
+            kept = self.seen[key] = _Kept(data, t.dtype, self.how)
+        # the tensor, weakly, and its version: a change in place while it lives is caught
+        return (kept, weakref.ref(t), t._version)
+
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        kept, ref, version = packed
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"ampc.memory: a double backward (create_graph=True) through a {self.name} "
+                f"whose saved tensors are kept in {self.how}: the decoded values carry no graph; "
+                "remove() its ampc.memory.compress handle for this backward")
+        t = ref()
+        if t is not None and t._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
+                f"expected version {version} instead (a tensor a {self.name} saved, kept in "
+                f"{self.how} by ampc.memory)")
+        return kept.value()
+
+
+class _Kept:
+    """A saved tensor in fewer bits, decoded on demand."""
+    __slots__ = ("data", "dtype", "how")
+
+    def __init__(self, data, dtype, how):
+        self.data, self.dtype, self.how = data, dtype, how
+
+    def value(self):
+        if self.how == "8bit":
+            codes, scales = self.data
+            return ops.decode_q8([codes], [scales], self.dtype)[0]
+        return self.data.to(self.dtype)

@@ -1,0 +1,226 @@
+"""Saved activations kept in 8 bits or bf16: the codes are the lean state's, bit for bit
+against an independent transcription; a compressed module's gradients stay within the
+codes' error of the plain module's, its step's peak is lower, and training on tracks the
+plain run; in-place changes and double backward are refused; bad input to the ops is named
+before anything is written."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import ampc
+from ampc import ops
+from reference import assert_same
+from test_adam_lean import M_TABLE, QBLOCK, encode as encode_moments
+
+f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+SIZES = [1, 255, 256, 257, 1000, 65536 + 300]
+
+
+def transcribed(x):
+    """(codes, scales, decoded fp32 values) of x (fp32) by the transcription."""
+    codes, scales, _, _ = encode_moments(x, torch.zeros_like(x))
+    idx = np.arange(x.numel()) // QBLOCK
+    factor = (scales.numpy() / np.float32(480)).astype(np.float32)[idx]
+    c = codes.numpy().astype(np.int64)
+    with np.errstate(invalid="ignore"):
+        mag = M_TABLE[c & 127].astype(np.float32) * factor
+    values = np.where(c & 128, -mag, mag).astype(np.float32)
+    return codes, scales, torch.from_numpy(values)
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16, f16], ids=str)
+def test_codes_match_the_transcription(dtype):
+    g = torch.Generator().manual_seed(0)
+    src = [(torch.randn(n, generator=g) * 10.0 ** torch.randint(-6, 3, (n,), generator=g))
+           .to(dtype) for n in SIZES]
+    codes, scales = ops.encode_q8(src)
+    back = ops.decode_q8(codes, scales, dtype)
+    for k, x in enumerate(src):
+        want_codes, want_scales, values = transcribed(x.float())
+        assert_same(codes[k], want_codes, f"codes {k}")
+        assert_same(scales[k], want_scales.float(), f"scales {k}")
+        assert_same(back[k], values.to(dtype), f"values {k}")
+    # fp32 out of 16-bit codes: the decoded values themselves
+    assert_same(ops.decode_q8(codes[:1], scales[:1])[0], transcribed(src[0].float())[2], "fp32")
+
+
+def test_a_block_holding_inf_or_nan_decodes_to_nan_alone():
+    x = torch.randn(3 * QBLOCK)
+    x[QBLOCK + 5] = float("inf")
+    x[2 * QBLOCK + 1] = float("nan")
+    codes, scales = ops.encode_q8([x])
+    y = ops.decode_q8(codes, scales)[0]
+    assert torch.isfinite(y[:QBLOCK]).all()
+    assert torch.isnan(y[QBLOCK:]).all()
+
+
+def test_bad_input_is_named_before_anything_is_written():
+    x = torch.randn(300)
+    codes = torch.full((300,), 7, dtype=torch.uint8)
+    scales = torch.full((2,), 3.0)
+    cases = [
+        (lambda: torch.ops.ampc.encode_q8([codes], [scales], [x.reshape(20, 15).t()]),
+         r"encode_q8: src\[0\] must be contiguous"),
+        (lambda: torch.ops.ampc.encode_q8([codes.float()], [scales], [x]),
+         r"encode_q8: codes\[0\] must be torch.uint8, got torch.float32"),
+        (lambda: torch.ops.ampc.encode_q8([codes], [torch.zeros(3)], [x]),
+         r"encode_q8: scales\[0\] must hold 2 values \(one a block of 256 of src\[0\]\), got 3"),
+        (lambda: torch.ops.ampc.encode_q8([codes[:299]], [scales], [x]),
+         "encode_q8: codes"),
+        (lambda: torch.ops.ampc.encode_q8([codes], [scales], [x.long()]),
+         "encode_q8: src"),
+        (lambda: ops.decode_q8([codes], [torch.zeros(1)]),
+         r"decode_q8: scales\[0\] must hold 2 values \(one a block of 256 of codes\[0\]\), got 1"),
+        (lambda: ops.decode_q8([codes], [scales], torch.int32), "decode_q8: dst"),
+    ]
+    for call, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            call()
+        assert (codes == 7).all() and (scales == 3.0).all()
+
+
+# ---- modules that keep their saved tensors in fewer bits ----
+
+class Block(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.out(self.act(self.fc(self.ln(x))))
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(*[Block() for _ in range(3)], nn.Linear(64, 10))
+
+
+def batch(seed=0, n=16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 32, 64, generator=g), torch.randint(0, 10, (n, 32), generator=g)
+
+
+def loss_fn(out, y):
+    return nn.functional.cross_entropy(out.reshape(-1, 10), y.reshape(-1))
+
+
+def grads(m, b):
+    m.zero_grad()
+    loss = loss_fn(m(b[0]), b[1])
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("how, tol", [("8bit", 0.06), ("bf16", 0.01)])
+def test_gradients_within_the_codes_error_and_the_peak_lower(how, tol):
+    plain, small = model(), model()
+    handle = ampc.memory.compress(small, ["0", "1", "2"], how)
+    assert ampc.memory.compressed(small) == dict.fromkeys(["0", "1", "2"], how)
+    b = batch()
+    l0, g0 = grads(plain, b)
+    l1, g1 = grads(small, b)
+    assert l1 == l0                          # the forward is the plain one
+    errs = [((a - c).norm() / c.norm()).item() for a, c in zip(g1, g0)]
+    assert 0 < max(errs) < tol, errs
+    peak = {}
+    for name, m in (("plain", plain), ("small", small)):
+        r = ampc.memory.report(m, torch.optim.SGD(m.parameters(), lr=0.0), b, loss_fn)
+        peak[name] = r.peak
+    assert peak["small"] < (0.75 if how == "8bit" else 0.9) * peak["plain"], peak
+    handle.remove()
+    assert ampc.memory.compressed(small) == {}
+    assert grads(small, b)[1][0].equal(g0[0])
+
+
+def test_training_on_tracks_the_plain_run():
+    """40 AdamW steps with every block's saved tensors in 8 bits end where the plain run
+    does, to a small part of how far training moved the weights."""
+    runs = {}
+    for how in (None, "8bit"):
+        m = model(1)
+        w0 = torch.cat([p.detach().flatten().clone() for p in m.parameters()])
+        if how:
+            ampc.memory.compress(m, "*", how)     # every module, the blocks and inside them
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        for step in range(40):
+            opt.zero_grad()
+            x, y = batch(100 + step, n=8)
+            loss = loss_fn(m(x), y)
+            loss.backward()
+            opt.step()
+        runs[how] = (torch.cat([p.detach().flatten() for p in m.parameters()]), loss.item())
+    moved = (runs[None][0] - w0).norm()
+    apart = (runs["8bit"][0] - runs[None][0]).norm()
+    assert apart < 0.05 * moved, (apart / moved).item()
+    assert abs(runs["8bit"][1] - runs[None][1]) < 0.02 * runs[None][1]
+
+
+def test_an_in_place_change_to_a_saved_tensor_raises():
+    lin = nn.Linear(64, 64)
+    ampc.memory.compress(lin, lin, min_numel=1)
+    x = torch.randn(8, 64, requires_grad=True)
+    h = x * 2                                 # saved by the Linear, kept in 8 bits
+    out = lin(h)
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_double_backward_is_refused():
+    m = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+    ampc.memory.compress(m, m, min_numel=1)
+    x = torch.randn(8, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="double backward .* kept in 8bit"):
+        torch.autograd.grad(m(x).sum(), x, create_graph=True)
+
+
+def test_weights_and_their_autocast_copies_are_kept_as_they_are(monkeypatch):
+    calls = []
+    real = ops.encode_q8
+    monkeypatch.setattr(ops, "encode_q8", lambda src: calls.append(
+        [tuple(t.shape) for t in src]) or real(src))
+    lin = nn.Linear(64, 96)
+    ampc.memory.compress(lin, lin, min_numel=1)
+    x = torch.randn(8, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=bf16):
+        lin(x * 1).float().sum().backward()
+    assert calls == [[(8, 64)]]              # the input only: not the bf16 weight copy
+
+
+def test_one_storage_saved_twice_is_coded_once(monkeypatch):
+    calls = []
+    real = ops.encode_q8
+    monkeypatch.setattr(ops, "encode_q8", lambda src: calls.append(1) or real(src))
+
+    class Square(nn.Module):
+        def forward(self, x):
+            return x * x                     # saves x twice
+
+    sq = Square()
+    ampc.memory.compress(sq, sq, min_numel=1)
+    x = torch.randn(4096, requires_grad=True)
+    y = x * 1
+    sq(y).sum().backward()
+    assert len(calls) == 1
+    assert torch.allclose(x.grad, 2 * x.detach(), rtol=0.07, atol=1e-3)
+
+
+def test_bad_arguments_change_nothing():
+    m = model()
+    with pytest.raises(ValueError, match="how must be one of 8bit, bf16, got 'fp8'"):
+        ampc.memory.compress(m, "0", "fp8")
+    with pytest.raises(ValueError, match="modules\\[0\\] 'blocks' names no module"):
+        ampc.memory.compress(m, "blocks")
+    with pytest.raises(ValueError, match="min_numel must be an int >= 1"):
+        ampc.memory.compress(m, "0", min_numel=0)
+    ampc.memory.compress(m, "0")
+    with pytest.raises(ValueError, match="'0' keeps its saved tensors in fewer bits already"):
+        ampc.memory.compress(m, ["1", "0"])
+    assert ampc.memory.compressed(m) == {"0": "8bit"}
+    assert copy.deepcopy(m)(batch()[0]).shape == (16, 32, 10)
