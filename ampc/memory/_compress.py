@@ -28,6 +28,7 @@ import torch
 
 from .. import ops
 from ._recompute import ModuleHandle, _find_modules
+from ._saved import note_held
 
 _ATTR = "_ampc_saved_as"    # on a wrapped module: (its handle, the forward it had before, how)
 HOWS = ("8bit", "bf16")
@@ -102,6 +103,7 @@ class _Packer:
     """The hooks of one forward of one module."""
 
     def __init__(self, module, how, min_numel):
+        self.module = module
         held = list(module.parameters()) + list(module.buffers())
         self.held = {id(t) for t in held}
         # a parameter's shape in any order of its dims (autocast's copy of a weight is
@@ -134,6 +136,7 @@ class _Packer:
                 else:
                     data = x.to(torch.bfloat16)
             kept = self.seen[key] = _Kept(data, t.dtype, self.how)
+            note_held(self.module, data)      # what it keeps, counted as its saved activations
         # the tensor, weakly, and its version: a change in place while it lives is caught
         return (kept, weakref.ref(t), t._version)
 

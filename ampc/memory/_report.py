@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from .._numerics.model import call_model, default_loss
 from .._walk import tensors
 from ..lean_state import state_bytes
+from ._compress import compressed
 from ._recompute import recomputed
 from ._saved import SavedTracker, storage_key
 
@@ -42,6 +43,8 @@ class MemoryReport:
         saved_at_peak: the part of ``saved`` still alive at the peak, by module.
         recomputed: the modules that recompute in the backward (``ampc.memory.recompute``).
         allocator_peak: CUDA only: ``torch.cuda.max_memory_allocated()`` over the step.
+        compressed: {module: "8bit" or "bf16"} of the modules keeping their saved tensors in
+            fewer bits (``ampc.memory.compress``); ``saved`` counts what they keep.
     """
     device: str
     peak: int
@@ -51,6 +54,7 @@ class MemoryReport:
     saved_at_peak: dict[str, int]
     recomputed: list[str]
     allocator_peak: int | None = None
+    compressed: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -82,6 +86,9 @@ class MemoryReport:
                     f"{sum(self.saved_at_peak.values()) / div:9,.1f}")
         if self.recomputed:
             rows.append(f"recomputed in the backward: {', '.join(self.recomputed)}")
+        if self.compressed:
+            rows.append("saved in fewer bits: " + ", ".join(f"{n} ({h})" for n, h in
+                                                          self.compressed.items()))
         return "\n".join(rows)
 
     def __str__(self) -> str:
@@ -207,7 +214,9 @@ def report(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tupl
         if cuda:
             torch.cuda.synchronize(device)
     allocator_peak = torch.cuda.max_memory_allocated(device) if cuda else None
-    return _result(prof, device, base, saved, grads, recomputed(model), allocator_peak)
+    r = _result(prof, device, base, saved, grads, recomputed(model), allocator_peak)
+    r.compressed = compressed(model)
+    return r
 
 
 def _persistent(model, optimizer, batch):

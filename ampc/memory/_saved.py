@@ -27,7 +27,8 @@ def storage_key(t: torch.Tensor) -> tuple[int, int] | None:
 
 
 def note_held(module: torch.nn.Module, values) -> None:
-    """Counts the tensors in ``values`` as kept by ``module`` (for its recomputation)."""
+    """Counts the tensors in ``values`` as kept by ``module`` (for its recomputation, or its
+    saved tensors in fewer bits)."""
     if _ACTIVE:
         _ACTIVE[-1].keep(module, tensors(values))
 

@@ -224,3 +224,19 @@ def test_bad_arguments_change_nothing():
         ampc.memory.compress(m, ["1", "0"])
     assert ampc.memory.compressed(m) == {"0": "8bit"}
     assert copy.deepcopy(m)(batch()[0]).shape == (16, 32, 10)
+
+
+def test_the_report_counts_what_compressed_modules_keep():
+    plain, small = model(), model()
+    ampc.memory.compress(small, ["0", "1"], "8bit")
+    b = batch()
+    before = ampc.memory.report(plain, torch.optim.SGD(plain.parameters(), lr=0.0), b, loss_fn)
+    after = ampc.memory.report(small, torch.optim.SGD(small.parameters(), lr=0.0), b, loss_fn)
+    assert after.compressed == {"0": "8bit", "1": "8bit"} and before.compressed == {}
+    assert "saved in fewer bits: 0 (8bit), 1 (8bit)" in after.table()
+
+    def block(r, i):
+        return sum(v for k, v in r.saved.items() if k == str(i) or k.startswith(f"{i}."))
+    for i in (0, 1):        # a byte and 4/256 B an fp32 element: about a quarter
+        assert 0.2 < block(after, i) / block(before, i) < 0.3, (i, block(after, i), block(before, i))
+    assert block(after, 2) == block(before, 2)
