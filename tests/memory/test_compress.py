@@ -240,3 +240,19 @@ def test_the_report_counts_what_compressed_modules_keep():
     for i in (0, 1):        # a byte and 4/256 B an fp32 element: about a quarter
         assert 0.2 < block(after, i) / block(before, i) < 0.3, (i, block(after, i), block(before, i))
     assert block(after, 2) == block(before, 2)
+
+
+def test_a_compiled_model_compresses_as_the_eager_one():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    plain = copy.deepcopy(m)
+    ampc.memory.compress(m, ["0", "1", "2"], "8bit", min_numel=1)
+    x = torch.randn(32, 64)
+
+    def grad(model):
+        xx = x.clone().requires_grad_()
+        model(xx).pow(2).sum().backward()
+        return xx.grad
+    eager, compiled, base = grad(m), grad(torch.compile(m)), grad(plain)
+    assert torch.equal(compiled, eager)
+    assert 0 < ((eager - base).norm() / base.norm()).item() < 0.03
