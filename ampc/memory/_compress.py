@@ -104,21 +104,19 @@ class _Packer:
 
     def __init__(self, module, how, min_numel):
         self.module = module
-        held = list(module.parameters()) + list(module.buffers())
-        self.held = {id(t) for t in held}
+        self.buffers = {id(t) for t in module.buffers()}     # parameters: by their type
         # a parameter's shape in any order of its dims (autocast's copy of a weight is
         # saved transposed by a Linear)
         self.shapes = {tuple(sorted(t.shape)) for t in module.parameters()}
         self.name = type(module).__name__
         self.how = how
         self.min_numel = min_numel
-        self.seen = {}      # storage, offset, shape, strides, dtype -> what was kept
+        self.seen = {}      # storage, offset, shape, strides, dtype -> (what was kept, the tensor)
 
     def keep_as_is(self, t):
-        return (id(t) in self.held or isinstance(t, torch.nn.Parameter)
+        return (type(t) is not torch.Tensor or id(t) in self.buffers
                 or not t.is_floating_point() or t.numel() < self.min_numel
-                or tuple(sorted(t.shape)) in self.shapes or type(t) is not torch.Tensor
-                or t.layout != torch.strided
+                or tuple(sorted(t.shape)) in self.shapes or t.layout != torch.strided
                 or (self.how == "bf16" and t.dtype != torch.float32))
 
     def pack(self, t):
@@ -126,8 +124,11 @@ class _Packer:
             return t
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
                t.dtype)
-        kept = self.seen.get(key)
-        if kept is None:
+        ref = weakref.ref(t)
+        kept, first = self.seen.get(key, (None, None))
+        # the same storage only while the tensor first seen there lives: once it is freed,
+        # a later tensor of the forward may take its address
+        if kept is None or first() is None:
             with torch.no_grad():
                 x = t.contiguous()
                 if self.how == "8bit":
@@ -135,10 +136,11 @@ class _Packer:
                     data = (codes[0], scales[0])
                 else:
                     data = x.to(torch.bfloat16)
-            kept = self.seen[key] = _Kept(data, t.dtype, self.how)
+            kept = _Kept(data, t.dtype, self.how)
+            self.seen[key] = (kept, ref)
             note_held(self.module, data)      # what it keeps, counted as its saved activations
         # the tensor, weakly, and its version: a change in place while it lives is caught
-        return (kept, weakref.ref(t), t._version)
+        return (kept, ref, t._version)
 
     def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
