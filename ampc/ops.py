@@ -300,6 +300,11 @@ def _lean_layout():
 QBLOCK, Q8M_MAX, Q8V_MAX = _lean_layout()   # QBLOCK: elements a scale of 8-bit moments
 
 
+def blocks(numel: int) -> int:
+    """The 8-bit blocks (scales) of a tensor of ``numel`` elements: ceil(numel / QBLOCK)."""
+    return -(-numel // QBLOCK)
+
+
 def adam_lean(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
               exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor], *, lr: float | Tensor,
               masters: Sequence[Tensor] | None = None,
@@ -360,7 +365,7 @@ def encode_q8(src: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
     op = "encode_q8"
     _check_list_fast(op, "src", src)
     codes = [torch.empty(t.shape, dtype=torch.uint8, device=t.device) for t in src]
-    scales = [torch.empty(-(-t.numel() // QBLOCK), device=t.device) for t in src]
+    scales = [torch.empty(blocks(t.numel()), device=t.device) for t in src]
     _run(op, codes, scales, list(src))
     return codes, scales
 

@@ -214,9 +214,8 @@ def report(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tupl
         if cuda:
             torch.cuda.synchronize(device)
     allocator_peak = torch.cuda.max_memory_allocated(device) if cuda else None
-    r = _result(prof, device, base, saved, grads, recomputed(model), allocator_peak)
-    r.compressed = compressed(model)
-    return r
+    return _result(prof, device, base, saved, grads, recomputed(model), compressed(model),
+                   allocator_peak)
 
 
 def _persistent(model, optimizer, batch):
@@ -260,7 +259,7 @@ def _events(prof, device):
     return [(p, n) for _, p, n in allocs], marks, [t for t, _, _ in allocs]
 
 
-def _result(prof, device, base, saved, grads, recomputed_names, allocator_peak):
+def _result(prof, device, base, saved, grads, recomputed_names, compressed_names, allocator_peak):
     events, marks, times = _events(prof, device)
     # each block seen allocated: (address, first event, event that frees it or len(events));
     # a free of a block allocated before the step is left out: it was not counted in either
@@ -307,4 +306,5 @@ def _result(prof, device, base, saved, grads, recomputed_names, allocator_peak):
     return MemoryReport(device=str(device), peak=sum(base.values()) + top, phase=phase, parts=parts,
                         saved={k: saved_by[k] for k in order},
                         saved_at_peak={k: saved_at_peak[k] for k in order if k in saved_at_peak},
-                        recomputed=recomputed_names, allocator_peak=allocator_peak)
+                        recomputed=recomputed_names, allocator_peak=allocator_peak,
+                        compressed=compressed_names)

@@ -21,7 +21,8 @@ from __future__ import annotations  # "X | None" hints on Python 3.9 too; none e
 import torch
 
 from .. import ops
-from ._shards import block_index, blocks
+from ..ops import blocks
+from ._shards import block_index
 
 MOMENTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
 _KIND = {v: k for k, v in MOMENTS.items()}

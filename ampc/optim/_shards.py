@@ -12,11 +12,7 @@ from __future__ import annotations  # "X | None" hints on Python 3.9 too; none e
 import torch
 
 from .. import _distributed, ops
-
-
-def blocks(numel: int) -> int:
-    """8-bit blocks (scales) of a tensor of `numel` elements."""
-    return -(-numel // ops.QBLOCK)
+from ..ops import blocks
 
 
 def shard_blocks(shape, shards):
