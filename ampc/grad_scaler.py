@@ -77,6 +77,28 @@ class StepRecord(NamedTuple):
     grad_norm: Union[None, torch.Tensor, Tuple[torch.Tensor, ...]]
 
 
+# The losses enabled scalers have scaled, while they live (a backward holds its root): a
+# step in the backward (Adam(step_in_backward=True)) refuses to run under one.
+_SCALED = {}
+
+
+def scaling_now() -> bool:
+    return any(r() is not None for r in _SCALED.values())
+
+
+def _note_scaled(t):
+    key = id(t)
+    _SCALED[key] = weakref.ref(t, lambda _, key=key: _SCALED.pop(key, None))
+    return t
+
+
+def _refuse_freed(optimizer, funcname):
+    if getattr(optimizer, "step_in_backward", False):
+        raise RuntimeError(f"GradScaler.{funcname}: the optimizer steps in the backward "
+                           "(step_in_backward=True) and has freed its gradients there; pass "
+                           "step_in_backward=False to unscale or clip them")
+
+
 def read_step_records(records: Iterable[StepRecord]) -> list[dict[str, Any]]:
     """Reads StepRecords to the host in one transfer (one wait for the device in all).
 
@@ -391,7 +413,7 @@ class GradScaler:
 
         def apply(value):
             if isinstance(value, torch.Tensor):
-                return value * scale_on(value.device)
+                return _note_scaled(value * scale_on(value.device))
             if isinstance(value, abc.Iterable) and not isinstance(value, (str, bytes)):
                 mapped = map(apply, value)
                 if hasattr(value, "_fields"):           # a namedtuple
@@ -447,6 +469,7 @@ class GradScaler:
         """
         if not self._enabled:
             return
+        _refuse_freed(optimizer, "unscale_")
         state = self._unstepped_state(optimizer, "unscale_")
         if state["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since "
@@ -500,6 +523,7 @@ class GradScaler:
             max_norm (float): the largest total norm kept.
             norm_type (float): the norm's p. Default: 2.0.
         """
+        _refuse_freed(optimizer, "clip_grad_norm_")
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not self._enabled:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)

@@ -1,5 +1,6 @@
 """Peak memory and step time of a GPT-2-shaped training step, side by side in one run: torch's step,
-torch's whole-block checkpointing, ampc's lean state, and ampc's lean state with chosen modules recomputed.
+torch's whole-block checkpointing, ampc's lean state, and ampc's lean state with chosen modules recomputed, saved
+activations in 8 bits and gradients freed in the backward.
 
     python benchmarks/bench_memory.py [--sizes 4x128,16x256] [--reps 5] [--compute fp32|bf16]
                                       [--recompute transformer.h.*.mlp.act] [--compress transformer.h.*]
@@ -15,7 +16,9 @@ next-token cross-entropy. Arms:
   ampc.prepare(model, AdamW, bf16, state="lean") (bf16 weights, no master copy).
 - ampc lean + recompute: the same, and ampc.memory.recompute(model, the --recompute patterns).
 - ampc lean + 8-bit saved: ampc lean, and ampc.memory.compress(model, the --compress patterns, "8bit"): what those
-  modules save for the backward kept in 8 bits; "+ recompute": both.
+  modules save for the backward kept in 8 bits; "+ recompute": both; "+ grads freed": and the optimizer steps
+  each parameter in the backward and frees its gradient there (AdamW(step_in_backward=True)); "+ sliced head": and
+  the head's matmul with the loss a slice of tokens at a time (ampc.memory.linear_cross_entropy).
 --compute fp32 (the default) because on a CPU without native bf16 (AVX2 only) a bf16 matmul is emulated and a
 step takes ~10x longer. Peak: ampc.memory.report (the live-tensor bytes at the step's highest point, measured from
 the tensors and the profiler's allocations, not the allocator's cache), after one warm-up step. Time: the step
@@ -37,7 +40,19 @@ import ampc.memory  # noqa: E402
 from bench_lean_memory import gpt2  # noqa: E402
 
 ARMS = ("torch", "torch + block checkpoint", "ampc lean", "ampc lean + recompute", "ampc lean + 8-bit saved",
-        "ampc lean + 8-bit saved + recompute")
+        "ampc lean + 8-bit saved + recompute", "ampc lean + 8-bit saved + recompute + grads freed",
+        "ampc lean + 8-bit saved + recompute + grads freed + sliced head")
+
+
+class Body(torch.nn.Module):
+    """The model without its head's matmul: the last hidden states, for a loss that applies the head itself."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids):
+        return self.lm.transformer(input_ids=input_ids).last_hidden_state
 
 
 class Checkpointed(torch.nn.Module):
@@ -66,10 +81,11 @@ def arm(name, args, batch, context):
         if "checkpoint" in name:
             model.transformer.h = torch.nn.ModuleList(Checkpointed(b) for b in model.transformer.h)
     elif bf16:
-        model, opt = ampc.prepare(model, ampc.optim.AdamW, torch.bfloat16, lr=1e-3, state="lean")
+        model, opt = ampc.prepare(model, ampc.optim.AdamW, torch.bfloat16, lr=1e-3, state="lean",
+                                  step_in_backward="grads freed" in name)
     else:
-        opt = ampc.optim.AdamW(model.parameters(), lr=1e-3, state="lean")
-    if name.endswith("recompute"):
+        opt = ampc.optim.AdamW(model.parameters(), lr=1e-3, state="lean", step_in_backward="grads freed" in name)
+    if "recompute" in name:
         ampc.memory.recompute(model, args.recompute)
     if "8-bit saved" in name:
         ampc.memory.compress(model, args.compress, "8bit")
@@ -77,6 +93,13 @@ def arm(name, args, batch, context):
 
     def loss_fn(out, tokens):
         return F.cross_entropy(out.logits.float()[:, :-1].reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
+
+    if name.endswith("sliced head"):    # the head's matmul and the loss a slice of tokens at a time
+        head = model.lm_head.weight
+        model = Body(model)
+
+        def loss_fn(out, tokens):       # noqa: F811
+            return ampc.memory.linear_cross_entropy(out[:, :-1], head, tokens[:, 1:])
 
     def step():
         opt.zero_grad(set_to_none=True)

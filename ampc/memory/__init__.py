@@ -3,12 +3,15 @@
 ``report(model, optimizer, batch, loss_fn)`` runs a step and measures its peak and what the
 peak is made of (weights, grads, optimizer state, saved activations by module);
 ``recompute(model, modules)`` makes modules recompute in the backward;
-``compress(model, modules, "8bit")`` makes them keep what they save in 8 bits (or bf16). ``python -m
+``compress(model, modules, "8bit")`` makes them keep what they save in 8 bits (or bf16);
+``linear_cross_entropy(hidden, weight, target)`` is the head and the loss without the whole
+logits. ``python -m
 ampc.memory`` reports on a GPT-2-shaped model. See docs/memory.md.
 """
 from ._compress import Compress, compress, compressed
+from ._head_loss import linear_cross_entropy
 from ._recompute import Recompute, recompute, recomputed
 from ._report import MemoryReport, report
 
-__all__ = ["Compress", "MemoryReport", "Recompute", "compress", "compressed", "recompute",
-           "recomputed", "report"]
+__all__ = ["Compress", "MemoryReport", "Recompute", "compress", "compressed",
+           "linear_cross_entropy", "recompute", "recomputed", "report"]

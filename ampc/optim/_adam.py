@@ -2,6 +2,7 @@
 step strategy per param group (see the package docstring)."""
 from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
 
+import contextlib
 from itertools import repeat
 from operator import attrgetter, is_not
 from typing import Any, Callable, Iterable
@@ -10,6 +11,7 @@ import torch
 
 from .. import _distributed
 from . import _convert, _lean, _packed
+from ._in_backward import InBackward
 from ._control import name
 from ._lean import PRESETS
 
@@ -51,6 +53,12 @@ class Adam(torch.optim.Optimizer):
         decoupled_weight_decay (bool or None): AdamW's decoupled weight decay, as
             torch.optim.Adam's; None (default): False for ``Adam``, True for ``AdamW``. A
             group option, so torch's AdamW checkpoint brings it along.
+        step_in_backward (bool): step each param inside the backward, as soon as its
+            gradient is complete, and free that gradient there, so that no whole-model
+            gradient exists (``step()`` then has nothing left to do). Refused with fp16
+            params, a loss scaler, global-norm clipping, FSDP and several ranks (they need
+            every gradient first); accumulate micro-batches inside ``accumulating()``.
+            Not saved in the state dict. Default: False.
 
     The step is one of two strategies, chosen per param group: the packed master-weight
     step (``_packed``: fp32 moments, ``ampc.ops.adam_packed``) or, with ``moments`` other
@@ -71,7 +79,8 @@ class Adam(torch.optim.Optimizer):
                  master_weights: bool | None = None, stochastic_rounding: bool | None = None,
                  seed: int = 0, moments: str | None = None, moments_min_numel: int = 4096,
                  kahan_summation: bool = False, state: str | None = None,
-                 decoupled_weight_decay: bool | None = None) -> None:
+                 decoupled_weight_decay: bool | None = None,
+                 step_in_backward: bool = False) -> None:
         who = name(self)
         if state is not None:
             if state not in PRESETS:
@@ -113,6 +122,11 @@ class Adam(torch.optim.Optimizer):
                         decoupled_weight_decay=self._decoupled if decoupled_weight_decay is None
                         else bool(decoupled_weight_decay))
         super().__init__(params, defaults)
+        if step_in_backward:
+            hooks = InBackward(self)
+            for index in range(len(self.param_groups)):
+                hooks.add_group(index)
+            self._ampc_in_backward = hooks
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -131,6 +145,8 @@ class Adam(torch.optim.Optimizer):
             index = len(self.param_groups) - 1
             _distributed.check_group(name(self), self.param_groups[-1]["params"], index)
             _lean.check_options(name(self), self.param_groups[-1], index)
+            if "_ampc_in_backward" in self.__dict__:
+                self._ampc_in_backward.add_group(index)
         except ValueError:
             self.param_groups.pop()
             raise
@@ -146,10 +162,23 @@ class Adam(torch.optim.Optimizer):
         rounded from."""
         return self._strategy(group).init_state(self, group, p, master)
 
+    @property
+    def step_in_backward(self) -> bool:
+        return "_ampc_in_backward" in self.__dict__
+
+    def accumulating(self):
+        """A context in which backwards keep (accumulate) the gradients instead of stepping
+        in the backward; the next backward outside it, or ``step()``, steps on their sum.
+        Without ``step_in_backward`` it does nothing."""
+        hooks = self.__dict__.get("_ampc_in_backward")
+        return contextlib.nullcontext() if hooks is None else hooks.keep_grads()
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Performs one optimization step; returns the closure's loss, if any."""
         loss = None
+        if "_ampc_in_backward" in self.__dict__:
+            self._ampc_in_backward.check_step()
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()

@@ -96,10 +96,23 @@ def init_state(opt, group, p, master=None):
 
 def step(opt, group, index, first, grads, mask, cache):
     """One adam_lean call per (device, dtypes, layout) of the params with grads."""
-    who = name(opt)
-    state = opt.state
     live = [(i, p, g) for i, p, g in zip(range(first, first + len(grads)), group["params"],
                                          grads) if g is not None]
+    _step_live(opt, group, live, cache, hyper(group))
+
+
+def step_one(opt, group, position, p, g):
+    """Steps param p alone (the step in the backward). Its stochastic rounding draws from a
+    stream of its own: a one-param call would otherwise start every param's at 0."""
+    args = hyper(group)
+    if args["stochastic"]:
+        args["seed"] = (args["seed"] * 1000003 + position + 1) % (1 << 62)
+    _step_live(opt, group, [(position, p, g)], {}, args)
+
+
+def _step_live(opt, group, live, cache, args):
+    who = name(opt)
+    state = opt.state
     for i, p, _ in live:        # every check before any allocation
         if not has_moments(state[p]) and group["kahan_summation"] and p.dtype == torch.float16:
             raise ValueError(f"{who}: kahan_summation=True needs torch.bfloat16 params; "
@@ -114,7 +127,6 @@ def step(opt, group, index, first, grads, mask, cache):
         moments, weight = layout_of(s)
         key = (p.device, p.dtype, g.dtype, moments, weight)
         buckets.setdefault(key, []).append((i, p, g, s))
-    args = hyper(group)
     for (device, _, _, moments, weight), items in buckets.items():
         indices, params, grads, states = (list(t) for t in zip(*items))
         q8 = moments == "8bit"

@@ -170,6 +170,12 @@ def step(opt, group, index, first, grads, mask, cache):
         _step_buckets(opt, group, _buckets(opt, group, live), cache)
 
 
+def step_one(opt, group, position, p, g):
+    """Steps param p alone (the step in the backward), on its own state tensors (views of
+    a pack, or its own until a whole step packs them)."""
+    _step_buckets(opt, group, _buckets(opt, group, [(position, p, g)]), {})
+
+
 def _plan(opt, group, index, first, grads, mask):
     """Packs the state of the params that have grads (with that of the group's other
     params that have state and share their device, dtype and master weights), reusing
