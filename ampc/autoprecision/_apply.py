@@ -82,10 +82,12 @@ def python(plan) -> str:
         c = u.choice
         if _candidates.fp8_linear(c):
             fp8.append(u.module)
+        if _candidates.saved(c):
+            lines.append(f'ampc.memory.compress(model, "{u.module}", "{_candidates.saved(c)}")')
         if _by_region(plan, u.kind, c):
             continue
         ops = ""
-        if u.kind == "norm" and c != "fp32":
+        if u.kind == "norm" and not _candidates.full_precision(c):
             ops = (", ops={" + ", ".join(f'"{o}": "lower_precision_fp"'
                                          for o in _units.REDUCTION_OPS) + "}")
         out = _cast_outputs(plan, c)
@@ -102,7 +104,7 @@ def python(plan) -> str:
                   "        ampc.fp8.convert(module)"]
     step, loss = _loss_lines(plan, dev)
     if region == "fp32":          # no autocast region at all
-        lines += ["", f"# each step (every module fp32: nothing to set): {step}"] + loss
+        lines += ["", f"# each step (every module computes in fp32: nothing to set): {step}"] + loss
         return "\n".join(lines)
     ctx = f'ampc.autocast("{dev}", dtype={_torch_dtype(_candidates.get(region).dtype)})'
     if plan.rest == "fp32":
@@ -215,7 +217,8 @@ class _Fp8Off:
 class Applied:
     """A plan applied to a model: ``changes`` lists (module, type, choice) for every
     module given a precision; ``set(name, choice)`` changes one; ``remove()`` takes the
-    scopes off again (fp8 modules stay ampc.fp8.Linear, run outside FP8)."""
+    scopes off again, and makes the modules that kept their saved tensors in 8 bits save
+    them as they are (fp8 modules stay ampc.fp8.Linear, run outside FP8)."""
 
     def __init__(self, plan, model: torch.nn.Module) -> None:      # plan: a _plan.Plan
         self.plan, self.model = plan, model
@@ -263,6 +266,8 @@ class Applied:
             ampc.fp8.convert(m)
         elif fp8_now:
             handles.append(_Fp8Off(m))
+        if _candidates.saved(choice):
+            handles.append(ampc.memory.compress(self.model, m, _candidates.saved(choice)))
         self.handles[name] = handles
         self._changes.pop(name, None)
         self._changes[name] = (name, type(m).__name__, choice)

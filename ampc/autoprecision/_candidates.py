@@ -21,6 +21,13 @@ class Candidate:
     loss_scaled: bool = False   # its gradients need a loss scale (their range is checked)
     fp8_linear: bool = False    # the unit is swapped for ampc.fp8.Linear (GEMMs in FP8)
     for_loss: bool = True       # the loss may be computed at it
+    saved: str | None = None    # how the unit keeps what it saves for the backward
+                                # (ampc.memory.compress); None: as it is
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes a value of what the unit saves for the backward."""
+        return 1 if self.saved == "8bit" else self.bytes
 
     def fits(self, module: nn.Module) -> bool:
         """Whether the candidate means something for ``module``."""
@@ -39,6 +46,9 @@ REGISTRY = {c.name: c for c in (
     Candidate("bf16", torch.bfloat16, 2, "fp32"),
     Candidate("fp16", torch.float16, 2, "fp32", loss_scaled=True),
     Candidate("fp8", torch.bfloat16, 1, "bf16", fp8_linear=True, for_loss=False),
+    # the same precisions, with the unit's saved activations kept in 8 bits until the backward
+    Candidate("fp32+8b", torch.float32, 4, "fp32", for_loss=False, saved="8bit"),
+    Candidate("bf16+8b", torch.bfloat16, 2, "bf16", for_loss=False, saved="8bit"),
 )}
 
 
@@ -57,6 +67,15 @@ def loss_scaled(name: str) -> bool:
 
 def fp8_linear(name: str) -> bool:
     return REGISTRY[name].fp8_linear
+
+
+def saved(name: str) -> str | None:
+    return REGISTRY[name].saved
+
+
+def full_precision(name: str) -> bool:
+    """Whether the unit's ops run in fp32 (fp32, and fp32 with its saved tensors coded)."""
+    return REGISTRY[name].dtype == torch.float32
 
 
 def region_dtype(choices) -> str:

@@ -137,8 +137,9 @@ def not_measured_note(measured):
 
 @contextlib.contextmanager
 def at(module, choice, device, recipe):
-    """A region in which ``module`` runs at ``choice`` (fp32: no autocast at all)."""
-    if choice == "fp32":
+    """A region in which ``module`` runs at ``choice`` (fp32: no autocast at all). How the
+    unit keeps its saved tensors is the module's own (``_copies`` sets it)."""
+    if _candidates.full_precision(choice):
         yield
         return
     dtype, ops = _units.scope_args(module, choice)
@@ -165,12 +166,13 @@ def unit_fp16_range(call: Call, ref_dw, scale):
 
 
 def unit_bytes(rec, module, choice):
-    """Bytes of the unit's input and output activations plus its weights at ``choice``:
-    what lower precision saves in memory (the memory objective)."""
+    """Bytes of the unit's input and output activations (what it saves for the backward,
+    roughly) plus its weights at ``choice``: what lower precision or 8-bit saved tensors
+    save in memory (the memory objective)."""
     n = sum(t.numel() for t in float_tensors((rec.args, rec.kwargs)))
     n += 0 if rec.out is None else rec.out.numel()
-    n += _units.param_bytes(module)
-    return n * _candidates.get(choice).bytes
+    c = _candidates.get(choice)
+    return n * c.saved_bytes + _units.param_bytes(module) * c.bytes
 
 
 class Tally:
@@ -213,6 +215,8 @@ def _copies(units, options):
             m = copy.deepcopy(module)
             if _candidates.fp8_linear(c):
                 ampc.fp8.convert(m)
+            if _candidates.saved(c):
+                ampc.memory.compress(m, m, _candidates.saved(c))
             copies[name][c] = m
     return copies
 

@@ -16,11 +16,14 @@ class Objective:
     # without a budget, a step may not slow down past max_slowdown x the fastest plan
     # measured (the time objective takes the fastest anyway)
     has_ceiling: bool
+    candidates: tuple = ("fp32", "bf16", "fp16", "fp8")    # what search() tries when not told
 
 
 REGISTRY = {o.name: o for o in (
     Objective("time", cost="ms", by_speed=True, has_ceiling=False),
-    Objective("memory", cost="bytes", by_speed=False, has_ceiling=True),
+    # and the precisions with saved activations in 8 bits: fewer bytes, for some time
+    Objective("memory", cost="bytes", by_speed=False, has_ceiling=True,
+              candidates=("fp32", "bf16", "fp16", "fp8", "fp32+8b", "bf16+8b")),
 )}
 
 

@@ -91,14 +91,15 @@ def _check_args(model, batches, candidates, budget, objective):
     if not batches or not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in batches):
         raise ValueError("ampc.autoprecision.search: batches must be a non-empty list of "
                          "(inputs, target) pairs")
-    candidates = tuple(candidates)
+    if objective not in _objectives.REGISTRY:
+        raise ValueError(f"ampc.autoprecision.search: objective must be one of "
+                         f"{', '.join(_objectives.REGISTRY)}, got {objective!r}")
+    candidates = tuple(_objectives.get(objective).candidates if candidates is None
+                       else candidates)
     bad = [c for c in candidates if c not in _candidates.REGISTRY]
     if bad or not candidates:
         raise ValueError(f"ampc.autoprecision.search: candidates must be among "
                          f"{', '.join(_candidates.REGISTRY)}, got {candidates!r}")
-    if objective not in _objectives.REGISTRY:
-        raise ValueError(f"ampc.autoprecision.search: objective must be one of "
-                         f"{', '.join(_objectives.REGISTRY)}, got {objective!r}")
     if budget is None:
         budget = Budget()
     elif isinstance(budget, dict):
@@ -227,7 +228,7 @@ def measure_plan(work, batches, loss_fn, plan, ref, device):
 
 
 def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable | None = None, *,
-           candidates: Iterable[str] = ("fp32", "bf16", "fp16", "fp8"),
+           candidates: Iterable[str] | None = None,
            budget: Budget | dict | None = None, objective: str = "time",
            units: Iterable[type] | None = None, device: str | None = None,
            fp8_recipe: str = "delayed", sensitivity: bool = True, check: bool = True,
@@ -241,13 +242,17 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
         batches: a few ``(inputs, target)`` pairs (2 to 4 are enough): errors are averaged
             and times taken as the fastest over them.
         loss_fn: ``loss_fn(output, target)``; default: cross-entropy over the last dim.
-        candidates: precisions to choose from: "fp32", "bf16", "fp16", "fp8" (fp32 is
-            always one). fp8 applies to nn.Linear layers with dims multiple of 16.
+        candidates: precisions to choose from: "fp32", "bf16", "fp16", "fp8", and
+            "fp32+8b", "bf16+8b" (those precisions with the module's saved activations
+            kept in 8 bits until the backward, ``ampc.memory.compress``); fp32 is always
+            one. fp8 applies to nn.Linear layers with dims multiple of 16. Default: the
+            first four for the time objective, all six for the memory objective.
         budget (Budget or dict): relative error a plan may add per step against fp32
             (see :class:`Budget`: loss, grad, wgrad).
         objective: "time" (forward + backward time measured on this device; candidates
             whose matmul is 4x slower than fp32 here are not even tried) or "memory"
-            (bytes of the module's weights and activations: deterministic).
+            (bytes of the module's weights and activations: deterministic; 8 bits a
+            saved activation for the "+8b" candidates).
         units: module types to decide, only those (default: Linear, convolutions,
             MultiheadAttention, norms, Softmax, and any module found to compute a GEMM or
             a norm, such as GPT-2's Conv1D or Llama's RMSNorm).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import textwrap
 
-from . import _objectives
+from . import _candidates, _objectives
 from ._solve import OVER_CEILING, clearly_faster, noise_ratio
 from ._units import Reason
 from ..validate import format_table
@@ -161,10 +161,19 @@ def _ceiling_line(plan):
             f"(\"slower\")")
 
 
+def coded(plan):
+    """The units that keep their saved activations in fewer bits."""
+    return [u.module for u in plan.every_unit if _candidates.saved(u.choice)]
+
+
+def all_fp32(plan):
+    return plan.dtype == "fp32" and not coded(plan)
+
+
 def saving(plan, times):
     """The plan's time against fp32's; an all-fp32 plan is fp32 and saves nothing (two
     timings of the same thing differ only by noise)."""
-    if plan.dtype == "fp32":
+    if all_fp32(plan):
         return f"fp32 {times['fp32_ms']:.2f} ms per step; every module runs fp32: nothing saved"
     diff = times["fp32_ms"] - times["plan_ms"]
     return (f"fp32 {times['fp32_ms']:.2f} ms, plan {times['plan_ms']:.2f} ms, "
@@ -180,7 +189,7 @@ def search_cost(plan):
         return ""
     line = f"search took {d['search_s']:.1f} s"
     m = d.get("measured")
-    if not m or plan.dtype == "fp32":
+    if not m or all_fp32(plan):
         return line
     saved = m["fp32_ms"] - m["plan_ms"]
     if saved <= 0:
@@ -204,6 +213,10 @@ def render(plan, details=False):
                     "choice; every candidate's time and the reasons in full: "
                     "plan.table(details=True)")
     tail.append(_ceiling_line(plan))
+    if coded(plan):
+        names = coded(plan)
+        tail.append(f"saved activations in 8 bits (ampc.memory.compress): {len(names)} module(s), "
+                    + ", ".join(names[:4]) + (", ..." if len(names) > 4 else ""))
     pred = d.get("predicted") or {}
     if pred:
         tail.append(f"predicted (sum over modules, forward + backward): {saving(plan, pred)}")

@@ -91,7 +91,7 @@ def fp8_recipe(name: str | None):
 def scope_args(module, choice):
     """(dtype, ops) of the module_scope that makes ``module`` run at ``choice``."""
     ops = None
-    if kind(module) == "norm" and choice != "fp32":
+    if kind(module) == "norm" and not _candidates.full_precision(choice):
         # fp32 needs no op policy: the scope casts the module's inputs to fp32 and its
         # reductions follow them
         ops = {op: "lower_precision_fp" for op in REDUCTION_OPS}

@@ -39,7 +39,7 @@ def test_short_demo_tracks_fp32_and_writes_outputs(tmp_path, capsys):
     if any(u["choice"] != "fp32" for u in plan["units"]):
         assert "module_scope" in pasted
     else:
-        assert "every module fp32: nothing to set" in pasted
+        assert "every module computes in fp32: nothing to set" in pasted
     # it learned: the first step's loss is about ln(98) = 4.6
     first = data["compare"]["runs"][0]["losses"][0]
     assert first > 4 and rows["fp32"]["train_loss"] < first - 0.8
