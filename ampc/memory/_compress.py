@@ -7,8 +7,9 @@ module saves for its backward and keep, instead of it:
           about 3% relative error), decoded back to the tensor's dtype in the backward;
   "bf16"  a bfloat16 copy of an fp32 tensor (16-bit ones are kept as they are).
 Left as they are: the module's parameters and buffers, tensors of a parameter's shape in
-any order of its dimensions (the 16-bit copies autocast makes of the weights, saved
-transposed: an error there is an error in every input gradient), tensors under ``min_numel`` elements, and non-float ones. A storage saved twice
+any order of its dimensions that are views of a parameter or of another dtype (the 16-bit
+copies autocast makes of the weights, saved transposed: an error there is an error in every
+input gradient), tensors under ``min_numel`` elements, and non-float ones. A storage saved twice
 in one forward (several views of one tensor) is coded once.
 
 The gradients are those of the module run on the decoded values: the error is what the
@@ -105,9 +106,15 @@ class _Packer:
     def __init__(self, module, how, min_numel):
         self.module = module
         self.buffers = {id(t) for t in module.buffers()}     # parameters: by their type
-        # a parameter's shape in any order of its dims (autocast's copy of a weight is
-        # saved transposed by a Linear)
-        self.shapes = {tuple(sorted(t.shape)) for t in module.parameters()}
+        # a parameter's shape in any order of its dims, in another dtype (autocast's copy
+        # of a weight, saved transposed by a Linear) or on the parameter's storage (a view):
+        # an activation of a weight's shape by chance (1024 tokens of 256 before a
+        # Linear(256, 1024)) is coded
+        self.shapes = {}
+        self.params = set()
+        for p in module.parameters():
+            self.shapes.setdefault(tuple(sorted(p.shape)), set()).add(p.dtype)
+            self.params.add(id(p))
         self.name = type(module).__name__
         self.how = how
         self.min_numel = min_numel
@@ -116,8 +123,12 @@ class _Packer:
     def keep_as_is(self, t):
         return (type(t) is not torch.Tensor or id(t) in self.buffers
                 or not t.is_floating_point() or t.numel() < self.min_numel
-                or tuple(sorted(t.shape)) in self.shapes or t.layout != torch.strided
+                or t.layout != torch.strided or self.weight_like(t)
                 or (self.how == "bf16" and t.dtype != torch.float32))
+
+    def weight_like(self, t):
+        dtypes = self.shapes.get(tuple(sorted(t.shape)))
+        return dtypes is not None and (t.dtype not in dtypes or id(t._base) in self.params)
 
     def pack(self, t):
         if self.keep_as_is(t):

@@ -193,6 +193,23 @@ def test_weights_and_their_autocast_copies_are_kept_as_they_are(monkeypatch):
     assert calls == [[(8, 64)]]              # the input only: not the bf16 weight copy
 
 
+def test_an_activation_of_a_weight_s_shape_by_chance_is_coded(monkeypatch):
+    # 96 tokens of 64 before a Linear(64, 96): the input has the weight's shape transposed,
+    # in fp32 and on its own storage; the weight's transposed view (fp32 compute) is kept
+    calls = []
+    real = ops.encode_q8
+    monkeypatch.setattr(ops, "encode_q8", lambda src: calls.append(
+        [tuple(t.shape) for t in src]) or real(src))
+    lin = nn.Linear(64, 96)
+    ampc.memory.compress(lin, lin, min_numel=1)
+    x = torch.randn(96, 64, requires_grad=True)
+    lin(x * 1).sum().backward()
+    assert calls == [[(96, 64)]]
+    ref = x.detach().t() @ torch.ones(96, 96)
+    err = (lin.weight.grad - ref.t()).norm() / ref.norm()
+    assert 0 < err < 0.05
+
+
 def test_one_storage_saved_twice_is_coded_once(monkeypatch):
     calls = []
     real = ops.encode_q8
