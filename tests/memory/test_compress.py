@@ -180,11 +180,14 @@ def test_double_backward_is_refused():
         torch.autograd.grad(m(x).sum(), x, create_graph=True)
 
 
+def _record_encodes(monkeypatch):
+    """The shapes of every encode_q8 call from here on."""
+    calls = _record_encodes(monkeypatch)
+    return calls
+
+
 def test_weights_and_their_autocast_copies_are_kept_as_they_are(monkeypatch):
-    calls = []
-    real = ops.encode_q8
-    monkeypatch.setattr(ops, "encode_q8", lambda src: calls.append(
-        [tuple(t.shape) for t in src]) or real(src))
+    calls = _record_encodes(monkeypatch)
     lin = nn.Linear(64, 96)
     ampc.memory.compress(lin, lin, min_numel=1)
     x = torch.randn(8, 64, requires_grad=True)
@@ -196,10 +199,7 @@ def test_weights_and_their_autocast_copies_are_kept_as_they_are(monkeypatch):
 def test_an_activation_of_a_weight_s_shape_by_chance_is_coded(monkeypatch):
     # 96 tokens of 64 before a Linear(64, 96): the input has the weight's shape transposed,
     # in fp32 and on its own storage; the weight's transposed view (fp32 compute) is kept
-    calls = []
-    real = ops.encode_q8
-    monkeypatch.setattr(ops, "encode_q8", lambda src: calls.append(
-        [tuple(t.shape) for t in src]) or real(src))
+    calls = _record_encodes(monkeypatch)
     lin = nn.Linear(64, 96)
     ampc.memory.compress(lin, lin, min_numel=1)
     x = torch.randn(96, 64, requires_grad=True)
