@@ -1,8 +1,8 @@
 """Does an ampc.autoprecision plan train inside fp32's seed-to-seed spread, on runs long enough that
-fp32's seeds agree? search() then Plan.verify() on four models.
+fp32's seeds agree? search() then Plan.verify() on five models.
 
-    python benchmarks/bench_plan_verify.py [--models resnet18,bncnn,bert,gpt2] [--steps N] [--seeds 3]
-        [--objectives memory,time] [--quick] [--out FILE] [--json]
+    python benchmarks/bench_plan_verify.py [--models resnet18,bncnn,bert,gpt2,gpt2text] [--steps N]
+        [--seeds 3] [--objectives memory,time] [--candidates fp32,bf16] [--quick] [--out FILE] [--json]
 
 Models and their tasks (synthetic and learnable; fresh batches every step, nothing to memorize; 40% of
 the classifiers' labels replaced at random, so that the loss falls to a floor well above zero, where
@@ -18,8 +18,11 @@ relative loss gaps stay meaningful and a calibrated model, not an overconfident 
   gpt2      transformers' GPT2LMHeadModel from a fresh small GPT2Config (2 layers, width 128, vocab 256,
             dropout 0), batch 16 of 32 tokens: each sequence steps through the vocabulary by a stride of 1
             to 4 from a random start, 15% of the tokens replaced at random; lr 3e-3
-For each model and objective: ``search`` (candidates fp32 and bf16, repeats 1) on two batches the
-training does not see, then ``plan.verify``: fp32 from each of --seeds seeds (its run-to-run spread),
+  gpt2text  the same GPT2LMHeadModel on real text: the demo's (ampc.demo) characters of Python's standard
+            library and its vocabulary of 98, batch 16 of 64 characters (the demo's batch_maker); lr 2e-3
+For each model and objective: ``search`` (the objective's own default candidates, the memory objective's
+with saved activations in 8 bits, unless --candidates says; repeats 1) on two batches the training does
+not see, then ``plan.verify``: fp32 from each of --seeds seeds (its run-to-run spread),
 torch.amp bf16 and the plan from seed 0's weights, on the same batches, AdamW at the model's rate.
 
 Reported per model: modules per precision; the whole plan's gradient error at search time against fp32's
@@ -30,6 +33,7 @@ over 5% the spread is too wide for one), and against the mean of the fp32 seeds 
 quarters of its steps; the times. The raw output (plans, validate's tables) goes to --out.
 """
 import contextlib
+import functools
 import io
 import json
 import os
@@ -120,9 +124,9 @@ def topic_task():
 VOCAB = 256
 
 
-def gpt2():
+def gpt2(vocab=VOCAB, seq=SEQ):
     import transformers
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=128, n_layer=2, n_head=2,
+    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=128, n_layer=2, n_head=2,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                   bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(cfg)
@@ -141,6 +145,22 @@ def stride_task():
     return make_batch
 
 
+CONTEXT = 64
+
+
+def gpt2text():
+    from ampc.demo._text import VOCAB as CHARS
+    return gpt2(len(CHARS), CONTEXT)
+
+
+@functools.cache
+def text_batches():
+    """make_batch(step) of the demo's text: random windows of its training characters."""
+    from ampc.demo._model import batch_maker
+    from ampc.demo._text import load_text
+    return batch_maker(load_text()[0], CONTEXT, BATCH, seed=0)
+
+
 def gpt2_units():
     from transformers.pytorch_utils import Conv1D
     return (Conv1D, nn.Linear, nn.LayerNorm)    # GPT-2's projections are Conv1D (an addmm)
@@ -153,6 +173,7 @@ MODELS = {
     "bncnn": (bn_cnn, IMAGES, lambda: None, 3e-3, 2000, 24),
     "bert": (bert, topic_task(), lambda: None, 1e-3, 800, 24),
     "gpt2": (gpt2, stride_task(), gpt2_units, 3e-3, 800, 24),
+    "gpt2text": (gpt2text, lambda step: text_batches()(step), gpt2_units, 2e-3, 800, 24),
 }
 
 
@@ -196,7 +217,7 @@ def against_mean(report, row):
     return (row["final_loss"] - mean) / (max(finals) - min(finals))
 
 
-def one(name, objective, steps, seeds, out):
+def one(name, objective, steps, seeds, candidates, out):
     """search then verify on one model; the summary rows, the raw tables printed to ``out``."""
     make_model, make_batch, units, lr, _, _ = MODELS[name]
     torch.manual_seed(0)
@@ -204,16 +225,17 @@ def one(name, objective, steps, seeds, out):
     batches = [make_batch(10_000 + k) for k in range(2)]       # not among the training batches
     with LoadWatch() as load:
         t0 = time.perf_counter()
-        plan = search(model, batches, candidates=("fp32", "bf16"), objective=objective, repeats=1,
+        plan = search(model, batches, candidates=candidates, objective=objective, repeats=1,
                       units=units())
         search_s = time.perf_counter() - t0
+        out(f"\n== {name}, objective {objective}, candidates {', '.join(plan.data['candidates'])}: "
+            f"{steps} steps, fp32 seeds {list(range(seeds))}, lr {lr:g}, "
+            f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters ==")
+        out(plan.table())               # before the long part: what is being trained
         t0 = time.perf_counter()
         report = plan.verify(make_model, make_batch, steps, seeds=tuple(range(seeds)), lr=lr,
                              progress=False)
         verify_s = time.perf_counter() - t0
-    out(f"\n== {name}, objective {objective}: {steps} steps, fp32 seeds {list(range(seeds))}, lr {lr:g}, "
-        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters ==")
-    out(plan.table())
     out(report.table())
     m = plan.data["measured"]
     counts = {}
@@ -243,6 +265,8 @@ def main():
     p.add_argument("--steps", type=int, default=0, help="training steps (0: each model's own)")
     p.add_argument("--seeds", type=int, default=3, help="fp32 seeds (at least 2: the spread)")
     p.add_argument("--objectives", default="memory", help="search objectives: memory, time")
+    p.add_argument("--candidates", default=None,
+                   help="search candidates, comma-separated (default: the objective's own)")
     p.add_argument("--quick", action="store_true", help="a smoke check: few steps, 2 seeds")
     p.add_argument("--out", default=None, help="file for the raw output (default: benchmarks/results/"
                                                   "plan_verify_*.txt; none with --quick)")
@@ -261,7 +285,8 @@ def main():
     for name in args.models.split(","):
         steps = args.steps or MODELS[name][5 if args.quick else 4]
         for objective in args.objectives.split(","):
-            rows += one(name, objective, steps, seeds, out)
+            rows += one(name, objective, steps, seeds,
+                        args.candidates and args.candidates.split(","), out)
     notes = [f"verdict: validate's; within when the final gap to fp32 seed 0 is no larger than fp32's "
              f"spread (over {100 * MAX_SPREAD:g}%: too wide to judge); gap/range: to the fp32 seeds' mean, "
              "in units of their range", "grad err, grad noise: the whole plan at search time against "
