@@ -23,14 +23,16 @@ relative loss gaps stay meaningful and a calibrated model, not an overconfident 
 For each model and objective: ``search`` (the objective's own default candidates, the memory objective's
 with saved activations in 8 bits, unless --candidates says; repeats 1) on two batches the training does
 not see, then ``plan.verify``: fp32 from each of --seeds seeds (its run-to-run spread),
-torch.amp bf16 and the plan from seed 0's weights, on the same batches, AdamW at the model's rate.
+torch.amp bf16 and the plan from the same seeds' weights (paired), on the same batches, AdamW at the model's rate.
 
 Reported per model: modules per precision; the whole plan's gradient error at search time against fp32's
 batch-to-batch spread of the gradients (plan.data["measured"]; the plan may use half of it); each setup's
-final loss gap to fp32 seed 0 against fp32's spread (validate's verdict: within when the gap is no larger;
-over 5% the spread is too wide for one), and against the mean of the fp32 seeds in units of their range
-(max - min of their final losses); fp32's spread had the run stopped at a quarter, half and three
-quarters of its steps; the times. The raw output (plans, validate's tables) goes to --out.
+final loss gap to fp32 seed 0; validate's verdict (its gap to fp32 of the same seed over the last quarter
+of the run, with a 95% interval over the seeds, against fp32's spread: the largest such gap between fp32
+seed 0 and another seed; over 5% the spread is too wide for one); the final loss against the mean of the
+fp32 seeds in units of their range (max - min of their final losses); the largest smoothed gap between
+fp32's seeds over the second half of the run, had it stopped at a quarter, half and three quarters of its
+steps (a wider measure than validate's spread); the times. The raw output (plans, validate's tables) goes to --out.
 """
 import contextlib
 import functools
@@ -287,9 +289,11 @@ def main():
         for objective in args.objectives.split(","):
             rows += one(name, objective, steps, seeds,
                         args.candidates and args.candidates.split(","), out)
-    notes = [f"verdict: validate's; within when the final gap to fp32 seed 0 is no larger than fp32's "
-             f"spread (over {100 * MAX_SPREAD:g}%: too wide to judge); gap/range: to the fp32 seeds' mean, "
-             "in units of their range", "grad err, grad noise: the whole plan at search time against "
+    notes = [f"verdict: validate's, from the gap to fp32 of the same seed over the last quarter (95% "
+             f"interval over the seeds) against fp32's spread (over {100 * MAX_SPREAD:g}%: too wide to judge); "
+             "gap %: the final gap to fp32 seed 0; gap/range: to the fp32 seeds' mean, in units of their "
+             "range; spread@k/4: the largest smoothed gap between fp32's seeds over the second half of the "
+             "first k quarters", "grad err, grad noise: the whole plan at search time against "
              "fp32 and fp32's batch-to-batch spread (the plan may use half of it)",
              "load: the 1-minute load average over search and verify, mean (max)"]
     if args.json:
