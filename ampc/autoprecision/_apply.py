@@ -46,6 +46,8 @@ def apply(plan, model: torch.nn.Module) -> Applied:
     try:
         for u in plan:
             applied.place(u.module)
+        if recomputed(plan):
+            applied.recompute = ampc.memory.recompute(model, recomputed(plan))
     except BaseException:
         applied.remove()
         for name, (cls, buffers) in before.items():    # fp8.convert's class and state
@@ -55,6 +57,11 @@ def apply(plan, model: torch.nn.Module) -> Applied:
             m.__class__ = cls
         raise
     return applied
+
+
+def recomputed(plan) -> list[str]:
+    """The modules the plan recomputes in the backward (a byte budget's last resort)."""
+    return list(plan.data.get("recompute") or [])
 
 
 def autocast(plan) -> contextlib.ExitStack:
@@ -78,6 +85,8 @@ def python(plan) -> str:
     lines = [f"# ampc.autoprecision plan: {len(plan.units)} modules, region {region}",
              "import torch", "import ampc", ""]
     fp8 = []
+    if recomputed(plan):
+        lines.append(f"ampc.memory.recompute(model, {recomputed(plan)!r})")
     for u in plan:
         c = u.choice
         if _candidates.fp8_linear(c):
@@ -224,6 +233,7 @@ class Applied:
         self.plan, self.model = plan, model
         self.modules = dict(model.named_modules())
         self.handles = {}
+        self.recompute = None    # the ampc.memory.recompute handle of the plan's blocks
         self._changes = {}       # name -> (name, type, choice), in the order first set
         self._by_region = {}     # modules the region's dtype already gives their choice
 
@@ -280,6 +290,9 @@ class Applied:
             for h in hs:
                 h.remove()
         self.handles = {}
+        if self.recompute is not None:
+            self.recompute.remove()
+            self.recompute = None
 
     def __str__(self) -> str:
         return "\n".join([f"ampc.autoprecision: {len(self._changes)} modules set"]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
-from . import _candidates, _loss, _measure, _objectives, _units
+from . import _candidates, _loss, _measure, _objectives, _peak, _units
 from ._apply import param_shapes
 from ._plan import Plan, VERSION
 from ._solve import (CEILING, ERRORS, MARGIN, Budget, Over, clearly_faster, order, raise_one,
@@ -233,7 +233,9 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
            units: Iterable[type] | None = None, device: str | None = None,
            fp8_recipe: str = "delayed", sensitivity: bool = True, check: bool = True,
            max_backoffs: int = 12, repeats: int = 2, loss_unit: bool = True,
-           warmup: int | str = "auto", max_slowdown: float | None = CEILING) -> Plan:
+           warmup: int | str = "auto", max_slowdown: float | None = CEILING,
+           peak_bytes: int | None = None,
+           optimizer: Callable = torch.optim.AdamW) -> Plan:
     """Chooses a precision for each module of ``model`` from measured error and measured
     cost, under an error budget, and checks the whole choice.
 
@@ -273,7 +275,16 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
             module that still shows nothing is kept fp32, "not measured". The notes say which.
         max_slowdown: the memory objective's ceiling: no candidate more than this many
             times slower than its module's fastest within the budget, and no whole step more
-            than this many times fp32's (default 1.25); None lifts it.
+            than this many times fp32's (default 1.25); None lifts it. Not used with
+            ``peak_bytes``.
+        peak_bytes: the memory objective's byte budget for a training step's peak (live
+            tensors, as ``ampc.memory.report`` measures it, with ``optimizer``): the fastest
+            plan within the error budget is measured, and its modules lowered (to fewer bytes,
+            the most bytes for the least time first) and measured again until the step fits
+            (at most 4 rounds). ``plan.data["peak"]`` has the figures; the notes say whether
+            the budget was met (and a warning when it was not: the error budget wins).
+        optimizer: what the step of ``peak_bytes`` trains with: a callable that takes the
+            parameters and returns an optimizer (default torch.optim.AdamW).
         check (bool): measure the whole plan against fp32 and back off the worst
             contributor until it fits the budget: one module per round for 4 rounds, then
             2, 4, ... per round, at most ``max_backoffs`` rounds (12: up to 60 modules),
@@ -292,9 +303,10 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
         raise ValueError(f"ampc.autoprecision.search: fp8_recipe must be 'delayed' or "
                          f"'current', got {fp8_recipe!r}")
     warmup, ceiling = _check_warmup(warmup), _check_ceiling(max_slowdown)
+    _peak.check_args(peak_bytes, optimizer, objective)
     goal = _objectives.get(objective)
-    if not goal.has_ceiling:
-        ceiling = None               # the time objective takes the fastest anyway
+    if not goal.has_ceiling or peak_bytes is not None:
+        ceiling = None               # the fastest plan is taken (then lowered to the budget)
     # a candidate this slow is not measured further (the ceiling would rule it out)
     slow = SLOW if goal.by_speed else ceiling and max(SLOW, ceiling)
     loss_fn = loss_fn or default_loss
@@ -318,11 +330,18 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     notes += [note] if note else []
     if not sensitivity:
         _blind(measured)
-    plan = _first_plan(found, measured, budget, objective, candidates, fp8_recipe, loss_scale,
-                       device, notes, loss_name, ceiling)
+    plan, rejected = _first_plan(found, measured, budget, objective, candidates, fp8_recipe,
+                                 loss_scale, device, notes, loss_name, ceiling,
+                                 _peak.start(objective, peak_bytes))
+    if peak_bytes is not None:
+        _peak.fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes,
+                  optimizer)
+        fitted = plan.decisions
     if check:
         _check_whole(model, batches, loss_fn, plan, measured, budget, objective, device,
                      max_backoffs)
+    if peak_bytes is not None:
+        _peak.settle(plan, model, batches, loss_fn, optimizer, fitted)
     plan.data["predicted"] = {
         "fp32_ms": sum(u.options["fp32"]["ms"] or 0.0 for u in plan.every_unit),
         "plan_ms": sum(u.figures()["ms"] or 0.0 for u in plan.every_unit)}
@@ -395,10 +414,11 @@ def solve_with_loss(measured, budget, objective, ceiling=None):
 
 
 def _first_plan(found, measured, budget, objective, candidates, fp8_recipe, loss_scale, device,
-                notes, loss_name, ceiling=None):
-    """The solver's plan, unit by unit (the loss one of them, where measured), before any
-    whole-model check."""
-    choice, rejected = solve_with_loss(measured, budget, objective, ceiling)
+                notes, loss_name, ceiling=None, solve_as=None):
+    """(the solver's plan, unit by unit (the loss one of them, where measured), before any
+    whole-model check; {unit: {candidate: why not}}). ``solve_as``: the objective the
+    solver ranks by, when not the plan's own."""
+    choice, rejected = solve_with_loss(measured, budget, solve_as or objective, ceiling)
     units = [{"module": n, "type": type(m).__name__, "kind": _units.kind(m), "choice": choice[n],
               "shapes": param_shapes(m),
               "options": measured[n], "rejected": rejected[n]} for n, m in found.items()]
@@ -411,7 +431,7 @@ def _first_plan(found, measured, budget, objective, candidates, fp8_recipe, loss
                  "objective": objective, "budget": budget.as_dict(), "candidates": list(candidates),
                  "fp8_recipe": fp8_recipe, "loss_scale": loss_scale, "ceiling": ceiling,
                  "notes": notes,
-                 "backoffs": [], "units": units, "loss": loss})
+                 "backoffs": [], "units": units, "loss": loss}), rejected
 
 
 def _fp32_reference(model, batches, loss_fn, device):

@@ -60,6 +60,8 @@ def reasons(plan, u) -> dict[str, tuple[str, str]]:
             continue
         if u.reason in _HELD:
             out[c] = _HELD[u.reason]
+        elif plan.data.get("peak"):
+            out[c] = ("not needed", "the step's peak fit the byte budget without it")
         elif (_objectives.get(plan.data["objective"]).by_speed and r.get("ms") and mine.get("ms")
               and clearly_faster(mine["ms"], r["ms"])):
             out[c] = ("slower", f"slower: {r['ms']:.2f} ms against {mine['ms']:.2f} at "
@@ -216,6 +218,10 @@ def render(plan, details=False):
     if coded(plan):
         names = coded(plan)
         tail.append(f"saved activations in 8 bits (ampc.memory.compress): {len(names)} module(s), "
+                    + ", ".join(names[:4]) + (", ..." if len(names) > 4 else ""))
+    if d.get("recompute"):
+        names = d["recompute"]
+        tail.append(f"recomputed in the backward (ampc.memory.recompute): {len(names)} module(s), "
                     + ", ".join(names[:4]) + (", ..." if len(names) > 4 else ""))
     pred = d.get("predicted") or {}
     if pred:

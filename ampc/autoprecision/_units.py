@@ -45,6 +45,7 @@ class Reason(str, enum.Enum):
     BACKED_OFF = "backed off"             # raised: the whole plan was over the budget
     WHOLE_MODEL = "whole model"           # the whole model measured faster this way
     ALL_FP32 = "all fp32"                 # the whole plan kept in fp32 (over budget or slower)
+    PEAK = "peak budget"                  # lowered: the step's peak was over the byte budget
     MONITOR = "monitor"                   # raised by the Monitor during training
     SET = "set"                           # set by hand (Applied.set)
 

@@ -1,5 +1,6 @@
 """Models built to have known answers for ampc.autoprecision.search."""
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 VOCAB = 4096
@@ -57,3 +58,15 @@ def target_batches(model, n=3, batch=32, seed=0):
         with torch.no_grad():
             out.append((x, model(x).argmax(-1)))
     return out
+
+
+class Block(nn.Module):
+    """A residual MLP block: two units whose saved activations outweigh their weights."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(x)))

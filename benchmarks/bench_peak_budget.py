@@ -1,0 +1,121 @@
+"""The memory objective with a byte budget: ampc.autoprecision.search(..., objective="memory",
+peak_bytes=f x fp32's peak) on a GPT-2-shaped model, for a few fractions f. Per budget: whether it was
+met, the step's peak the search measured (ampc.memory.report, torch.optim.AdamW), what the plan chose
+(modules per candidate, blocks recomputed), the search's time, and the plan's training step time against
+fp32's (forward, backward and AdamW step; reps interleaved, median and quartiles).
+
+    python benchmarks/bench_peak_budget.py [--fractions 0.8,0.6,0.4] [--batch 8] [--context 128]
+                                           [--width 256] [--layers 2] [--vocab 4096] [--reps 5]
+
+Model: transformers' GPT2LMHeadModel (bench_lean_memory.py's, dropout 0, its KV cache off), random
+tokens, next-token cross-entropy; the search gets two batches (repeats 1).
+"""
+import argparse
+import contextlib
+import statistics
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import _harness as H
+
+ampc = H.import_ampc()
+import ampc.autoprecision  # noqa: E402
+from bench_lean_memory import gpt2  # noqa: E402
+
+MiB = float(1 << 20)
+
+
+def lm_loss(out, y):
+    return F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten())
+
+
+def batches(args, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=g)
+        out.append(({"input_ids": ids[:, :-1], "use_cache": False}, ids[:, 1:]))
+    return out
+
+
+def fresh(args):
+    torch.manual_seed(0)
+    return gpt2(args)
+
+
+def stepper(args, plan):
+    """A training step of a fresh model with ``plan`` applied (None: fp32)."""
+    model = fresh(args)
+    region, loss_fn = contextlib.nullcontext, lm_loss
+    if plan is not None:
+        plan.apply(model)
+        region, loss_fn = plan.autocast, plan.loss(lm_loss)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    (inputs, y), = batches(args, 1, seed=1)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with region():
+            out = model(**inputs)
+        loss_fn(out, y).backward()
+        opt.step()
+    return step
+
+
+def counts(plan):
+    c = {}
+    for u in plan.every_unit:
+        c[u.choice] = c.get(u.choice, 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in sorted(c.items()))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fractions", default="0.8,0.6,0.4", help="budgets as fractions of fp32's peak")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args()
+    print(H.machine("cpu"))
+    print(f"model: GPT-2 width {args.width}, {args.layers} layers, vocab {args.vocab}; batch "
+          f"{args.batch} x {args.context}; {sum(p.numel() for p in fresh(args).parameters()) / 1e6:.2f}M params")
+    fp32_peak = None
+    plans = {}
+    for f in [float(x) for x in args.fractions.split(",")]:
+        if fp32_peak is None:      # the first search measures fp32's peak; budgets follow from it
+            probe = ampc.autoprecision.search(fresh(args), batches(args, 2), lm_loss, objective="memory",
+                                              peak_bytes=1 << 60, repeats=1, check=False,
+                                              candidates=("fp32",))
+            fp32_peak = probe.data["peak"]["fp32"]
+            print(f"fp32 step peak: {fp32_peak / MiB:.1f} MiB")
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            plan = ampc.autoprecision.search(fresh(args), batches(args, 2), lm_loss, objective="memory",
+                                             peak_bytes=int(f * fp32_peak), repeats=1)
+        s = time.perf_counter() - t0
+        d = plan.data["peak"]
+        plans[f] = plan
+        print(f"\nbudget {f:.2f} x fp32 = {d['budget'] / MiB:.1f} MiB: {'met' if d['met'] else 'NOT met'}, "
+              f"step peak {d['bytes'] / MiB:.1f} MiB ({d['bytes'] / fp32_peak:.2f}x fp32; the fastest plan "
+              f"{d['fastest'] / MiB:.1f}), {d['rounds']} round(s), search {s:.0f} s")
+        print(f"  choices: {counts(plan)}; recomputed: {plan.data.get('recompute') or 'none'}")
+    fns = {"fp32": stepper(args, None)}
+    fns.update({f"budget {f:.2f}": stepper(args, plan) for f, plan in plans.items()})
+    times = H.time_reps(fns, "cpu", reps=args.reps, warm=True)
+    print(f"\nstep time (forward + backward + AdamW), {args.reps} interleaved reps, median [q1, q3] ms, "
+          "ratio to fp32's median:")
+    base = statistics.median(times["fp32"])
+    for name, t in times.items():
+        q = statistics.quantiles(t, n=4)
+        print(f"  {name:12s} {statistics.median(t):8.1f} [{q[0]:.1f}, {q[2]:.1f}]  {statistics.median(t) / base:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""The memory objective's byte budget for a step's peak (search's ``peak_bytes``): the fastest
+plan is lowered, module by module, until the step measures under the budget; the figures are
+the step's as ampc.memory.report measures it, and a budget that cannot be met is said."""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import ampc.memory
+from ampc.autoprecision import Plan, search
+from ampc.autoprecision._peak import _Under
+from ampc.autoprecision._units import Reason
+from autoprecision_models import Block
+
+CANDIDATES = ("fp32", "bf16", "fp32+8b", "bf16+8b")
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), Block(), Block(), Block(), nn.Linear(64, 10))
+
+
+def _batches(n=2):
+    # activations (512 rows x 256 wide) well above the weights: what a budget can move
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(512, 32, generator=g), torch.randint(0, 10, (512,), generator=g))
+            for _ in range(n)]
+
+
+def _search(peak_bytes, **kw):
+    return search(_model(), _batches(), candidates=CANDIDATES, objective="memory",
+                  peak_bytes=peak_bytes, repeats=1, **kw)
+
+
+def _measured(plan):
+    """The plan's step measured here, apart from the search: a fresh model, the plan applied."""
+    model = _model()
+    plan.apply(model)
+    return ampc.memory.report(_Under(model, plan.autocast),
+                              torch.optim.AdamW(model.parameters()), _batches()[0],
+                              plan.loss(None)).peak
+
+
+@pytest.fixture(scope="module")
+def least():
+    """The plan for a budget no plan meets: every module as low as its errors allow."""
+    with pytest.warns(UserWarning, match="peak budget .* NOT met"):
+        return _search(1)
+
+
+def test_a_budget_no_plan_meets_gives_the_least_and_says_so(least):
+    d = least.data["peak"]
+    assert d["met"] is False and d["budget"] == 1
+    assert d["bytes"] < d["fp32"], d          # it did lower what it could
+    assert any("NOT met" in n for n in least.data["notes"])
+    assert "NOT met" in least.table()
+    # where it is not recomputed, every module in fewer bytes than fp32 (lowered, or so
+    # already in the fastest plan where a candidate timed as a tie)
+    blocks = tuple(b + "." for b in least.data["recompute"])
+    outside = [u for u in least if not u.module.startswith(blocks)]
+    assert outside and all(u.figures()["bytes"] < u.options["fp32"]["bytes"] for u in outside)
+    # the figure is the step's: measured again apart from the search, the same bytes
+    assert _measured(least) == d["bytes"]
+
+
+def test_a_budget_between_is_met_lowering_less_than_the_least(least):
+    d0 = least.data["peak"]
+    mid = (d0["fastest"] + d0["bytes"]) // 2
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        plan = _search(mid)
+    assert not [w for w in said if "peak budget" in str(w.message)], (mid, plan.data["notes"])
+    d = plan.data["peak"]
+    assert d["met"] and d["bytes"] <= mid, d
+    assert _measured(plan) <= mid
+    assert any("peak budget" in n and ": met" in n for n in plan.data["notes"])
+    # lowered where the fastest plan was over (whether it was depends on which candidates
+    # timed as ties here), but not as far as the least plan: what fits is taken, no more
+    assert d["rounds"] == 0 or any(u.reason is Reason.PEAK for u in plan) or plan.data["recompute"]
+    assert len(plan.data.get("recompute") or []) <= len(least.data["recompute"])
+    # the figures and the reason survive a save and a load; the table says why not lower
+    again = Plan.from_json(plan.to_json())
+    assert again.data["peak"] == d and again.decisions == plan.decisions
+    assert "not needed" in plan.table() or all(u.reason is Reason.PEAK for u in plan)
+
+
+@pytest.fixture(scope="module")
+def roomy():
+    """The plan for a budget the fastest plan meets."""
+    return _search(10 ** 12)
+
+
+def test_a_budget_the_fastest_plan_meets_lowers_nothing(roomy):
+    plan = roomy
+    d = plan.data["peak"]
+    assert d["met"] and d["rounds"] == 0 and d["bytes"] == d["fastest"]
+    assert not any(u.reason is Reason.PEAK for u in plan)
+    assert plan.data["ceiling"] is None      # a budget, not the time ceiling
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(peak_bytes=10 ** 6, objective="time"), ValueError, "objective='memory'"),
+    (dict(peak_bytes=0, objective="memory"), ValueError, "peak_bytes must be a positive"),
+    (dict(peak_bytes=-5, objective="memory"), ValueError, "peak_bytes must be a positive"),
+    (dict(peak_bytes=float("inf"), objective="memory"), ValueError, "peak_bytes"),
+    (dict(peak_bytes=True, objective="memory"), ValueError, "peak_bytes"),
+    (dict(peak_bytes=10 ** 6, objective="memory", optimizer="adamw"), TypeError, "optimizer"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(kw, err, match):
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(err, match=match) as e:
+        search(model, _batches(), **kw)
+    assert "ampc.autoprecision.search" in str(e.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_optimizer_given_is_the_one_measured(roomy):
+    # SGD keeps no state: the same plan's step measures fewer bytes than with AdamW's moments
+    sgd = _search(10 ** 12, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    adamw = roomy
+    n_params = sum(p.numel() for p in _model().parameters())
+    assert adamw.data["peak"]["fp32"] - sgd.data["peak"]["fp32"] >= 2 * 4 * n_params
+
+
+def test_blocks_are_recomputed_when_lowering_is_not_enough(least):
+    # every Block holds two units: recomputed whole, its modules' codes dropped (a copy
+    # of what is not saved); the plan applies, pastes, prints and removes it
+    assert least.data["recompute"] == ["1", "2", "3"]
+    assert not any(u.choice.endswith("+8b") for u in least if u.module[:2] in ("1.", "2.", "3."))
+    assert "ampc.memory.recompute(model, ['1', '2', '3'])" in least.python()
+    assert "recomputed in the backward (ampc.memory.recompute): 3 module(s)" in least.table()
+    model = _model()
+    applied = least.apply(model)
+    assert ampc.memory.recomputed(model) == ["1", "2", "3"]
+    applied.remove()
+    assert ampc.memory.recomputed(model) == []
+    again = Plan.from_json(least.to_json())
+    assert again.data["recompute"] == ["1", "2", "3"]
+
+
+def test_a_saved_plan_with_bad_recompute_is_refused(roomy):
+    d = roomy.as_dict()
+    d["recompute"] = "1"
+    with pytest.raises(ValueError, match="recompute must be a list of module names"):
+        Plan(d)
+
+
+def _figures(ms, bytes_, loss_err=0.0, dgrad_err=0.0):
+    return {"ms": ms, "bytes": bytes_, "loss_err": loss_err, "dgrad_err": dgrad_err,
+            "wgrad_err": 0.0}
+
+
+class _Plan:
+    def __init__(self, choice):
+        self.decisions = dict(choice)
+
+
+def test_the_moves_save_the_most_bytes_for_the_least_time_within_the_errors():
+    from ampc.autoprecision._peak import _Lowering
+    from ampc.autoprecision._solve import Budget
+    measured = {
+        "a": {"fp32": _figures(1.0, 1000), "fp32+8b": _figures(1.1, 400)},     # 0.1 ms for 600 B
+        "b": {"fp32": _figures(1.0, 1000), "bf16": _figures(3.0, 500)},        # 2 ms for 500 B
+        "c": {"fp32": _figures(1.0, 1000), "bf16": _figures(1.0, 900, loss_err=0.06)},  # over
+        "blk.x": {"fp32": _figures(3.0, 1000), "fp32+8b": _figures(3.3, 400)},  # 0.3 ms
+        "blk.y": {"fp32": _figures(3.0, 1000)},
+    }
+    usable = {n: list(o) for n, o in measured.items()}
+    budget = Budget(loss=0.05)
+    # 600 B wanted: a alone (cheapest per byte) covers it
+    low = _Lowering(_Plan(dict.fromkeys(measured, "fp32")), usable, measured, budget, [], {})
+    changed, blocks, got = low.take(600)
+    assert changed == {"a": "fp32+8b"} and not blocks and got == 600
+    # more wanted: blk.x, then b; c never (its loss error alone is over)
+    low = _Lowering(_Plan(dict.fromkeys(measured, "fp32")), usable, measured, budget, [], {})
+    changed, blocks, got = low.take(10 ** 6)
+    assert changed == {"a": "fp32+8b", "blk.x": "fp32+8b", "b": "bf16"} and got == 1700
+    # a block recomputed: 2 ms (a third of its units' 6) for 5000 B, after a, before blk.x's
+    # code and b; its units make no moves of their own then
+    low = _Lowering(_Plan(dict.fromkeys(measured, "fp32")), usable, measured, budget, [],
+                    {"blk": 5000})
+    changed, blocks, got = low.take(10 ** 6)
+    assert blocks == ["blk"] and changed == {"a": "fp32+8b", "b": "bf16"} and got == 6100
+    # a unit of it coded before: the code is dropped (nothing inside is saved)
+    low = _Lowering(_Plan({**dict.fromkeys(measured, "fp32"), "blk.x": "fp32+8b"}), usable,
+                    measured, budget, [], {"blk": 5000})
+    changed, blocks, _ = low.take(5000)
+    assert blocks == ["blk"] and changed == {"a": "fp32+8b", "blk.x": "fp32"}
