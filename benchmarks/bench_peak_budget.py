@@ -23,6 +23,7 @@ import _harness as H
 
 ampc = H.import_ampc()
 import ampc.autoprecision  # noqa: E402
+import ampc.memory  # noqa: E402
 from bench_lean_memory import gpt2  # noqa: E402
 
 MiB = float(1 << 20)
@@ -65,13 +66,6 @@ def stepper(args, plan):
     return step
 
 
-def counts(plan):
-    c = {}
-    for u in plan.every_unit:
-        c[u.choice] = c.get(u.choice, 0) + 1
-    return ", ".join(f"{n} {k}" for k, n in sorted(c.items()))
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fractions", default="0.8,0.6,0.4", help="budgets as fractions of fp32's peak")
@@ -85,15 +79,13 @@ def main():
     print(H.machine("cpu"))
     print(f"model: GPT-2 width {args.width}, {args.layers} layers, vocab {args.vocab}; batch "
           f"{args.batch} x {args.context}; {sum(p.numel() for p in fresh(args).parameters()) / 1e6:.2f}M params")
-    fp32_peak = None
+    # fp32's step as the search measures it (its first batch, AdamW): the budgets follow from it
+    model = fresh(args)
+    fp32_peak = ampc.memory.report(model, torch.optim.AdamW(model.parameters()), batches(args, 1)[0],
+                                   lm_loss).peak
+    print(f"fp32 step peak: {fp32_peak / MiB:.1f} MiB")
     plans = {}
     for f in [float(x) for x in args.fractions.split(",")]:
-        if fp32_peak is None:      # the first search measures fp32's peak; budgets follow from it
-            probe = ampc.autoprecision.search(fresh(args), batches(args, 2), lm_loss, objective="memory",
-                                              peak_bytes=1 << 60, repeats=1, check=False,
-                                              candidates=("fp32",))
-            fp32_peak = probe.data["peak"]["fp32"]
-            print(f"fp32 step peak: {fp32_peak / MiB:.1f} MiB")
         t0 = time.perf_counter()
         with warnings.catch_warnings(record=True):
             warnings.simplefilter("always")
@@ -105,7 +97,7 @@ def main():
         print(f"\nbudget {f:.2f} x fp32 = {d['budget'] / MiB:.1f} MiB: {'met' if d['met'] else 'NOT met'}, "
               f"step peak {d['bytes'] / MiB:.1f} MiB ({d['bytes'] / fp32_peak:.2f}x fp32; the fastest plan "
               f"{d['fastest'] / MiB:.1f}), {d['rounds']} round(s), search {s:.0f} s")
-        print(f"  choices: {counts(plan)}; recomputed: {plan.data.get('recompute') or 'none'}")
+        print(f"  choices: {plan!r}; recomputed: {plan.data.get('recompute') or 'none'}")
     fns = {"fp32": stepper(args, None)}
     fns.update({f"budget {f:.2f}": stepper(args, plan) for f, plan in plans.items()})
     times = H.time_reps(fns, "cpu", reps=args.reps, warm=True)

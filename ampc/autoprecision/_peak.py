@@ -22,7 +22,7 @@ from torch import nn
 
 from . import _candidates
 from ._apply import recomputed
-from ._solve import _err
+from ._solve import _err, summed_errors
 from ._units import Reason
 
 ROUNDS = 4
@@ -100,9 +100,7 @@ class _Lowering:
     def __init__(self, plan, usable, measured, budget, recompute, saved, banned=()):
         self.choice, self.usable, self.measured = plan.decisions, usable, measured
         self.banned = set(banned)         # (unit, candidate) or (block, None): saved nothing
-        self.limits = {"loss_err": budget.loss ** 2, "dgrad_err": budget.grad ** 2}
-        self.totals = {k: math.fsum(_err(measured[n][c], k) ** 2 for n, c in self.choice.items())
-                       for k in self.limits}
+        self.limits, self.totals = summed_errors(measured, self.choice, budget)
         self.recompute, self.saved = list(recompute), saved
 
     def _ms(self, n, c):
@@ -177,7 +175,7 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
     while rep.peak > peak_bytes and rounds < ROUNDS:
         lowering = _Lowering(plan, usable, measured, budget, recomputed(plan),
                              _block_saved(rep, names), banned)
-        before = (plan.decisions, recomputed(plan))
+        before = ({u.module: u for u in plan.every_unit}, recomputed(plan))
         changed, new_blocks, predicted = lowering.take((rep.peak - peak_bytes) / scale)
         if not changed and not new_blocks:
             break
@@ -201,10 +199,11 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
 
 
 def _undo(plan, before):
-    choices, rc = before
-    for n, c in choices.items():
-        if plan.decisions[n] != c:
-            plan.set_choice(n, c, Reason.SOLVED)
+    """The plan as it was before a round: each unit's choice and reason, the blocks."""
+    units, rc = before
+    for n, u in units.items():
+        if plan.unit(n) != u:
+            plan.set_choice(n, u.choice, u.reason)
     plan.data["recompute"] = rc
 
 
@@ -235,10 +234,3 @@ def settle(plan, model, batches, loss_fn, optimizer, fitted):
                  "head and freed gradients (memory.md)")
         warnings.warn(f"{FN}: {what}", stacklevel=3)
     plan.data["notes"].append(what)
-
-
-def start(objective, peak_bytes):
-    """The objective the first solve ranks by: with a byte budget, the fastest plan (then
-    lowered until it fits); else the search's own."""
-    return "time" if peak_bytes is not None else objective
-

@@ -330,9 +330,10 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     notes += [note] if note else []
     if not sensitivity:
         _blind(measured)
+    # with a byte budget: the fastest plan, then lowered until its step fits
     plan, rejected = _first_plan(found, measured, budget, objective, candidates, fp8_recipe,
                                  loss_scale, device, notes, loss_name, ceiling,
-                                 _peak.start(objective, peak_bytes))
+                                 solve_as="time" if peak_bytes is not None else None)
     if peak_bytes is not None:
         _peak.fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes,
                   optimizer)

@@ -191,14 +191,21 @@ def solve(measured, budget, objective, ceiling=None):
     return choice, rejected
 
 
+def summed_errors(measured, choice, budget):
+    """({error: its budget squared}, {error: the sum of the units' squares at ``choice``}):
+    the units' loss and dgrad errors add as a root sum of squares."""
+    limits = {"loss_err": budget.loss ** 2, "dgrad_err": budget.grad ** 2}
+    return limits, {k: math.fsum(_err(measured[n][c], k) ** 2 for n, c in choice.items())
+                    for k in limits}
+
+
 def _lower_errors(choice, usable, measured, budget, objective):
     """While a summed error is over its limit, takes the move that buys the most error per
     unit of added cost. The moves wait in a heap ordered by (score, unit, candidate); a
     move becomes stale when its unit moves (then its unit's moves are pushed afresh), and
     every score is rebuilt when the set of errors over the limit changes (at most twice),
     so n units cost O(n log n), not O(n) per move."""
-    limits = {"loss_err": budget.loss ** 2, "dgrad_err": budget.grad ** 2}
-    totals = {k: math.fsum(_err(measured[n][choice[n]], k) ** 2 for n in choice) for k in limits}
+    limits, totals = summed_errors(measured, choice, budget)
     index = {n: i for i, n in enumerate(choice)}
 
     def moves(n, over):

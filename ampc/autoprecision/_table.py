@@ -215,14 +215,11 @@ def render(plan, details=False):
                     "choice; every candidate's time and the reasons in full: "
                     "plan.table(details=True)")
     tail.append(_ceiling_line(plan))
-    if coded(plan):
-        names = coded(plan)
-        tail.append(f"saved activations in 8 bits (ampc.memory.compress): {len(names)} module(s), "
-                    + ", ".join(names[:4]) + (", ..." if len(names) > 4 else ""))
-    if d.get("recompute"):
-        names = d["recompute"]
-        tail.append(f"recomputed in the backward (ampc.memory.recompute): {len(names)} module(s), "
-                    + ", ".join(names[:4]) + (", ..." if len(names) > 4 else ""))
+    for what, names in (("saved activations in 8 bits (ampc.memory.compress)", coded(plan)),
+                        ("recomputed in the backward (ampc.memory.recompute)", d.get("recompute"))):
+        if names:
+            tail.append(f"{what}: {len(names)} module(s), "
+                        + ", ".join(names[:4]) + (", ..." if len(names) > 4 else ""))
     pred = d.get("predicted") or {}
     if pred:
         tail.append(f"predicted (sum over modules, forward + backward): {saving(plan, pred)}")
