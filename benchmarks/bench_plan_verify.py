@@ -247,7 +247,7 @@ def one(name, objective, steps, seeds, candidates, out):
     early = {f"spread@{k}/4": spread_at(report, steps * k // 4) for k in (1, 2, 3)}
     rows = []
     for r in report.rows:
-        verdict = {None: "spread too wide", True: "within", False: "OUTSIDE"}[r["within_spread"]]
+        verdict = {None: r["undecided"], True: "within", False: "OUTSIDE"}[r["within_spread"]]
         rows.append({
             "model": name, "objective": objective, "setup": r["setup"],
             "modules": ", ".join(f"{n} {c}" for c, n in sorted(counts.items())),

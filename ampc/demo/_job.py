@@ -14,7 +14,7 @@ from ampc.__main__ import cpu_model
 from ampc.validate import DEFAULT_DTYPE, LEAN_SETUP
 
 from ._model import SIZES, batch_maker, model_maker, sample
-from ._report import describe_plan, result_rows, results_table, write_all
+from ._report import describe_plan, result_rows, results_table, search_payback, write_all
 from ._sizing import AFTER_S, MAX_STEPS, VAL_BATCHES, choose, measure_machine, prober
 from ._text import load_text
 
@@ -149,12 +149,13 @@ def report_results(job, report, train, search_s, train_s, log):
     the trained fp32 weights; (rows of the table, the layer report)."""
     steps = report.config["steps"]
     tokens = job.context * job.batch
-    rows = result_rows(report, tokens, search_s, steps)
+    rows = result_rows(report, tokens)
+    payback_line, payback = search_payback(rows, search_s, steps)
     log()
     log(f"{steps} steps x {tokens:,} tokens per run, {train_s:.0f} s of training")
     log(results_table(rows))
-    log("step ms: median of forward + backward + optimizer step (ampc auto: plus its "
-        f"{search_s:.1f} s of search over the {steps} steps); peak MiB: memory the run "
+    log(payback_line)
+    log("step ms: median of forward + backward + optimizer step; peak MiB: memory the run "
         "added at its peak (" + ("torch.cuda.max_memory_allocated" if job.device == "cuda"
                                  else "resident set") + "); state B/param: weights, grads "
         "and optimizer state a parameter after the last step (ampc.lean_state.state_bytes); "
@@ -167,7 +168,7 @@ def report_results(job, report, train, search_s, train_s, log):
                                    dtype=job.dtype)
     log()
     log(layer_report.table(top=8))
-    return rows, layer_report
+    return rows, payback, layer_report
 
 
 def sample_text(job, report, log):
@@ -206,12 +207,13 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     job, n_params = size_job(args, speeds, train, t_start + args.budget, log)
     plan, search_s = search_plan(job, train, speeds["low"] / speeds["fp32"], log)
     report, train_s = train_runs(job, plan, train, val, log)
-    rows, layer_report = report_results(job, report, train, search_s, train_s, log)
+    rows, payback, layer_report = report_results(job, report, train, search_s, train_s, log)
     text = sample_text(job, report, log)
 
     data = {"config": job_config(job, report.config["steps"], n_params, speeds, described),
             "table": rows, "compare": report.as_dict(), "layers": layer_report.as_dict(),
-            "plan": plan.as_dict(), "search_s": search_s, "sample": text}
+            "plan": plan.as_dict(), "search_s": search_s,
+            "search_payback_steps": payback, "sample": text}
     write_all(args.out, log.lines, data, report, layer_report, plan, log)
     log(f"done in {time.perf_counter() - t_start:.0f} s")
     return 0

@@ -62,7 +62,8 @@ def process_seconds():
 
 
 def prober(train, device, dtype, lr):
-    """probe(size): (seconds of one step of all seven runs, seconds of the search), from real
+    """probe(size): (seconds of one step of all seven runs, seconds of the search, fp32's
+    step over torch.amp's: what 16 bits pay at this size), from real
     steps of each kind: the fastest of five after one to warm up (the first steps of a run
     are slower, and a busy machine adds noise that only lengthens steps; the lockstep
     training stops on time if this was too hopeful)."""
@@ -76,7 +77,7 @@ def prober(train, device, dtype, lr):
             t[kind] = min(run.step_ms[1:]) / 1e3
         # ampc auto: about the drop-in's step (its modules at fp32 or 16 bits, each the faster)
         runs = 2 * t["fp32"] + t["torch.amp"] + 2 * t["ampc"] + t["ampc.master"] + t[LEAN_SETUP]
-        return (runs, SEARCH_FIXED_S + SEARCH_STEPS * t["fp32"])
+        return (runs, SEARCH_FIXED_S + SEARCH_STEPS * t["fp32"], t["fp32"] / t["torch.amp"])
     return probe
 
 
@@ -84,7 +85,7 @@ def choose(args, speeds, probe, seconds_left, log):
     """(size, steps): the largest size of which at least MIN_STEPS steps of all runs fit
     the time left, and how many steps of it fit (at least FLOOR_STEPS, at most MAX_STEPS).
     ``probe(size)`` gives (seconds of one step of all runs together, seconds the search
-    will take)."""
+    will take, torch.amp's speed against fp32's)."""
     if args.size != "auto" and args.steps:
         return args.size, args.steps
     sizes = [args.size] if args.size != "auto" else list(SIZES)
@@ -94,13 +95,13 @@ def choose(args, speeds, probe, seconds_left, log):
         bound = matmul_flops(size) * (2 / speeds["fp32"] + 3 / speeds["low"]) / 1e9
         if chosen and bound * MIN_STEPS > seconds_left():
             break
-        per_step, search_s = probe(size)
+        per_step, search_s, amp_speed = probe(size)
         per_step *= SAFETY
         # each run also evaluates VAL_BATCHES forward passes (a third of a step each)
         steps = int((seconds_left() - AFTER_S - search_s) / per_step - VAL_BATCHES / 3)
-        log(f"  {size:<6} {SIZES[size][0]:>3} wide x {SIZES[size][1]} layers: "
-            f"{per_step * 1e3:,.0f} ms per step of all seven runs, about {search_s:.0f} s of "
-            f"search -> {max(steps, 0)} steps fit")
+        log(f"  {size:<6} {SIZES[size][0]:>3} wide x {SIZES[size][1]} layers: torch.amp at "
+            f"{amp_speed:.2f}x fp32's speed; {per_step * 1e3:,.0f} ms per step of all seven "
+            f"runs, about {search_s:.0f} s of search -> {max(steps, 0)} steps fit")
         if chosen and steps < MIN_STEPS:
             break
         chosen = (size, steps)

@@ -124,7 +124,7 @@ def test_choose_takes_the_largest_size_that_fits():
 
     def probe(size):
         probed.append(size)
-        return per_step[size], 2.0               # 2 s of search
+        return per_step[size], 2.0, 1.5          # 2 s of search; torch.amp 1.5x fp32
     size, steps = _sizing.choose(Args, speeds, probe, lambda: 100.0, lambda line: None)
     # small: 100 s less the reserve and the search over 1.1 x 0.4 s -> 186 steps; medium 14
     per_small = _sizing.SAFETY * 0.4

@@ -45,7 +45,22 @@ def test_a_narrow_spread_judges_as_before():
     assert not report.too_wide and report.rows[0]["within_spread"] is True
     assert "yes" in report.table() and "too wide" not in report.table()
     assert report.ok()
-    assert comparison(1.01, 1.03).rows[0]["within_spread"] is False
+    assert comparison(1.01, 1.04).rows[0]["within_spread"] is False
+
+
+def test_one_seed_just_past_the_spread_is_unsure_not_outside():
+    # one seed's gap against one fp32 pair's difference: 2x the spread is what a sound
+    # setup gives half the time; 4x is outside
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # not the "spread too wide" warning
+        report = comparison(1.01, 1.02)
+    (row,) = report.rows
+    assert row["within_spread"] is None and row["undecided"] == "one seed"
+    assert not report.too_wide and report.ok()
+    text = report.table()
+    assert "unsure: 1 seed" in text and "paired=True" in text and "too wide" not in text
+    assert comparison(1.01, 1.04).rows[0]["undecided"] is None
+    assert "unsure" not in comparison(1.01, 1.005).table()
 
 
 def test_threshold_is_five_percent():
