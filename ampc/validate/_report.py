@@ -10,7 +10,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ._run import TAIL, Run, _finite, mean_interval, rel_gap, smooth, t95, tail_gap
+from ._run import (TAIL, Run, _finite, mean_interval, rel_gap, smooth, t95, tail_gap,
+                   tail_spread)
 
 
 from .._outputs import fmt, format_table, write_outputs
@@ -36,8 +37,10 @@ class Comparison:
     the steps, of its loss minus fp32's at each step, relative to fp32's loss there, taken
     between the two runs of one seed (same weights, same batches, so that batch-to-batch
     and init-to-init differences cancel) and averaged over the seeds the setup trained
-    from, with a 95% interval when there are two or more. ``fp32 spread``: the same
-    statistic between fp32 from the first seed and from each other seed (the largest). A
+    from, with a 95% interval when there are two or more. ``fp32 spread``: between fp32
+    from the first seed and from each other seed (the largest), the larger of that
+    statistic and the RMS of their smoothed curves' relative difference over the same steps
+    (curves that cross can have a mean difference near 0 by chance). A
     setup is ``within`` when its interval lies inside the spread (capped at ``MAX_SPREAD``),
     outside (``NO``) when it lies beyond; otherwise its gap decides against the spread,
     unless the spread is over ``MAX_SPREAD``: then the verdict reads "spread too wide"
@@ -57,7 +60,8 @@ class Comparison:
         self.fp32 = {r.seed: r for r in spread_runs}    # a paired run's partner, by seed
         self.spread = None
         if spread_runs:
-            self.spread = max(abs(tail_gap(r.losses, base.losses)) for r in spread_runs)
+            self.spread = max(tail_spread(r.losses, base.losses, self.window)
+                              for r in spread_runs)
         self.rows = [self._row(r, p) for r, p in zip(runs, self.paired_runs)]
         undecided = [r for r in self.rows if r["undecided"] == "spread too wide"]
         self.too_wide = bool(undecided)

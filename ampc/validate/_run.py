@@ -65,6 +65,18 @@ def tail_gap(curve: list[float], base: list[float], tail: float = TAIL) -> float
     return diff / ref if ref else diff
 
 
+def tail_spread(curve: list[float], base: list[float], window: int,
+                tail: float = TAIL) -> float:
+    """How far apart two runs are over the last ``tail`` of the steps: the larger of
+    ``|tail_gap|`` and the root mean square of their curves' relative difference there
+    (each smoothed over ``window`` steps). Two fp32 seeds whose curves cross can have a
+    mean difference near 0 by chance; the RMS still says how far apart they ran."""
+    n = max(1, round(len(base) * tail))
+    a, b = smooth(curve, window)[-n:], smooth(base, window)[-n:]
+    rms = math.sqrt(statistics.fmean(((x - y) / y if y else x - y) ** 2 for x, y in zip(a, b)))
+    return max(abs(tail_gap(curve, base, tail)), rms)
+
+
 # Student's t at 97.5% (a two-sided 95% interval) for 1..10 degrees of freedom
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from ampc import validate
 from ampc.validate._report import Comparison
-from ampc.validate._run import mean_interval, tail_gap
+from ampc.validate._run import mean_interval, tail_gap, tail_spread
 from validate.test_validate_verdicts import run as seed0_run
 
 VOCAB = 16
@@ -110,6 +110,22 @@ def paired(fp32_levels, setup_levels, wobble=0.0):
              for s, lv in enumerate(setup_levels)]
     return Comparison(fp32[0], setup[:1], fp32[1:], {"seeds": list(range(len(fp32)))},
                       [setup[1:]])
+
+
+def test_fp32_curves_that_cross_keep_their_distance_as_the_spread():
+    # seed 1 runs 1% above seed 0 for the first half of the tail and 1% below for the
+    # second: the mean difference is 0, the curves were 1% apart
+    base = [2.0] * 80
+    crossing = [2.0] * 60 + [2.02] * 10 + [1.98] * 10
+    assert tail_gap(crossing, base) == pytest.approx(0.0, abs=1e-12)
+    assert tail_spread(crossing, base, window=1) == pytest.approx(0.01)
+    # the spread is never under the mean difference's size
+    shifted = [v * 1.004 for v in base]
+    assert tail_spread(shifted, base, window=8) == pytest.approx(0.004)
+    report = Comparison(run("fp32", base, 0, "fp32"), [run("ampc bf16", shifted, 0)],
+                        [run("fp32 seed 1", crossing, 1, "fp32")], {"seeds": [0, 1]})
+    # (the report smooths over a tenth of the run: the crossing's step is softened)
+    assert 0.005 < report.spread < 0.01 and report.rows[0]["within_spread"] is True
 
 
 def test_tail_gap_reads_the_last_quarter_and_cancels_the_batches():
