@@ -144,13 +144,14 @@ def train_runs(job, plan, train, val, log):
     return report, time.perf_counter() - t0
 
 
-def report_results(job, report, train, search_s, train_s, log):
+def report_results(job, report, train, plan, search_s, train_s, log):
     """The table of runs, the validation against fp32, and one step module by module from
     the trained fp32 weights; (rows of the table, the layer report)."""
     steps = report.config["steps"]
     tokens = job.context * job.batch
     rows = result_rows(report, tokens)
-    payback_line, payback = search_payback(rows, search_s, steps)
+    payback_line, payback = search_payback(rows, search_s, steps,
+                                           set(plan.choices.values()) == {"fp32"})
     log()
     log(f"{steps} steps x {tokens:,} tokens per run, {train_s:.0f} s of training")
     log(results_table(rows))
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     job, n_params = size_job(args, speeds, train, t_start + args.budget, log)
     plan, search_s = search_plan(job, train, speeds["low"] / speeds["fp32"], log)
     report, train_s = train_runs(job, plan, train, val, log)
-    rows, payback, layer_report = report_results(job, report, train, search_s, train_s, log)
+    rows, payback, layer_report = report_results(job, report, train, plan, search_s, train_s, log)
     text = sample_text(job, report, log)
 
     data = {"config": job_config(job, report.config["steps"], n_params, speeds, described),

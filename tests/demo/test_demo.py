@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ampc import demo
-from ampc.demo import _sizing, _text
+from ampc.demo import _report, _sizing, _text
 from ampc import _outputs
 
 
@@ -33,6 +33,7 @@ def test_short_demo_tracks_fp32_and_writes_outputs(tmp_path, capsys):
     plan = data["plan"]
     assert {u["choice"] for u in plan["units"]} <= {"fp32", "bf16", "fp16", "fp8"}
     assert data["search_s"] > 0 and "ampc.autoprecision:" in printed
+    assert f"ampc auto's search took {data['search_s']:.1f} s" in printed
     assert (out / "plan.json").stat().st_size > 100
     # the plan's code: the scopes to paste, or, for an all-fp32 plan, that there are none
     pasted = (out / "plan.txt").read_text()
@@ -112,6 +113,21 @@ def test_text_comes_from_the_standard_library():
     assert set(_text.decode(train.tolist())) <= set(_text.VOCAB)
     # every tenth file is held out: the validation text is not inside the training text
     assert _text.decode(val[:200].tolist()) not in _text.decode(train.tolist())
+
+
+def test_the_search_is_weighed_against_the_time_its_plan_saves():
+    def rows(fp32, amp, auto):
+        return [{"kind": k, "step_ms": ms} for k, ms in
+                (("fp32", fp32), ("torch.amp", amp), ("ampc.auto", auto))]
+    # 6 s of search, 5 ms a step saved against torch.amp (faster than fp32): 1,200 steps
+    line, steps = _report.search_payback(rows(80.0, 58.0, 53.0), 6.0, 263, all_fp32=False)
+    assert steps == 1201 and "saves 5.0 ms a step against torch.amp" in line
+    assert "after 1,201 steps (this demo trains 263)" in line
+    line, steps = _report.search_payback(rows(80.0, 58.0, 60.0), 6.0, 263, all_fp32=False)
+    assert steps is None and "does not pay for itself" in line
+    # an all-fp32 plan 0.1 ms under fp32's step is fp32's step: nothing to pay back
+    line, steps = _report.search_payback(rows(4.4, 11.8, 4.3), 0.7, 400, all_fp32=True)
+    assert steps is None and "found nothing faster than fp32" in line
 
 
 def test_choose_takes_the_largest_size_that_fits():
