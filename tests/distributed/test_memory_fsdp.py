@@ -1,0 +1,114 @@
+"""The large-model recipe on 2 ranks, gloo, CPU: FSDP2 + mixed precision + activations
+recomputed (ampc.memory.recompute) or kept in 8 bits (ampc.memory.compress), the blocks
+FSDP2 shards being the modules recomputed or coded.
+
+Recomputation is exact: the sharded run with blocks recomputed equals the same run without,
+bit for bit, losses and weights; and DDP with the same blocks recomputed equals FSDP2's run
+too. 8-bit saved activations change the gradients by their rounding: the run stays within a
+small distance of the run without them, and equals DDP's run with the same modules coded.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ampc
+from test_distributed import WORLD, ddp, full, run_ranks
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
+
+STEPS = 4
+
+
+class Block(nn.Module):
+    def __init__(self, width=32):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(0.1)     # the recompute must replay its mask
+
+    def forward(self, x):
+        return x + self.drop(self.down(nn.functional.gelu(self.up(self.norm(x)))))
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), Block(), Block(), nn.Linear(32, 1))
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(64, 16, generator=g), torch.randn(64, 1, generator=g)
+
+
+def fsdp(model):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for block in model[1:3]:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def train(rank, wrap, memory):
+    """STEPS steps of ampc.autocast(bf16) + ampc.GradScaler + ampc AdamW, with the blocks
+    recomputed or their saved activations in 8 bits (``memory``) or as they are;
+    (losses, full weights)."""
+    model = make_model()
+    if memory == "recompute":
+        ampc.memory.recompute(model, "1" if wrap == "ddp" else ["1", "2"])
+        if wrap == "ddp":
+            ampc.memory.recompute(model, "2")
+    elif memory == "8bit":
+        # the blocks whole: FSDP2 unshards their weights in the forward; what is coded is
+        # what their ops save of activations (the weights are passed over)
+        ampc.memory.compress(model, ["1", "2"], "8bit", min_numel=1024)
+    model = fsdp(model) if wrap == "fsdp" else ddp(model)
+    opt = ampc.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = ampc.GradScaler("cpu", init_scale=2.0 ** 8)
+    losses = []
+    torch.manual_seed(1234 + rank)              # dropout's masks: the same in every arm
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        opt.zero_grad(set_to_none=True)
+        with ampc.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.item())
+    return losses, [full(p) for p in model.parameters()]
+
+
+def test_fsdp_amp_recompute_equals_the_run_that_saves(tmp_path):
+    plain = run_ranks(train, "fsdp", None, tmp_path=tmp_path / "plain")
+    recomputed = run_ranks(train, "fsdp", "recompute", tmp_path=tmp_path / "recompute")
+    on_ddp = run_ranks(train, "ddp", "recompute", tmp_path=tmp_path / "ddp")
+    for rank in range(WORLD):
+        assert recomputed[rank][0] == plain[rank][0], rank          # losses, bit for bit
+        for a, b in zip(recomputed[rank][1], plain[rank][1]):
+            assert torch.equal(a, b)
+        assert recomputed[rank][0] == on_ddp[rank][0], rank
+        for a, b in zip(recomputed[rank][1], on_ddp[rank][1]):
+            assert torch.equal(a, b)
+    assert plain[0][0][-1] < plain[0][0][0]                         # it trained
+
+
+def test_fsdp_amp_8bit_saved_activations_train_beside_the_plain_run(tmp_path):
+    plain = run_ranks(train, "fsdp", None, tmp_path=tmp_path / "plain")
+    coded = run_ranks(train, "fsdp", "8bit", tmp_path=tmp_path / "coded")
+    on_ddp = run_ranks(train, "ddp", "8bit", tmp_path=tmp_path / "ddp")
+    for rank in range(WORLD):
+        # the first forward is the same (only the backward reads the codes); then close
+        assert coded[rank][0][0] == plain[rank][0][0]
+        for a, b in zip(coded[rank][0], plain[rank][0]):
+            assert abs(a - b) <= 0.02 * abs(b)
+        # the codes did change the gradients, a little: the weights' distance from the
+        # plain run's against how far the plain run moved them
+        init = [p.detach() for p in make_model().parameters()]
+        apart = sum((a - b).norm() ** 2 for a, b in zip(coded[rank][1], plain[rank][1])) ** 0.5
+        moved = sum((b - i).norm() ** 2 for b, i in zip(plain[rank][1], init)) ** 0.5
+        assert 0 < apart < 0.1 * moved, (apart, moved)
+        assert coded[rank][0] == on_ddp[rank][0]
+        for a, b in zip(coded[rank][1], on_ddp[rank][1]):
+            assert torch.equal(a, b)
