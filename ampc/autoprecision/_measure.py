@@ -234,9 +234,12 @@ def _warm_up(copies, tallies, rec, device, recipe, scale, slow, verdict=None, k=
     others so that a busy machine slows all alike, and one whose fastest time is ``slow``
     times fp32's is noted too slow: warm time against warm time, never a first call.
     Returns that verdict ({candidate: why too slow}); given one (a unit timed alike was
-    judged already), it is taken as is, so that identical units get one verdict."""
+    judged already), it is taken as is, so that identical units get one verdict, and the
+    candidates it found too slow are not run again."""
     ran = []
     for c, m in copies.items():
+        if verdict is not None and c in verdict:
+            continue                    # too slow for a unit timed alike: not run again
         try:
             run_at(m, c, rec, device, recipe, scale if _candidates.loss_scaled(c) else 1.0)
             ran.append(c)
@@ -250,7 +253,7 @@ def _warm_up(copies, tallies, rec, device, recipe, scale, slow, verdict=None, k=
         verdict = {c: f"too slow here: {t / base:.1f}x fp32's time" for c, t in best.items()
                    if c != "fp32" and t > slow * max(base, 1e-4)}
     for c, why in verdict.items():
-        if c in ran:
+        if c in copies and not tallies[c].error:
             tallies[c].too_slow = why
     return verdict
 

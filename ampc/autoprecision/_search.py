@@ -316,7 +316,8 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     model, compiled = _plain(model)
     loss_name = _loss.loss_name(loss_fn)
     loss_fn = failures.checked_loss(FN, loss_fn)
-    found, options, notes = _units_and_options(model, units, candidates, objective, device)
+    found, options, notes = _units_and_options(model, units, candidates, objective, device,
+                                               ceiling)
     failures.first_run(FN, model, batches, loss_fn)      # bad batches or loss_fn: said here
     notes += compiled
     model, found, note = _measure.warm_if_silent(model, batches, loss_fn, found, warmup)
@@ -364,18 +365,27 @@ def _plain(model):
         f"model uncompiled ({hints})"]
 
 
-def _units_and_options(model, types, candidates, objective, device):
+def _units_and_options(model, types, candidates, objective, device, ceiling=None):
     """The units of ``model``, each one's candidates (less those too slow here), and the
-    notes saying which were not tried."""
+    notes saying which were not tried. Judged by speed, a candidate whose matmul is SLOW
+    times fp32's is not tried at all; under the memory objective's ceiling on a step's
+    slowdown, not for the matmul and conv units (which it could never pass), while the
+    norms may still take it for its bytes."""
     found = _units.find_units(model, tuple(types) if types else None)
     if not found:
         raise ValueError("ampc.autoprecision.search: the model has no module of the types "
                          "it decides (Linear, convolutions, attention, norms, softmax); "
                          "name yours with units=")
-    skipped = probe(candidates, device) if _objectives.get(objective).by_speed else {}
-    notes = [f"{c} not tried: {why}" for c, why in skipped.items()]
+    by_speed = _objectives.get(objective).by_speed
+    skipped = probe(candidates, device) if by_speed or ceiling is not None else {}
     tried = [c for c in candidates if c not in skipped]
-    return found, {n: _units.candidates_for(m, tried) for n, m in found.items()}, notes
+    if by_speed:
+        notes = [f"{c} not tried: {why}" for c, why in skipped.items()]
+        return found, {n: _units.candidates_for(m, tried) for n, m in found.items()}, notes
+    notes = [f"{c} not tried for matmul and conv modules: {why}, past the {ceiling:g}x "
+             f"ceiling" for c, why in skipped.items()]
+    return found, {n: _units.candidates_for(m, tried if _units.kind(m) == "gemm" else candidates)
+                   for n, m in found.items()}, notes
 
 
 def _blind(measured):

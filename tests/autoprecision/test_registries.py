@@ -58,8 +58,10 @@ def test_a_new_candidate_is_one_record(monkeypatch):
     monkeypatch.setitem(_candidates.REGISTRY, "half_b",
                         Candidate("half_b", torch.bfloat16, 2, "fp32"))
     model = mlp()
+    # no ceiling on the slowdown: on modules this small a 16-bit step's overhead makes the
+    # ceiling a coin toss (0.12 against 0.16 ms), and this is about the registry
     plan = search(model, batches(), candidates=("fp32", "half_b"), objective="memory",
-                  check=False)
+                  check=False, max_slowdown=None)
     assert set(plan.choices.values()) <= {"fp32", "half_b"}
     assert "half_b" in plan.choices.values(), plan.table()
     assert all(set(u.options) == {"fp32", "half_b"} for u in plan)

@@ -1,0 +1,82 @@
+"""What ampc.autoprecision.search costs on bench_lean_memory.py's GPT-2-shaped model (17M
+parameters: width 512, 4 layers, vocab 8,192) at batch 16 x 256, and where the time goes.
+
+Two batches of random tokens, the search's default candidates for the objective; the phases
+timed: the fp32 passes before measuring (the failure check, the zero-gradient check), the
+units' measurement, the solver and the whole-plan check. Then the plan's table.
+
+    python benchmarks/bench_search_cost.py [--objective memory] [--batch 16] [--context 256]
+"""
+import argparse
+import functools
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+import ampc.autoprecision._measure as measure_mod
+import ampc.autoprecision._search as search_mod
+from ampc.autoprecision import search
+
+PHASES = ((search_mod.failures, "first_run", "fp32 pass: failure check"),
+          (measure_mod, "warm_if_silent", "fp32 pass: zero-gradient check"),
+          (measure_mod, "measure", "units measured"),
+          (search_mod, "_first_plan", "solver"),
+          (search_mod, "_check_whole", "whole-plan check"))
+
+
+def timed(spent):
+    """Wraps each phase's function so that its seconds add up in ``spent``."""
+    for module, name, label in PHASES:
+        inner = getattr(module, name)
+
+        @functools.wraps(inner)
+        def wrapper(*args, _inner=inner, _label=label, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                spent[_label] = spent.get(_label, 0.0) + time.perf_counter() - t0
+        setattr(module, name, wrapper)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--objective", default="memory")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    a = p.parse_args()
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=a.vocab, n_positions=a.context, n_embd=a.width,
+                     n_layer=a.layers, n_head=a.width // 64, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg)
+    batches = []
+    for k in range(2):
+        x = torch.randint(0, a.vocab, (a.batch, a.context), generator=torch.Generator().manual_seed(k))
+        batches.append((x, x))
+
+    def loss_fn(out, x):
+        return F.cross_entropy(out.logits[:, :-1].float().reshape(-1, a.vocab), x[:, 1:].reshape(-1))
+
+    spent = {}
+    timed(spent)
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    plan = search(model, batches, loss_fn, objective=a.objective)
+    took = time.perf_counter() - t0
+    n = sum(q.numel() for q in model.parameters())
+    print(f"{n / 1e6:.1f}M params, batch {a.batch} x {a.context}, {a.objective}; "
+          f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads; "
+          f"load {load:.1f} before, {os.getloadavg()[0]:.1f} after")
+    print(f"search took {took:.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()))
+    print(plan.table())
+
+
+if __name__ == "__main__":
+    main()

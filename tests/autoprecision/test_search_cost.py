@@ -1,0 +1,82 @@
+"""What the search does not spend time on: candidates that could never be chosen.
+
+Under the memory objective's ceiling on a step's slowdown, a candidate whose matmul runs
+SLOW times fp32's here is not measured on the matmul and conv units (it could never pass
+the ceiling) but still on the norms; without a ceiling (max_slowdown=None, or a byte
+budget) everything is measured. Units timed alike share one too-slow verdict, and the
+candidates it rules out are not run again on the others."""
+import torch
+from torch import nn
+
+import ampc.autoprecision._measure as measure_mod
+import ampc.autoprecision._search as search_mod
+from ampc.autoprecision import search
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 32),
+                         nn.Linear(32, 32), nn.Linear(32, 4))
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))
+            for _ in range(2)]
+
+
+def slow_fp16(candidates, device):
+    return {"fp16": "its 512x512 matmul takes 5x fp32's time on this CPU"}
+
+
+CANDIDATES = ("fp32", "bf16", "fp16")
+
+
+def test_under_the_ceiling_a_slow_matmul_is_not_tried_on_gemms_but_on_norms(monkeypatch):
+    monkeypatch.setattr(search_mod, "probe", slow_fp16)
+    plan = search(model(), batches(), candidates=CANDIDATES, objective="memory", check=False)
+    options = {u.module: set(u.options) for u in plan}
+    assert options["1"] == {"fp32", "bf16", "fp16"}                 # the LayerNorm
+    for name in ("0", "2", "3", "4"):
+        assert options[name] == {"fp32", "bf16"}, name
+    assert plan.choices["0"] != "fp16"
+    assert any(n.startswith("fp16 not tried for matmul and conv modules: its 512x512")
+               and "1.25x ceiling" in n for n in plan.data["notes"])
+
+
+def test_without_a_ceiling_every_candidate_is_measured(monkeypatch):
+    calls = []
+    monkeypatch.setattr(search_mod, "probe", lambda c, d: calls.append(c) or slow_fp16(c, d))
+    plan = search(model(), batches(), candidates=CANDIDATES, objective="memory", check=False,
+                  max_slowdown=None)
+    assert not calls
+    assert all(set(u.options) == set(CANDIDATES) for u in plan if u.module != "(loss)")
+
+
+def test_units_timed_alike_do_not_rerun_a_candidate_judged_too_slow(monkeypatch):
+    """Linears 2 and 3 have the same shapes: the first is judged, and the second never runs
+    the candidate found too slow (here: every bf16 run is made to look slow)."""
+    ran = []
+    real = measure_mod.run_at
+
+    def run_at(module, choice, call, device, recipe, scale):
+        out = real(module, choice, call, device, recipe, scale)
+        ran.append((id(module), choice))
+        if choice == "bf16":
+            out = out[:3] + (out[3] + 1.0,)         # a second more: far past fp32's time
+        return out
+    monkeypatch.setattr(measure_mod, "run_at", run_at)
+    plan = search(model(), batches(), candidates=("fp32", "bf16"), objective="memory",
+                  check=False)
+    units = {u.module: u for u in plan}
+    for name in ("2", "3"):
+        assert units[name].options["bf16"].get("too_slow", "").startswith("too slow here")
+        assert units[name].choice == "fp32"
+    # the search worked on copies: tell the two Linears' copies apart by their runs
+    per_copy = {}
+    for key, choice in ran:
+        per_copy.setdefault(key, set()).add(choice)
+    bf16_copies = [k for k, cs in per_copy.items() if cs == {"bf16"}]
+    fp32_copies = [k for k, cs in per_copy.items() if cs == {"fp32"}]
+    # units 0, 1(norm), 2, 4 ran their bf16 copy (warm-up and the verdict); unit 3 did not
+    assert len(fp32_copies) == 5 and len(bf16_copies) == 4
