@@ -90,17 +90,23 @@ def batch_error(fn: str, exc: BaseException, batch: Any, k: int) -> Exception | 
                      "(x.float()): only token ids for an embedding stay integer")
 
 
-def first_run(fn: str, model: torch.nn.Module, batches: list, loss_fn: Callable) -> None:
+def first_run(fn: str, model: torch.nn.Module, batches: list, loss_fn: Callable,
+              step: Callable | None = None) -> list:
     """One fp32 forward and backward of a copy of ``model`` on each batch; a failure is
     raised as an ampc error naming the batch (its dtypes) or ``loss_fn``, before any
-    measurement. The model itself is not touched."""
+    measurement. The model itself is not touched. ``step(work, batch)``, when given, is
+    that forward and backward (a caller that needs to see inside it: one pass, not two);
+    what it returns for each batch is returned."""
     work = copy.deepcopy(model)
+    results = []
     for k, batch in enumerate(batches):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             try:
-                loss = loss_fn(call_model(work, batch[0]), batch[1])
-                loss.backward()
+                if step is not None:
+                    results.append(step(work, batch))
+                else:
+                    loss_fn(call_model(work, batch[0]), batch[1]).backward()
             except (RuntimeError, TypeError) as e:
                 if str(e).startswith("ampc"):
                     raise
@@ -109,6 +115,7 @@ def first_run(fn: str, model: torch.nn.Module, batches: list, loss_fn: Callable)
                     f"precision: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 raise err from e
         work.zero_grad(set_to_none=True)
+    return results
 
 
 # ---- a step that failed under mixed precision ----

@@ -57,21 +57,31 @@ def unit_silent(rec: Call):
     return silent([("output", rec.out), ("output gradient", rec.grad)])
 
 
-def silent_units(model, batches, loss_fn, units):
-    """{name: why} of the units that cannot show an error on any of the batches (one fp32
-    step each, on a copy of the model)."""
-    ref_model = copy.deepcopy(model)
+def silent_in(model, batch, loss_fn, units):
+    """{name: why or None} for one fp32 step of ``model`` on ``batch``: why each unit
+    cannot show an error there (None: it can, or it was not called)."""
+    step = capture(model, batch, loss_fn, list(units))
+    return {name: (None if rec is None or not rec.returned else unit_silent(rec))
+            for name, rec in ((n, step.calls.get(n)) for n in units)}
+
+
+def silent_on_all(per_batch):
+    """{name: why} of the units silent on every batch, from :func:`silent_in`'s results."""
     out = {}
-    for batch in batches:
-        step = capture(ref_model, batch, loss_fn, list(units))
-        for name in units:
-            rec = step.calls.get(name)
-            why = None if rec is None or not rec.returned else unit_silent(rec)
+    for found in per_batch:
+        for name, why in found.items():
             if why is None:
                 out[name] = None            # it showed something on this batch
             else:
                 out.setdefault(name, why)
     return {n: why for n, why in out.items() if why is not None}
+
+
+def silent_units(model, batches, loss_fn, units):
+    """{name: why} of the units that cannot show an error on any of the batches (one fp32
+    step each, on a copy of the model)."""
+    ref_model = copy.deepcopy(model)
+    return silent_on_all([silent_in(ref_model, b, loss_fn, units) for b in batches])
 
 
 WARMUP_STEPS = 3
@@ -104,12 +114,14 @@ def _some(whys, k=3):
                                                       else "") for w, ns in names.items())
 
 
-def warm_if_silent(model, batches, loss_fn, units, warmup="auto"):
+def warm_if_silent(model, batches, loss_fn, units, warmup="auto", quiet=None):
     """(the model to measure, its units, a note or None). With ``warmup="auto"``, a copy of
     ``model`` after WARMUP_STEPS fp32 AdamW steps when some unit cannot show an error at its
-    weights (:func:`silent_units`), else ``model``; with a number, that many steps (0: none)."""
+    weights (``quiet``, {name: why}, when the caller found them already, else
+    :func:`silent_units`), else ``model``; with a number, that many steps (0: none)."""
     if warmup == "auto":
-        quiet = silent_units(model, batches, loss_fn, units)
+        if quiet is None:
+            quiet = silent_units(model, batches, loss_fn, units)
         if not quiet:
             return model, units, None
         steps = WARMUP_STEPS

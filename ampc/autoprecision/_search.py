@@ -318,9 +318,15 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     loss_fn = failures.checked_loss(FN, loss_fn)
     found, options, notes = _units_and_options(model, units, candidates, objective, device,
                                                ceiling)
-    failures.first_run(FN, model, batches, loss_fn)      # bad batches or loss_fn: said here
+    # bad batches or loss_fn are said here; the same fp32 pass finds the units that cannot
+    # show an error (zero gradients), for the warm-up
+    look = (lambda work, batch: _measure.silent_in(work, batch, loss_fn, found)) \
+        if warmup == "auto" else None
+    per_batch = failures.first_run(FN, model, batches, loss_fn, step=look)
     notes += compiled
-    model, found, note = _measure.warm_if_silent(model, batches, loss_fn, found, warmup)
+    model, found, note = _measure.warm_if_silent(
+        model, batches, loss_fn, found, warmup,
+        quiet=_measure.silent_on_all(per_batch) if look else None)
     notes += [note] if note else []
     tally = _loss.Tally(loss_fn, candidates, device, repeats) if loss_unit else None
     with torch.random.fork_rng(devices=[]):
