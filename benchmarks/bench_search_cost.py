@@ -2,8 +2,9 @@
 parameters: width 512, 4 layers, vocab 8,192) at batch 16 x 256, and where the time goes.
 
 Two batches of random tokens, the search's default candidates for the objective; the phases
-timed: the fp32 passes before measuring (the failure check, the zero-gradient check), the
-units' measurement, the solver and the whole-plan check. Then the plan's table.
+timed: the fp32 pass before measuring (the failure and zero-gradient checks), the warm-up
+(only when some unit cannot show an error), the units' measurement, the solver and the
+whole-plan check. Then the plan's table.
 
     python benchmarks/bench_search_cost.py [--objective memory] [--batch 16] [--context 256]
 """
@@ -19,8 +20,8 @@ import ampc.autoprecision._measure as measure_mod
 import ampc.autoprecision._search as search_mod
 from ampc.autoprecision import search
 
-PHASES = ((search_mod.failures, "first_run", "fp32 pass: failure check"),
-          (measure_mod, "warm_if_silent", "fp32 pass: zero-gradient check"),
+PHASES = ((search_mod.failures, "first_run", "fp32 pass (failure and zero-gradient checks)"),
+          (measure_mod, "warm_if_silent", "warm-up (when some unit is silent)"),
           (measure_mod, "measure", "units measured"),
           (search_mod, "_first_plan", "solver"),
           (search_mod, "_check_whole", "whole-plan check"))
