@@ -50,7 +50,7 @@ import _harness as H
 
 ampc = H.import_ampc()
 from ampc.autoprecision import search  # noqa: E402  (after the harness finds ampc)
-from ampc.validate._report import MAX_SPREAD  # noqa: E402
+from ampc.validate._report import MAX_SPREAD, verdict_word  # noqa: E402
 from ampc.validate._run import rel_gap, smooth  # noqa: E402
 
 CLASSES, BATCH, LABEL_NOISE = 10, 16, 0.4
@@ -247,7 +247,7 @@ def one(name, objective, steps, seeds, candidates, out):
     early = {f"spread@{k}/4": spread_at(report, steps * k // 4) for k in (1, 2, 3)}
     rows = []
     for r in report.rows:
-        verdict = {None: r["undecided"], True: "within", False: "OUTSIDE"}[r["within_spread"]]
+        verdict = verdict_word(r, "within", "OUTSIDE")
         rows.append({
             "model": name, "objective": objective, "setup": r["setup"],
             "modules": ", ".join(f"{n} {c}" for c, n in sorted(counts.items())),

@@ -1,7 +1,7 @@
 """What ampc.autoprecision.search costs on bench_lean_memory.py's GPT-2-shaped model (17M
 parameters: width 512, 4 layers, vocab 8,192) at batch 16 x 256, and where the time goes.
 
-Two batches of random tokens, the search's default candidates for the objective; the phases
+Two batches of random tokens (bench_peak_budget.py's), the search's default candidates for the objective; the phases
 timed: the fp32 pass before measuring (the failure and zero-gradient checks), the warm-up
 (only when some unit cannot show an error), the units' measurement, the solver and the
 whole-plan check. Then the plan's table.
@@ -14,11 +14,14 @@ import os
 import time
 
 import torch
-import torch.nn.functional as F
 
-import ampc.autoprecision._measure as measure_mod
-import ampc.autoprecision._search as search_mod
-from ampc.autoprecision import search
+import _harness as H
+
+ampc = H.import_ampc()
+import ampc.autoprecision._measure as measure_mod  # noqa: E402
+import ampc.autoprecision._search as search_mod  # noqa: E402
+from ampc.autoprecision import search  # noqa: E402
+from bench_peak_budget import batches, fresh, lm_loss  # noqa: E402  (bench_lean_memory's GPT-2)
 
 PHASES = ((search_mod.failures, "first_run", "fp32 pass (failure and zero-gradient checks)"),
           (measure_mod, "warm_if_silent", "warm-up (when some unit is silent)"),
@@ -50,31 +53,17 @@ def main():
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
-    a = p.parse_args()
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=a.vocab, n_positions=a.context, n_embd=a.width,
-                     n_layer=a.layers, n_head=a.width // 64, resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(cfg)
-    batches = []
-    for k in range(2):
-        x = torch.randint(0, a.vocab, (a.batch, a.context), generator=torch.Generator().manual_seed(k))
-        batches.append((x, x))
-
-    def loss_fn(out, x):
-        return F.cross_entropy(out.logits[:, :-1].float().reshape(-1, a.vocab), x[:, 1:].reshape(-1))
-
+    args = p.parse_args()
+    model = fresh(args)
     spent = {}
     timed(spent)
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    plan = search(model, batches, loss_fn, objective=a.objective)
+    plan = search(model, batches(args, 2), lm_loss, objective=args.objective)
     took = time.perf_counter() - t0
-    n = sum(q.numel() for q in model.parameters())
-    print(f"{n / 1e6:.1f}M params, batch {a.batch} x {a.context}, {a.objective}; "
-          f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads; "
-          f"load {load:.1f} before, {os.getloadavg()[0]:.1f} after")
+    print(" | ".join(f"{k} {v}" for k, v in H.machine("cpu").items()))
+    print(f"{sum(q.numel() for q in model.parameters()) / 1e6:.1f}M params, batch {args.batch} x "
+          f"{args.context}, {args.objective}; load {load:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(f"search took {took:.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()))
     print(plan.table())
 

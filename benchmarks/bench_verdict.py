@@ -13,7 +13,6 @@ trained from every seed.
 """
 import argparse
 import os
-import sys
 import time
 import warnings
 
@@ -21,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import ampc
+import _harness as H
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ampc = H.import_ampc()
+from ampc.validate._report import verdict_word  # noqa: E402
 from bench_compare_vit import make_model as make_vit, task as vit_task  # noqa: E402
 
 
@@ -117,8 +117,7 @@ def main():
                    help="multiply each model's short-run steps (4: the long run)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (fp32 and every setup)")
     a = p.parse_args()
-    print(f"{ampc.__name__} {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, "
-          f"{torch.get_num_threads()} threads, {os.cpu_count()} cores")
+    print(" | ".join(f"{k} {v}" for k, v in H.machine("cpu").items()))
     for name in a.models.split(","):
         make_model, make_batch, loss_fn, steps, lr = MODELS[name]
         steps = int(steps * a.steps_x)
@@ -136,7 +135,7 @@ def main():
               f"compare took {took:.0f} s (load {load:.1f} before, {os.getloadavg()[0]:.1f} "
               f"after); fp32 spread {100 * report.spread:.2f}%")
         for r in report.rows:
-            verdict = {None: r["undecided"], True: "within", False: "OUTSIDE"}[r["within_spread"]]
+            verdict = verdict_word(r, "within", "OUTSIDE")
             half = r["gap_interval"]
             print(f"  {r['setup']:<14} {verdict:<16} gap {100 * r['gap']:+.3f}%"
                   + (f" +- {100 * half:.3f}" if half is not None else "")

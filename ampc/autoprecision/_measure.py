@@ -22,7 +22,8 @@ included. Every unit is measured on its own copy: the model is not changed.
 A batch on which a unit's output, or the gradient at it, is all zero or not finite cannot
 show an error (against zeros every error reads 0: a zero-initialised head zeroes every
 gradient below it). Such batches are skipped; a unit silent on all of them is "not
-measured". The search first looks for such units (:func:`silent_units`) and, by default,
+measured". The search first looks for such units (:func:`silent_in`, in its first fp32 pass over the
+batches) and, by default,
 measures a copy of the model after a few fp32 optimizer steps (:func:`warm_if_silent`).
 """
 import contextlib
@@ -77,13 +78,6 @@ def silent_on_all(per_batch):
     return {n: why for n, why in out.items() if why is not None}
 
 
-def silent_units(model, batches, loss_fn, units):
-    """{name: why} of the units that cannot show an error on any of the batches (one fp32
-    step each, on a copy of the model)."""
-    ref_model = copy.deepcopy(model)
-    return silent_on_all([silent_in(ref_model, b, loss_fn, units) for b in batches])
-
-
 WARMUP_STEPS = 3
 WARMUP_LR = 1e-3
 
@@ -114,14 +108,12 @@ def _some(whys, k=3):
                                                       else "") for w, ns in names.items())
 
 
-def warm_if_silent(model, batches, loss_fn, units, warmup="auto", quiet=None):
+def warm_if_silent(model, batches, loss_fn, units, warmup, quiet):
     """(the model to measure, its units, a note or None). With ``warmup="auto"``, a copy of
     ``model`` after WARMUP_STEPS fp32 AdamW steps when some unit cannot show an error at its
-    weights (``quiet``, {name: why}, when the caller found them already, else
-    :func:`silent_units`), else ``model``; with a number, that many steps (0: none)."""
+    weights (``quiet``: {name: why}, found by :func:`silent_in` on each batch), else
+    ``model``; with a number, that many steps (0: none)."""
     if warmup == "auto":
-        if quiet is None:
-            quiet = silent_units(model, batches, loss_fn, units)
         if not quiet:
             return model, units, None
         steps = WARMUP_STEPS

@@ -385,12 +385,11 @@ def _units_and_options(model, types, candidates, objective, device, ceiling=None
     by_speed = _objectives.get(objective).by_speed
     skipped = probe(candidates, device) if by_speed or ceiling is not None else {}
     tried = [c for c in candidates if c not in skipped]
-    if by_speed:
-        notes = [f"{c} not tried: {why}" for c, why in skipped.items()]
-        return found, {n: _units.candidates_for(m, tried) for n, m in found.items()}, notes
-    notes = [f"{c} not tried for matmul and conv modules: {why}, past the {ceiling:g}x "
-             f"ceiling" for c, why in skipped.items()]
-    return found, {n: _units.candidates_for(m, tried if _units.kind(m) == "gemm" else candidates)
+    where, past = ("", "") if by_speed or ceiling is None else (
+        " for matmul and conv modules", f", past the {ceiling:g}x ceiling")
+    notes = [f"{c} not tried{where}: {why}{past}" for c, why in skipped.items()]
+    return found, {n: _units.candidates_for(m, tried if by_speed or _units.kind(m) == "gemm"
+                                            else candidates)
                    for n, m in found.items()}, notes
 
 

@@ -69,13 +69,13 @@ def search_payback(rows, search_s, steps, all_fp32):
     the steps after which it has paid for itself against the faster of fp32 and torch.amp,
     or None where the plan saves nothing). ``all_fp32``: the plan keeps every module in
     fp32, so any step time it saves against fp32 is noise."""
+    if all_fp32:
+        return (f"ampc auto's search took {search_s:.1f} s and found nothing faster than fp32 "
+                "here: its plan is fp32's step (what the search bought is knowing that)"), None
     by_kind = {row["kind"]: row for row in rows}
     auto = by_kind["ampc.auto"]
     best = min(("fp32", "torch.amp"), key=lambda k: by_kind[k]["step_ms"])
     saved = by_kind[best]["step_ms"] - auto["step_ms"]
-    if all_fp32:
-        return (f"ampc auto's search took {search_s:.1f} s and found nothing faster than fp32 "
-                "here: its plan is fp32's step (what the search bought is knowing that)"), None
     if saved <= 0:
         return (f"ampc auto's search took {search_s:.1f} s and its plan's step is no faster "
                 f"than {best}'s here ({auto['step_ms']:.1f} against "

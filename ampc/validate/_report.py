@@ -30,6 +30,14 @@ MAX_SPREAD = 0.05
 ONE_SEED_FACTOR = 3.0
 
 
+def verdict_word(row: dict[str, Any], yes: str = "yes", no: str = "NO") -> str:
+    """A row's verdict in a word: ``yes``, ``no``, or why none ("unsure: 1 seed", "spread too
+    wide", "-" without a spread)."""
+    if row["within_spread"] is not None:
+        return yes if row["within_spread"] else no
+    return {"no spread": "-", "one seed": "unsure: 1 seed"}.get(row["undecided"], row["undecided"])
+
+
 class Comparison:
     """The runs of :func:`ampc.validate.compare` and how each one compares with fp32.
 
@@ -156,9 +164,7 @@ class Comparison:
         """The comparison as plain text: one row per setup against fp32."""
         rows = []
         for r in self.rows:
-            within = {None: {"no spread": "-", "one seed": "unsure: 1 seed"}.get(
-                          r["undecided"], r["undecided"]), True: "yes",
-                      False: "NO"}[r["within_spread"]]
+            within = verdict_word(r)
             gap = fmt(100 * r["gap"], "+.2f")
             if r["gap_interval"] is not None:
                 gap += f" +- {fmt(100 * r['gap_interval'], '.2f')}"

@@ -72,9 +72,8 @@ def tail_spread(curve: list[float], base: list[float], window: int,
     (each smoothed over ``window`` steps). Two fp32 seeds whose curves cross can have a
     mean difference near 0 by chance; the RMS still says how far apart they ran."""
     n = max(1, round(len(base) * tail))
-    a, b = smooth(curve, window)[-n:], smooth(base, window)[-n:]
-    rms = math.sqrt(statistics.fmean(((x - y) / y if y else x - y) ** 2 for x, y in zip(a, b)))
-    return max(abs(tail_gap(curve, base, tail)), rms)
+    gaps = rel_gap(smooth(curve, window)[-n:], smooth(base, window)[-n:])
+    return max(abs(tail_gap(curve, base, tail)), math.sqrt(statistics.fmean(g * g for g in gaps)))
 
 
 # Student's t at 97.5% (a two-sided 95% interval) for 1..10 degrees of freedom

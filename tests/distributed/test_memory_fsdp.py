@@ -56,9 +56,7 @@ def train(rank, wrap, memory):
     (losses, full weights)."""
     model = make_model()
     if memory == "recompute":
-        ampc.memory.recompute(model, "1" if wrap == "ddp" else ["1", "2"])
-        if wrap == "ddp":
-            ampc.memory.recompute(model, "2")
+        ampc.memory.recompute(model, ["1", "2"])
     elif memory == "8bit":
         # the blocks whole: FSDP2 unshards their weights in the forward; what is coded is
         # what their ops save of activations (the weights are passed over)
