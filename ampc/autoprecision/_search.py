@@ -316,8 +316,7 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     model, compiled = _plain(model)
     loss_name = _loss.loss_name(loss_fn)
     loss_fn = failures.checked_loss(FN, loss_fn)
-    found, options, notes = _units_and_options(model, units, candidates, objective, device,
-                                               ceiling)
+    found, options, notes = _units_and_options(model, units, candidates, objective, device)
     # bad batches or loss_fn are said here; the same fp32 pass finds the units that cannot
     # show an error (zero gradients), for the warm-up
     look = (lambda work, batch: _measure.silent_in(work, batch, loss_fn, found)) \
@@ -371,26 +370,18 @@ def _plain(model):
         f"model uncompiled ({hints})"]
 
 
-def _units_and_options(model, types, candidates, objective, device, ceiling=None):
+def _units_and_options(model, types, candidates, objective, device):
     """The units of ``model``, each one's candidates (less those too slow here), and the
-    notes saying which were not tried. Judged by speed, a candidate whose matmul is SLOW
-    times fp32's is not tried at all; under the memory objective's ceiling on a step's
-    slowdown, not for the matmul and conv units (which it could never pass), while the
-    norms may still take it for its bytes."""
+    notes saying which were not tried."""
     found = _units.find_units(model, tuple(types) if types else None)
     if not found:
         raise ValueError("ampc.autoprecision.search: the model has no module of the types "
                          "it decides (Linear, convolutions, attention, norms, softmax); "
                          "name yours with units=")
-    by_speed = _objectives.get(objective).by_speed
-    skipped = probe(candidates, device) if by_speed or ceiling is not None else {}
+    skipped = probe(candidates, device) if _objectives.get(objective).by_speed else {}
+    notes = [f"{c} not tried: {why}" for c, why in skipped.items()]
     tried = [c for c in candidates if c not in skipped]
-    where, past = ("", "") if by_speed or ceiling is None else (
-        " for matmul and conv modules", f", past the {ceiling:g}x ceiling")
-    notes = [f"{c} not tried{where}: {why}{past}" for c, why in skipped.items()]
-    return found, {n: _units.candidates_for(m, tried if by_speed or _units.kind(m) == "gemm"
-                                            else candidates)
-                   for n, m in found.items()}, notes
+    return found, {n: _units.candidates_for(m, tried) for n, m in found.items()}, notes
 
 
 def _blind(measured):

@@ -1,10 +1,7 @@
-"""What the search does not spend time on: candidates that could never be chosen.
-
-Under the memory objective's ceiling on a step's slowdown, a candidate whose matmul runs
-SLOW times fp32's here is not measured on the matmul and conv units (it could never pass
-the ceiling) but still on the norms; without a ceiling (max_slowdown=None, or a byte
-budget) everything is measured. Units timed alike share one too-slow verdict, and the
-candidates it rules out are not run again on the others."""
+"""What the search does not spend time on: the memory objective does not run the matmul
+probe (every candidate is measured on the units), units timed alike share one too-slow
+verdict and the candidates it rules out are not run again on the others, and one fp32 pass
+both checks the batches and finds the silent units."""
 import torch
 from torch import nn
 
@@ -32,18 +29,6 @@ def slow_fp16(candidates, device):
 CANDIDATES = ("fp32", "bf16", "fp16")
 
 
-def test_under_the_ceiling_a_slow_matmul_is_not_tried_on_gemms_but_on_norms(monkeypatch):
-    monkeypatch.setattr(search_mod, "probe", slow_fp16)
-    plan = search(model(), batches(), candidates=CANDIDATES, objective="memory", check=False)
-    options = {u.module: set(u.options) for u in plan}
-    assert options["1"] == {"fp32", "bf16", "fp16"}                 # the LayerNorm
-    for name in ("0", "2", "3", "4"):
-        assert options[name] == {"fp32", "bf16"}, name
-    assert plan.choices["0"] != "fp16"
-    assert any(n.startswith("fp16 not tried for matmul and conv modules: its 512x512")
-               and "1.25x ceiling" in n for n in plan.data["notes"])
-
-
 def test_without_a_ceiling_every_candidate_is_measured(monkeypatch):
     calls = []
     monkeypatch.setattr(search_mod, "probe", lambda c, d: calls.append(c) or slow_fp16(c, d))
@@ -66,6 +51,9 @@ def test_units_timed_alike_do_not_rerun_a_candidate_judged_too_slow(monkeypatch)
             out = out[:3] + (out[3] + 1.0,)         # a second more: far past fp32's time
         return out
     monkeypatch.setattr(measure_mod, "run_at", run_at)
+    # the matmul probe passes everything (on an AVX2-only CPU it would keep bf16 off the
+    # Linears before any unit is timed): this is about the units' own verdict
+    monkeypatch.setattr(search_mod, "probe", lambda candidates, device: {})
     plan = search(model(), batches(), candidates=("fp32", "bf16"), objective="memory",
                   check=False)
     units = {u.module: u for u in plan}
