@@ -7,6 +7,7 @@ timed: the fp32 pass before measuring (the failure and zero-gradient checks), th
 whole-plan check. Then the plan's table.
 
     python benchmarks/bench_search_cost.py [--objective memory] [--batch 16] [--context 256]
+        [--examples auto|N|all]
 """
 import argparse
 import functools
@@ -53,17 +54,20 @@ def main():
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--examples", default="auto",
+                   help="examples of each batch measured: auto, a number, or all (whole batches)")
     args = p.parse_args()
+    examples = {"auto": "auto", "all": None}.get(args.examples) or int(args.examples)
     model = fresh(args)
     spent = {}
     timed(spent)
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    plan = search(model, batches(args, 2), lm_loss, objective=args.objective)
+    plan = search(model, batches(args, 2), lm_loss, objective=args.objective, examples=examples)
     took = time.perf_counter() - t0
     print(" | ".join(f"{k} {v}" for k, v in H.machine("cpu").items()))
     print(f"{sum(q.numel() for q in model.parameters()) / 1e6:.1f}M params, batch {args.batch} x "
-          f"{args.context}, {args.objective}; load {load:.1f} before, {os.getloadavg()[0]:.1f} after")
+          f"{args.context}, {args.objective}, examples={args.examples}; load {load:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(f"search took {took:.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()))
     print(plan.table())
 

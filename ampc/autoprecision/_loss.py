@@ -128,7 +128,7 @@ class Tally:
     :meth:`result`. Each candidate's run is timed ``repeats`` times per batch, interleaved
     with the others, the fastest kept; a candidate that fails to run keeps its error."""
 
-    def __init__(self, loss_fn, candidates, device, repeats=2):
+    def __init__(self, loss_fn, candidates, device, repeats=2, per_batch=1.0):
         self.fns = {c: AtPrecision(loss_fn, c, device) for c in ("fp32",) + tuple(
             c for c in candidates if c in _candidates.loss_names() and c != "fp32")}
         self.sums = {c: {"loss_err": [], "dgrad_err": [], "underflow": [], "overflow": []}
@@ -139,6 +139,7 @@ class Tally:
         self.scale = None          # the loss scale fp16 was measured at
         self.numel = 0
         self.repeats = repeats
+        self.per_batch = per_batch    # whole batches over the batches measured (a slice)
 
     def _runs(self, step, scale):
         runs = {}
@@ -162,7 +163,7 @@ class Tally:
         """One captured step's errors and times (fp16 at the modules' loss scale ``scale``,
         or lower where the loss's own gradient needs it: :func:`loss_scale`)."""
         outputs = float_tensors(step.output)
-        self.numel = sum(t.numel() for t in outputs)
+        self.numel = round(sum(t.numel() for t in outputs) * self.per_batch)
         runs = self._runs(step, scale)
         ref_loss, ref_grads, _ = runs["fp32"]
         scale = loss_scale(scale, ref_grads)

@@ -28,6 +28,7 @@ measures a copy of the model after a few fp32 optimizer steps (:func:`warm_if_si
 """
 import contextlib
 import copy
+import math
 
 import torch
 
@@ -169,14 +170,15 @@ def unit_fp16_range(call: Call, ref_dw, scale):
     return fp16_range(grads, scale, [] if call.out is None else [call.out])
 
 
-def unit_bytes(rec, module, choice):
+def unit_bytes(rec, module, choice, per_batch=1.0):
     """Bytes of the unit's input and output activations (what it saves for the backward,
-    roughly) plus its weights at ``choice``: what lower precision or 8-bit saved tensors
-    save in memory (the memory objective)."""
+    roughly; times ``per_batch`` where ``rec`` is of a slice of the batch) plus its weights
+    at ``choice``: what lower precision or 8-bit saved tensors save in memory (the memory
+    objective)."""
     n = sum(t.numel() for t in float_tensors((rec.args, rec.kwargs)))
     n += 0 if rec.out is None else rec.out.numel()
     c = _candidates.get(choice)
-    return n * c.saved_bytes + _units.param_bytes(module) * c.bytes
+    return round(n * per_batch) * c.saved_bytes + _units.param_bytes(module) * c.bytes
 
 
 class Tally:
@@ -231,12 +233,16 @@ def _signature(module, rec):
             tuple((tuple(t.shape), t.dtype) for t in float_tensors((rec.args, rec.kwargs))))
 
 
+CLEAR = 2.0    # a candidate this many times past the too-slow line after one timed round
+
+
 def _warm_up(copies, tallies, rec, device, recipe, scale, slow, verdict=None, k=3):
     """A first call of each candidate (fp8's amax history starts there; a first call of a
     shape also pays for kernel selection and allocation), noting those that fail. With
     ``slow``, every candidate that ran is then timed ``k`` more times, interleaved with the
     others so that a busy machine slows all alike, and one whose fastest time is ``slow``
-    times fp32's is noted too slow: warm time against warm time, never a first call.
+    times fp32's is noted too slow: warm time against warm time, never a first call (one
+    past the line by CLEAR times after a round is not timed again).
     Returns that verdict ({candidate: why too slow}); given one (a unit timed alike was
     judged already), it is taken as is, so that identical units get one verdict, and the
     candidates it found too slow are not run again."""
@@ -252,10 +258,15 @@ def _warm_up(copies, tallies, rec, device, recipe, scale, slow, verdict=None, k=
     if not slow or "fp32" not in ran:
         return verdict
     if verdict is None:
-        best = {c: r[3] for c, r in _interleaved(copies, ran, rec, device, recipe, scale, k).items()}
-        base = best["fp32"]
+        best, live = {}, ran
+        for _ in range(k):
+            for c, r in _interleaved(copies, live, rec, device, recipe, scale, 1).items():
+                best[c] = min(best.get(c, math.inf), r[3])
+            base = max(best["fp32"], 1e-4)
+            # one past the line by CLEAR times after a round is not timed again
+            live = [c for c in live if c == "fp32" or best[c] <= CLEAR * slow * base]
         verdict = {c: f"too slow here: {t / base:.1f}x fp32's time" for c, t in best.items()
-                   if c != "fp32" and t > slow * max(base, 1e-4)}
+                   if c != "fp32" and t > slow * base}
     for c, why in verdict.items():
         if c in copies and not tallies[c].error:
             tallies[c].too_slow = why
@@ -311,7 +322,7 @@ def _pool_times(out, groups):
 
 
 def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, slow=None,
-            loss=None):
+            loss=None, per_batch=1.0):
     """{name: {candidate: result}} for the units (name -> module) of ``model`` at their
     ``options`` (name -> candidates), and the loss scale used for fp16. Each run is timed
     ``repeats`` times per batch, interleaved over the candidates, and the fastest kept (a
@@ -324,7 +335,10 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, 
 
     With ``loss`` (an ``_loss.Tally``), the loss is measured as a unit too, on each step's
     recorded output, and its figures come back under ``_loss.NAME``; not when the model
-    returns a loss it computed itself (the loss then ran inside the model)."""
+    returns a loss it computed itself (the loss then ran inside the model).
+
+    ``per_batch``: whole batches over the batches given (these a slice of the examples of
+    each): activation bytes are scaled by it."""
     copies = _copies(units, options)
     tallies = {n: {c: Tally() for c in options[n]} for n in units}
     # fp32's own batch-to-batch spread of the unit's input and weight gradients
@@ -345,7 +359,7 @@ def measure(model, batches, loss_fn, units, options, device, recipe, repeats=2, 
                 continue               # not called on this batch
             if not tallies[name]["fp32"].bytes:
                 for c, m in copies[name].items():
-                    tallies[name][c].bytes = unit_bytes(rec, m, c)
+                    tallies[name][c].bytes = unit_bytes(rec, m, c, per_batch)
             why = unit_silent(rec)
             if why is not None:
                 quiet.setdefault(name, why)     # errors against zeros would all read 0

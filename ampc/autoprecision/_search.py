@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
-from . import _candidates, _loss, _measure, _objectives, _peak, _units
+from . import _candidates, _examples, _loss, _measure, _objectives, _peak, _units
 from ._apply import param_shapes
 from ._plan import Plan, VERSION
 from ._solve import (CEILING, ERRORS, MARGIN, Budget, Over, clearly_faster, order, raise_one,
@@ -26,6 +26,7 @@ RACE_ROUNDS = 3      # turns each entrant takes in race()
 FN = "ampc.autoprecision.search"
 
 SLOW = 4.0       # a candidate whose matmul is this many times slower than fp32 is not tried
+CEILING_SLACK = 1.5   # under a ceiling, a unit's candidate this far past it is not measured on
 
 
 def _matmul_ms(choice, device, n=512, reps=20, seconds=0.2):
@@ -234,7 +235,7 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
            fp8_recipe: str = "delayed", sensitivity: bool = True, check: bool = True,
            max_backoffs: int = 12, repeats: int = 2, loss_unit: bool = True,
            warmup: int | str = "auto", max_slowdown: float | None = CEILING,
-           peak_bytes: int | None = None,
+           peak_bytes: int | None = None, examples: int | str | None = "auto",
            optimizer: Callable = torch.optim.AdamW) -> Plan:
     """Chooses a precision for each module of ``model`` from measured error and measured
     cost, under an error budget, and checks the whole choice.
@@ -254,7 +255,8 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
         objective: "time" (forward + backward time measured on this device; candidates
             whose matmul is 4x slower than fp32 here are not even tried) or "memory"
             (bytes of the module's weights and activations: deterministic; 8 bits a
-            saved activation for the "+8b" candidates).
+            saved activation for the "+8b" candidates; under its time ceiling the matmul
+            and conv modules do not try a candidate whose matmul is 4x slower here).
         units: module types to decide, only those (default: Linear, convolutions,
             MultiheadAttention, norms, Softmax, and any module found to compute a GEMM or
             a norm, such as GPT-2's Conv1D or Llama's RMSNorm).
@@ -283,6 +285,13 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
             the most bytes for the least time first) and measured again until the step fits
             (at most 4 rounds). ``plan.data["peak"]`` has the figures; the notes say whether
             the budget was met (and a warning when it was not: the error budget wins).
+        examples: how many leading examples of each batch the modules and the whole plan
+            are measured on: "auto" (default), a quarter of them (at least 4) where an fp32
+            step of a whole batch would take over half a second; a number, that many; None,
+            whole batches. A slice is taken only where every tensor of the batches shares
+            its leading size and no module reads sequence-first (``batch_first=False``);
+            activation bytes are scaled to the whole batch, errors and times are the
+            slice's, and the notes say so. ``peak_bytes`` is measured on whole batches.
         optimizer: what the step of ``peak_bytes`` trains with: a callable that takes the
             parameters and returns an optimizer (default torch.optim.AdamW).
         check (bool): measure the whole plan against fp32 and back off the worst
@@ -303,12 +312,15 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
         raise ValueError(f"ampc.autoprecision.search: fp8_recipe must be 'delayed' or "
                          f"'current', got {fp8_recipe!r}")
     warmup, ceiling = _check_warmup(warmup), _check_ceiling(max_slowdown)
+    examples = _examples.check(FN, examples)
     _peak.check_args(peak_bytes, optimizer, objective)
     goal = _objectives.get(objective)
     if not goal.has_ceiling or peak_bytes is not None:
         ceiling = None               # the fastest plan is taken (then lowered to the budget)
-    # a candidate this slow is not measured further (the ceiling would rule it out)
-    slow = SLOW if goal.by_speed else ceiling and max(SLOW, ceiling)
+    # a candidate this slow is not measured further: under the ceiling, past it with room
+    # for noise (fp32 always fits the budget, so a candidate over ceiling x fp32's time is
+    # ruled out whatever the others measure)
+    slow = SLOW if goal.by_speed else ceiling and CEILING_SLACK * ceiling
     loss_fn = loss_fn or default_loss
     params = list(model.parameters())
     device = device or (params[0].device.type if params else "cpu")
@@ -316,7 +328,12 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     model, compiled = _plain(model)
     loss_name = _loss.loss_name(loss_fn)
     loss_fn = failures.checked_loss(FN, loss_fn)
-    found, options, notes = _units_and_options(model, units, candidates, objective, device)
+    found, options, notes = _units_and_options(model, units, candidates, objective, device,
+                                               ceiling)
+    whole = batches             # what the peak is measured on
+    batches, sliced, note = _examples.choose(model, batches, loss_fn, examples)
+    notes += [note] if note else []
+    scale_up = sliced[1] / sliced[0] if sliced else 1.0     # whole batches over the slice
     # bad batches or loss_fn are said here; the same fp32 pass finds the units that cannot
     # show an error (zero gradients), for the warm-up
     look = (lambda work, batch: _measure.silent_in(work, batch, loss_fn, found)) \
@@ -327,11 +344,11 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
         model, batches, loss_fn, found, warmup,
         quiet=_measure.silent_on_all(per_batch) if look else None)
     notes += [note] if note else []
-    tally = _loss.Tally(loss_fn, candidates, device, repeats) if loss_unit else None
+    tally = _loss.Tally(loss_fn, candidates, device, repeats, scale_up) if loss_unit else None
     with torch.random.fork_rng(devices=[]):
         measured, loss_scale = _measure.measure(model, batches, loss_fn, found, options, device,
                                                 _units.fp8_recipe(fp8_recipe), repeats,
-                                                slow=slow, loss=tally)
+                                                slow=slow, loss=tally, per_batch=scale_up)
     note = _measure.not_measured_note(measured)
     notes += [note] if note else []
     if not sensitivity:
@@ -341,17 +358,18 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
                                  loss_scale, device, notes, loss_name, ceiling,
                                  solve_as="time" if peak_bytes is not None else None)
     if peak_bytes is not None:
-        _peak.fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes,
+        _peak.fit(plan, model, whole, loss_fn, measured, rejected, budget, peak_bytes,
                   optimizer)
         fitted = plan.decisions
     if check:
         _check_whole(model, batches, loss_fn, plan, measured, budget, objective, device,
                      max_backoffs)
     if peak_bytes is not None:
-        _peak.settle(plan, model, batches, loss_fn, optimizer, fitted)
+        _peak.settle(plan, model, whole, loss_fn, optimizer, fitted)
     plan.data["predicted"] = {
         "fp32_ms": sum(u.options["fp32"]["ms"] or 0.0 for u in plan.every_unit),
         "plan_ms": sum(u.figures()["ms"] or 0.0 for u in plan.every_unit)}
+    plan.data["examples"] = list(sliced) if sliced else None
     plan.data["search_s"] = time.perf_counter() - t_start
     return _broadcast(plan)
 
@@ -370,18 +388,26 @@ def _plain(model):
         f"model uncompiled ({hints})"]
 
 
-def _units_and_options(model, types, candidates, objective, device):
+def _units_and_options(model, types, candidates, objective, device, ceiling):
     """The units of ``model``, each one's candidates (less those too slow here), and the
-    notes saying which were not tried."""
+    notes saying which were not tried. The time objective tries no candidate whose matmul
+    runs SLOW times fp32's here; under the memory objective's ceiling (a unit's candidate
+    that much slower is ruled out anyway) the matmul and conv units do not try it, the rest
+    are measured (a norm's time is mostly not a matmul's)."""
     found = _units.find_units(model, tuple(types) if types else None)
     if not found:
         raise ValueError("ampc.autoprecision.search: the model has no module of the types "
                          "it decides (Linear, convolutions, attention, norms, softmax); "
                          "name yours with units=")
-    skipped = probe(candidates, device) if _objectives.get(objective).by_speed else {}
-    notes = [f"{c} not tried: {why}" for c, why in skipped.items()]
-    tried = [c for c in candidates if c not in skipped]
-    return found, {n: _units.candidates_for(m, tried) for n, m in found.items()}, notes
+    everywhere = _objectives.get(objective).by_speed
+    skipped = probe(candidates, device) if everywhere or ceiling is not None else {}
+    where = "" if everywhere else " on the matmul and conv modules"
+    notes = [f"{c} not tried{where}: {why}" for c, why in skipped.items()]
+
+    def tried(m):
+        off = skipped if everywhere or _units.kind(m) == "gemm" else {}
+        return _units.candidates_for(m, [c for c in candidates if c not in off])
+    return found, {n: tried(m) for n, m in found.items()}, notes
 
 
 def _blind(measured):
