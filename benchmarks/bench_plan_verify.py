@@ -2,7 +2,8 @@
 fp32's seeds agree? search() then Plan.verify() on five models.
 
     python benchmarks/bench_plan_verify.py [--models resnet18,bncnn,bert,gpt2,gpt2text] [--steps N]
-        [--seeds 3] [--objectives memory,time] [--candidates fp32,bf16] [--quick] [--out FILE] [--json]
+        [--seeds 3] [--objectives memory,time] [--candidates fp32,bf16] [--monitor] [--quick]
+        [--out FILE] [--json]
 
 Models and their tasks (synthetic and learnable; fresh batches every step, nothing to memorize; 40% of
 the classifiers' labels replaced at random, so that the loss falls to a floor well above zero, where
@@ -219,7 +220,17 @@ def against_mean(report, row):
     return (row["final_loss"] - mean) / (max(finals) - min(finals))
 
 
-def one(name, objective, steps, seeds, candidates, out):
+def monitored(report):
+    """'spikes, raised' of the plan's runs under --monitor (their monitor records), or '-'."""
+    runs = [r for r in report.runs + [r for p in report.paired_runs for r in p] if r.monitor]
+    if not runs:
+        return "-"
+    spikes = sum(len(r.monitor["spikes"]) for r in runs)
+    raised = sum(len(r.monitor["decisions"]) for r in runs)
+    return f"{spikes} spikes, {raised} raised over {len(runs)} runs"
+
+
+def one(name, objective, steps, seeds, candidates, out, monitor=None):
     """search then verify on one model; the summary rows, the raw tables printed to ``out``."""
     make_model, make_batch, units, lr, _, _ = MODELS[name]
     torch.manual_seed(0)
@@ -236,7 +247,7 @@ def one(name, objective, steps, seeds, candidates, out):
         out(plan.table())               # before the long part: what is being trained
         t0 = time.perf_counter()
         report = plan.verify(make_model, make_batch, steps, seeds=tuple(range(seeds)), lr=lr,
-                             progress=False)
+                             progress=False, monitor=monitor)
         verify_s = time.perf_counter() - t0
     out(report.table())
     m = plan.data["measured"]
@@ -257,6 +268,7 @@ def one(name, objective, steps, seeds, candidates, out):
             "gap %": 100 * r["final_gap"], "verdict": verdict,
             "gap/range": against_mean(report, r),
             "step ms": r["step_ms"], "fp32 ms": report.base.median_ms(),
+            "monitor": monitored(report) if r["setup"] == "ampc auto" else "-",
             "search s": search_s, "verify s": verify_s, "load": load.summary()})
     return rows
 
@@ -270,6 +282,9 @@ def main():
     p.add_argument("--candidates", default=None,
                    help="search candidates, comma-separated (default: the objective's own)")
     p.add_argument("--quick", action="store_true", help="a smoke check: few steps, 2 seeds")
+    p.add_argument("--monitor", action="store_true",
+                   help="train the plan's runs with its Monitor on (default arguments): its spikes "
+                        "and raises go under the tables and in the summary's monitor column")
     p.add_argument("--out", default=None, help="file for the raw output (default: benchmarks/results/"
                                                   "plan_verify_*.txt; none with --quick)")
     args = H.parse(p)
@@ -288,7 +303,8 @@ def main():
         steps = args.steps or MODELS[name][5 if args.quick else 4]
         for objective in args.objectives.split(","):
             rows += one(name, objective, steps, seeds,
-                        args.candidates and args.candidates.split(","), out)
+                        args.candidates and args.candidates.split(","), out,
+                        {} if args.monitor else None)
     notes = [f"verdict: validate's, from the gap to fp32 of the same seed over the last quarter (95% "
              f"interval over the seeds) against fp32's spread (over {100 * MAX_SPREAD:g}%: too wide to judge); "
              "gap %: the final gap to fp32 seed 0; gap/range: to the fp32 seeds' mean, in units of their "

@@ -366,7 +366,9 @@ class Plan:
         dtype by default) and this plan, each trained from every seed, the runs of a seed
         from the same weights on the same batches. Returns the Comparison: its table gives
         each one's gap to fp32 of the same seed over the last quarter of the run, the
-        verdict (inside fp32's run-to-run spread or not) and the median step time."""
+        verdict (inside fp32's run-to-run spread or not) and the median step time.
+        ``monitor=dict(...)`` trains the plan's runs with a :class:`Monitor` of those
+        arguments watching each (what it did is printed under the table)."""
         dtype = _candidates.get("bf16" if self.dtype == "fp32" else self.dtype).dtype
         return compare(make_model, make_batch, loss_fn, steps,
                                 setups=tuple(setups) + (self,), dtype=dtype, device=self.device,

@@ -178,8 +178,10 @@ class Trainer:
     """
 
     def __init__(self, kind, dtype, make_model, *, loss_fn=None, lr=1e-3, seed=0,
-                 device="cpu", name=None):
+                 device="cpu", name=None, monitor=None):
         plan = kind if _is_plan(kind) else None
+        if plan is not None and monitor is not None:
+            plan = type(plan).from_json(plan.to_json())  # its monitor may raise modules: this run's own
         if plan is not None:
             kind, dtype = PLAN_SETUP, {"fp16": torch.float16}.get(plan.dtype, torch.bfloat16)
         self.loss_fn = plan.loss(loss_fn) if plan is not None else loss_fn or default_loss
@@ -197,8 +199,11 @@ class Trainer:
                                  f"parameter {pname} is {p.dtype}")
         model.train()
         fp16 = dtype == torch.float16 and kind != "fp32"
+        self.monitor = None
         if plan is not None:
-            plan.apply(model)
+            applied = plan.apply(model)
+            if monitor is not None:
+                self.monitor = applied.monitor(loss_fn, **monitor)
             self.opt = ampc.optim.AdamW(model.parameters(), lr=lr)
             self.scaler = _setups.scaler("ampc" if plan.needs_scaler() else None, device)
             self.region = plan.autocast
@@ -267,6 +272,9 @@ class Trainer:
             opt.step()
         self.sync()
         run.step_ms.append((t1 - t0 + time.perf_counter() - t2) * 1e3)
+        if self.monitor is not None:     # after the timed part: its checks are not the step's
+            self.monitor.step(batch, loss=loss.detach().float(),
+                              grad_norm=torch.tensor(run.grad_norms[-1]))
         if scaler and scaler.get_scale() < scale:
             run.skipped.append(len(run.losses) - 1)
         self.rng = self._get_rng()
@@ -285,6 +293,9 @@ class Trainer:
         if val_batches:
             self.run.val_loss = evaluate(self.model, val_batches, self.loss_fn, self.region)
         self.run.model, self.run.optimizer = self.model, self.opt
+        if self.monitor is not None:
+            self.run.monitor = {"spikes": self.monitor.spikes,
+                                "decisions": self.monitor.decisions}
         return self.run
 
 
@@ -397,7 +408,7 @@ def compare(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int
             dtype: torch.dtype | None = None, device: str | None = None, lr: float = 1e-3,
             seeds: Sequence[int] = (0, 1), val_batches: Sequence[tuple] | None = None,
             progress: bool = True, time_limit: float | None = None,
-            paired: bool = True) -> "Comparison":
+            paired: bool = True, monitor: dict | None = None) -> "Comparison":
     """Trains fp32 and each mixed-precision setup on the same batches from the same weights.
 
     Args:
@@ -431,6 +442,11 @@ def compare(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int
             is then measured over its first steps. Default: one run after another.
         paired (bool): train each setup from every seed (default); False trains the setups
             from the first seed only (fewer runs, a verdict from one paired gap).
+        monitor (dict): an ``ampc.autoprecision`` plan among the setups trains with
+            ``plan.apply(model).monitor(loss_fn, **monitor)`` watching it (each run on its
+            own copy of the plan): every step hands it the batch, the loss and the gradient
+            norm (its spikes), outside the step's time. What it saw and did is each run's
+            ``monitor`` record and a line under the table. None (default): no monitor.
 
     Returns:
         :class:`ampc.validate.Comparison`: ``.table()``, ``.as_dict()``, ``.save(dir)``.
@@ -459,7 +475,11 @@ def compare(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int
     specs = ([("fp32", None, seeds[0], None)]
              + [("fp32", None, s, f"fp32 seed {s}") for s in seeds[1:]]
              + [(kind, dt, s, None) for s in (seeds[0],) + others for kind, dt in parsed])
-    common = dict(loss_fn=loss_fn, lr=lr, device=device, val_batches=val, progress=progress)
+    if monitor is not None and not isinstance(monitor, dict):
+        raise TypeError(f"ampc.validate.compare: monitor must be a dict of Monitor arguments "
+                        f"or None, got {type(monitor).__name__}")
+    common = dict(loss_fn=loss_fn, lr=lr, device=device, val_batches=val, progress=progress,
+                  monitor=monitor)
     if time_limit is None:
         done = [train_one(kind, dt, make_model, batches, seed=seed, name=name, **common)
                 for kind, dt, seed, name in specs]

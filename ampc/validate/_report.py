@@ -197,7 +197,27 @@ class Comparison:
                               "within spread",
                               "val loss", "val gap %", "grad-norm ratio (range)", "skipped",
                               "loss scale", "step ms"], rows)
-        return head + "\n" + table
+        return "\n".join([head, table] + self._monitor_lines())
+
+    def _monitor_lines(self) -> list[str]:
+        """What a plan run's monitor saw (spikes) and did (modules raised or named), one line
+        a watched run."""
+        lines = []
+        for run in self.runs + [r for p in self.paired_runs for r in p]:
+            m = run.monitor
+            if m is None:
+                continue
+            spikes = m["spikes"]
+            seen = (f"{len(spikes)} spike(s) at step(s) "
+                    + ", ".join(str(k["step"]) for k in spikes[:8])
+                    + (" ..." if len(spikes) > 8 else "") if spikes else "no spike")
+            did = ("; ".join(f"step {d['step']}: {d['module']} {d['from']} -> {d['to']}"
+                             if d["action"] == "raise" else
+                             f"step {d['step']}: {d['module']} named ({d['from']})"
+                             for d in m["decisions"][:4])
+                   + (" ..." if len(m["decisions"]) > 4 else "")) or "no module over its allowance"
+            lines.append(f"monitor on {run.name}: {seen}; {did}")
+        return lines
 
     def as_dict(self) -> dict[str, Any]:
         return {"config": self.config, "smoothing_window": self.window,

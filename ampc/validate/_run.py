@@ -21,6 +21,7 @@ class Run:
     step_ms: list = field(default_factory=list)      # forward + backward + optimizer
     peak_mib: float = None    # memory this run added at its peak (see _PeakMemory)
     val_loss: float = None
+    monitor: dict = None      # a plan run's monitor: {"spikes": [...], "decisions": [...]}
     model: object = field(default=None, repr=False)      # the trained model and its
     optimizer: object = field(default=None, repr=False)  # optimizer (not serialized)
 
@@ -87,10 +88,13 @@ def t95(df: int) -> float:
 
 
 def mean_interval(values: list[float]) -> tuple[float, float | None]:
-    """The mean of ``values`` and the half-width of its 95% interval (None for one value)."""
+    """The mean of ``values`` and the half-width of its 95% interval (None for one value;
+    a value not finite, a run that diverged, makes both the mean and the width that)."""
     mean = statistics.fmean(values)
     if len(values) < 2:
         return mean, None
+    if not all(map(math.isfinite, values)):
+        return mean, math.inf if math.isinf(mean) else math.nan
     return mean, t95(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 

@@ -105,3 +105,16 @@ def test_grad_norm_ratio_median_reads_inside_its_range():
     median, low, high = (float(v) for v in
                          re.search(r"(\d\.\d+) \((\d\.\d+)-(\d\.\d+)\)", row).groups())
     assert low <= median <= high and (median, low, high) == (0.999, 0.996, 1.0)
+
+
+def test_an_interval_over_diverged_runs_is_not_finite_not_a_crash():
+    """Paired gaps from runs that diverged (inf, nan) give a non-finite mean and width (the
+    verdict reads them as outside), where statistics.stdev raised AttributeError."""
+    import math
+    from ampc.validate._run import mean_interval
+    assert mean_interval([math.inf, math.inf]) == (math.inf, math.inf)
+    assert mean_interval([0.01, math.inf])[1] == math.inf
+    m, w = mean_interval([math.nan, 0.01])
+    assert math.isnan(m) and math.isnan(w)
+    m, w = mean_interval([0.01, 0.03])
+    assert m == 0.02 and 0 < w < math.inf
