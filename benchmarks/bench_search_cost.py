@@ -57,7 +57,8 @@ def main():
     p.add_argument("--examples", default="auto",
                    help="examples of each batch measured: auto, a number, or all (whole batches)")
     args = p.parse_args()
-    examples = {"auto": "auto", "all": None}.get(args.examples) or int(args.examples)
+    examples = ({"auto": "auto", "all": None}[args.examples] if args.examples in ("auto", "all")
+                else int(args.examples))
     model = fresh(args)
     spent = {}
     timed(spent)
