@@ -4,7 +4,7 @@ every framework, and the forward's region they describe."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +28,8 @@ class Settings:
     fp8_modules: tuple[type[nn.Module], ...]
     cache_enabled: bool | None
     master_weights: bool
+    compress: tuple[str, ...] = ()     # modules whose saved activations are kept in 8 bits
+    recompute: tuple[str, ...] = ()    # modules recomputed in the backward
 
     @contextlib.contextmanager
     def region(self) -> Iterator[None]:
@@ -47,6 +49,18 @@ class Settings:
             ampc.fp8.convert(module, self.fp8_modules)
         return module
 
+    def convert(self, module: nn.Module) -> nn.Module:
+        """``module`` with its FP8 modules converted (:meth:`convert_fp8`), then the modules
+        named in ``compress`` keeping their saved activations in 8 bits
+        (``ampc.memory.compress``) and those in ``recompute`` recomputed in the backward
+        (``ampc.memory.recompute``); the names are ``module``'s own (patterns allowed)."""
+        self.convert_fp8(module)
+        if self.compress:
+            ampc.memory.compress(module, list(self.compress), "8bit")
+        if self.recompute:
+            ampc.memory.recompute(module, list(self.recompute))
+        return module
+
     def make_master_weights(self, name: str, which: str, model: nn.Module,
                             optimizer: torch.optim.Optimizer) -> None:
         """``ampc.prepare``: ``model``'s weights in ``dtype``, fp32 masters in ``optimizer``."""
@@ -61,7 +75,9 @@ def check(name: str, device: str, dtype: torch.dtype, *, scaler: ampc.GradScaler
           dynamic: bool = True, init_scale: float = 2.0 ** 16,
           policy: Mapping[str, str] | None = None, fp8: bool | Recipe | None = None,
           fp8_modules: tuple[type[nn.Module], ...] = (nn.Linear,),
-          cache_enabled: bool | None = None, master_weights: bool = False) -> Settings:
+          cache_enabled: bool | None = None, master_weights: bool = False,
+          compress: str | Sequence[str] | None = None,
+          recompute: str | Sequence[str] | None = None) -> Settings:
     """The integration ``name``'s settings, checked before anything is changed; fp16 gets a new
     ``ampc.GradScaler(device, init_scale=init_scale, dynamic=dynamic)`` unless given one."""
     if dtype not in _LOW:
@@ -73,7 +89,21 @@ def check(name: str, device: str, dtype: torch.dtype, *, scaler: ampc.GradScaler
     if scaler is None and dtype == torch.float16:
         scaler = ampc.GradScaler(device, init_scale=init_scale, dynamic=dynamic)
     return Settings(device, dtype, scaler, dict(policy or {}), fp8_recipe(name, fp8),
-                    tuple(fp8_modules), cache_enabled, bool(master_weights))
+                    tuple(fp8_modules), cache_enabled, bool(master_weights),
+                    module_names(name, "compress", compress),
+                    module_names(name, "recompute", recompute))
+
+
+def module_names(name: str, arg: str, value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The module names (or patterns) an argument like ``compress=`` gives, as a tuple."""
+    if value is None:
+        return ()
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not names or \
+            not all(isinstance(n, str) and n for n in names):
+        raise TypeError(f"{name}: {arg} must be a module name (or pattern) or a non-empty list "
+                        f"of them, got {value!r}")
+    return tuple(names)
 
 
 def fp8_recipe(name: str, fp8: bool | Recipe | None) -> Recipe | None:

@@ -58,7 +58,8 @@ def use_ampc(accelerator: Accelerator, *, dtype: torch.dtype | None = None,
              scaler: ampc.GradScaler | None = None, master_weights: bool = False,
              policy: dict[str, str] | None = None, fp8: bool | Recipe | None = None,
              fp8_modules: tuple[type[nn.Module], ...] = (nn.Linear,),
-             cache_enabled: bool | None = None) -> Accelerator:
+             cache_enabled: bool | None = None, compress: str | list[str] | None = None,
+             recompute: str | list[str] | None = None) -> Accelerator:
     """Makes ``accelerator`` train with ampc's autocast and scaler; call it before
     ``prepare()``. Returns the accelerator.
 
@@ -74,6 +75,10 @@ def use_ampc(accelerator: Accelerator, *, dtype: torch.dtype | None = None,
         fp8 (bool or recipe): run ``fp8_modules`` in FP8 (True: ``DelayedScaling()``); the
             modules are converted to ``ampc.fp8.Linear`` when the model is prepared.
         cache_enabled (bool): autocast's weight cache. Default: ampc's default.
+        compress (str or list): modules of each prepared model (names or patterns) whose saved
+            activations are kept in 8 bits until the backward (``ampc.memory.compress``).
+        recompute (str or list): modules of each prepared model recomputed in the backward
+            (``ampc.memory.recompute``). Both are set when the model is prepared.
     """
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"{_NAME}: accelerator must be an accelerate.Accelerator, "
@@ -95,7 +100,8 @@ def use_ampc(accelerator: Accelerator, *, dtype: torch.dtype | None = None,
                              "or pass dtype")
     accelerator._ampc = check(_NAME, accelerator.device.type, dtype, scaler=scaler,
                               policy=policy, fp8=fp8, fp8_modules=fp8_modules,
-                              cache_enabled=cache_enabled, master_weights=master_weights)
+                              cache_enabled=cache_enabled, master_weights=master_weights,
+                              compress=compress, recompute=recompute)
     accelerator._ampc_models = weakref.WeakSet()     # the models whose forward is in ampc's region
     # Accelerate's public attributes: backward, the optimizers' step, save_state/load_state
     # and the Trainer's checkpoints use this scaler; no torch.autocast around the forward
@@ -156,7 +162,7 @@ class _AmpcAccelerator:
         if model in self._ampc_models:
             return super().prepare_model(model, device_placement, evaluation_mode)
         settings = self._ampc
-        settings.convert_fp8(model)
+        settings.convert(model)
         model = super().prepare_model(model, device_placement, evaluation_mode)
         # as Accelerate wraps torch.autocast around the forward: unwrap_model() undoes it
         # through _original_forward, Accelerate's name for the forward before its wrapper

@@ -70,7 +70,7 @@ class _Ampc:
     def convert_module(self, module: nn.Module) -> nn.Module:
         # as Lightning's TransformerEngine plugin swaps its layers: before the optimizers
         # exist, so they see the FP8 layers' parameters (the same tensors)
-        return self.settings.convert_fp8(module)
+        return self.settings.convert(module)
 
 
 class AmpcPrecision(_Ampc, _MixedPrecision):
@@ -98,6 +98,13 @@ class AmpcPrecision(_Ampc, _MixedPrecision):
             Default: ``(nn.Linear,)``.
         cache_enabled (bool): autocast's weight cache; off by default, as in Lightning's
             own plugin (a manual-optimization step inside the forward changes the weights).
+        compress (str or list): modules of the LightningModule (names or patterns, such as
+            ``"model.h.*.mlp"``) whose saved activations are kept in 8 bits until the
+            backward (``ampc.memory.compress``), set when Lightning hands the plugin the
+            module. Default: None.
+        recompute (str or list): modules recomputed in the backward instead of saving their
+            activations (``ampc.memory.recompute``: activation checkpointing by module name).
+            Default: None.
 
     Gradient clipping by norm (``Trainer(gradient_clip_val=...)``) goes through
     ``scaler.clip_grad_norm_``: with ampc's optimizers the norm is measured in one read of
@@ -111,10 +118,12 @@ class AmpcPrecision(_Ampc, _MixedPrecision):
                  init_scale: float = 2.0 ** 16, master_weights: bool = False,
                  policy: dict[str, str] | None = None, fp8: bool | Recipe | None = None,
                  fp8_modules: tuple[type[nn.Module], ...] = (nn.Linear,),
-                 cache_enabled: bool = False) -> None:
+                 cache_enabled: bool = False, compress: str | list[str] | None = None,
+                 recompute: str | list[str] | None = None) -> None:
         super().__init__("AmpcPrecision", precision, device, scaler=scaler, dynamic=dynamic,
                          init_scale=init_scale, policy=policy, fp8=fp8, fp8_modules=fp8_modules,
-                         cache_enabled=cache_enabled, master_weights=master_weights)
+                         cache_enabled=cache_enabled, master_weights=master_weights,
+                         compress=compress, recompute=recompute)
         self._module: nn.Module | None = None
 
     master_weights = _setting("master_weights")
@@ -192,10 +201,12 @@ class AmpcFabricPrecision(_Ampc, _FabricMixedPrecision):
                  init_scale: float = 2.0 ** 16, policy: dict[str, str] | None = None,
                  fp8: bool | Recipe | None = None,
                  fp8_modules: tuple[type[nn.Module], ...] = (nn.Linear,),
-                 cache_enabled: bool | None = None) -> None:
+                 cache_enabled: bool | None = None, compress: str | list[str] | None = None,
+                 recompute: str | list[str] | None = None) -> None:
         super().__init__("AmpcFabricPrecision", precision, device, scaler=scaler,
                          dynamic=dynamic, init_scale=init_scale, policy=policy, fp8=fp8,
-                         fp8_modules=fp8_modules, cache_enabled=cache_enabled)
+                         fp8_modules=fp8_modules, cache_enabled=cache_enabled,
+                         compress=compress, recompute=recompute)
 
     def forward_context(self) -> AbstractContextManager[None]:
         return self.settings.region()
