@@ -6,6 +6,7 @@ fp32's (forward, backward and AdamW step; reps interleaved, median and quartiles
 
     python benchmarks/bench_peak_budget.py [--fractions 0.8,0.6,0.4] [--batch 8] [--context 128]
                                            [--width 256] [--layers 2] [--vocab 4096] [--reps 5]
+                                           [--optimizer torch|ampc] [--of fp32|amp]
 
 Model: transformers' GPT2LMHeadModel (bench_lean_memory.py's, dropout 0, its KV cache off), random
 tokens, next-token cross-entropy; the search gets two batches (repeats 1).
@@ -47,14 +48,28 @@ def fresh(args):
     return gpt2(args)
 
 
+def optimizer_for(args, plan=None):
+    """What the search measures and the step trains with: torch's AdamW, or ampc's (freeing
+    the gradients in the backward where the plan's peak was measured so)."""
+    if args.optimizer == "torch":
+        return lambda ps: torch.optim.AdamW(ps, lr=1e-3)
+    freed = bool(plan is not None and (plan.data.get("peak") or {}).get("grads_freed"))
+    return lambda ps: ampc.optim.AdamW(ps, lr=1e-3, step_in_backward=freed)
+
+
 def stepper(args, plan):
-    """A training step of a fresh model with ``plan`` applied (None: fp32)."""
+    """A training step of a fresh model with ``plan`` applied (None: fp32; "amp": torch.amp
+    bf16 with torch's fused AdamW)."""
     model = fresh(args)
     region, loss_fn = contextlib.nullcontext, lm_loss
-    if plan is not None:
+    if plan == "amp":
+        region = lambda: torch.autocast("cpu", dtype=torch.bfloat16)   # noqa: E731
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    elif plan is not None:
         plan.apply(model)
         region, loss_fn = plan.autocast, plan.loss(lm_loss)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if plan != "amp":
+        opt = optimizer_for(args, plan)(list(model.parameters()))
     (inputs, y), = batches(args, 1, seed=1)
 
     def step():
@@ -75,6 +90,11 @@ def main():
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--optimizer", choices=("torch", "ampc"), default="torch",
+                   help="torch.optim.AdamW, or ampc.optim.AdamW (the search may then free the "
+                        "gradients in the backward)")
+    p.add_argument("--of", choices=("fp32", "amp"), default="fp32",
+                   help="budgets as fractions of fp32's peak or of torch.amp bf16's (fused AdamW)")
     args = p.parse_args()
     print(H.machine("cpu"))
     print(f"model: GPT-2 width {args.width}, {args.layers} layers, vocab {args.vocab}; batch "
@@ -83,30 +103,38 @@ def main():
     model = fresh(args)
     fp32_peak = ampc.memory.report(model, torch.optim.AdamW(model.parameters()), batches(args, 1)[0],
                                    lm_loss).peak
-    print(f"fp32 step peak: {fp32_peak / MiB:.1f} MiB")
+    model = fresh(args)
+    amp_peak = ampc.memory.report(model, torch.optim.AdamW(model.parameters(), fused=True),
+                                  batches(args, 1)[0], lm_loss, autocast=torch.bfloat16).peak
+    print(f"fp32 step peak: {fp32_peak / MiB:.1f} MiB; torch.amp bf16 (fused AdamW): "
+          f"{amp_peak / MiB:.1f} MiB; optimizer {args.optimizer}")
+    of = fp32_peak if args.of == "fp32" else amp_peak
     plans = {}
     for f in [float(x) for x in args.fractions.split(",")]:
         t0 = time.perf_counter()
         with warnings.catch_warnings(record=True):
             warnings.simplefilter("always")
             plan = ampc.autoprecision.search(fresh(args), batches(args, 2), lm_loss, objective="memory",
-                                             peak_bytes=int(f * fp32_peak), repeats=1)
+                                             peak_bytes=int(f * of), repeats=1,
+                                             optimizer=optimizer_for(args))
         s = time.perf_counter() - t0
         d = plan.data["peak"]
         plans[f] = plan
-        print(f"\nbudget {f:.2f} x fp32 = {d['budget'] / MiB:.1f} MiB: {'met' if d['met'] else 'NOT met'}, "
-              f"step peak {d['bytes'] / MiB:.1f} MiB ({d['bytes'] / fp32_peak:.2f}x fp32; the fastest plan "
-              f"{d['fastest'] / MiB:.1f}), {d['rounds']} round(s), search {s:.0f} s")
+        print(f"\nbudget {f:.2f} x {args.of} = {d['budget'] / MiB:.1f} MiB: {'met' if d['met'] else 'NOT met'}, "
+              f"step peak {d['bytes'] / MiB:.1f} MiB ({d['bytes'] / fp32_peak:.2f}x fp32, "
+              f"{d['bytes'] / amp_peak:.2f}x torch.amp; the fastest plan {d['fastest'] / MiB:.1f}), "
+              f"{d['rounds']} round(s), gradients freed: {d.get('grads_freed')}, search {s:.0f} s")
         print(f"  choices: {plan!r}; recomputed: {plan.data.get('recompute') or 'none'}")
-    fns = {"fp32": stepper(args, None)}
+    fns = {"fp32": stepper(args, None), "torch.amp": stepper(args, "amp")}
     fns.update({f"budget {f:.2f}": stepper(args, plan) for f, plan in plans.items()})
     times = H.time_reps(fns, "cpu", reps=args.reps, warm=True)
     print(f"\nstep time (forward + backward + AdamW), {args.reps} interleaved reps, median [q1, q3] ms, "
-          "ratio to fp32's median:")
-    base = statistics.median(times["fp32"])
+          "ratio to fp32's and to torch.amp's median:")
+    base, amp = statistics.median(times["fp32"]), statistics.median(times["torch.amp"])
     for name, t in times.items():
         q = statistics.quantiles(t, n=4)
-        print(f"  {name:12s} {statistics.median(t):8.1f} [{q[0]:.1f}, {q[2]:.1f}]  {statistics.median(t) / base:.2f}x")
+        print(f"  {name:12s} {statistics.median(t):8.1f} [{q[0]:.1f}, {q[2]:.1f}]  "
+              f"{statistics.median(t) / base:.2f}x  {statistics.median(t) / amp:.2f}x")
 
 
 if __name__ == "__main__":

@@ -71,6 +71,30 @@ def step_peak(model, plan, batch, loss_fn, optimizer):
                       plan.loss(loss_fn))
 
 
+def _frees_grads(optimizer, plan):
+    """Whether the step can free each gradient in the backward instead: ``optimizer`` makes
+    ampc's Adam or AdamW (``step_in_backward``, which fp16's loss scaler and several ranks
+    rule out), not doing so already."""
+    if plan.needs_scaler() or (torch.distributed.is_available() and
+                               torch.distributed.is_initialized() and
+                               torch.distributed.get_world_size() > 1):
+        return False
+    import ampc.optim
+    probe = optimizer([nn.Parameter(torch.zeros(1))])
+    return isinstance(probe, ampc.optim.Adam) and not probe.step_in_backward
+
+
+def freeing(optimizer):
+    """``optimizer`` as it would be made with ``step_in_backward=True``: each parameter
+    stepped, and its gradient freed, as soon as the backward completes it (its groups and
+    options kept)."""
+    def make(params):
+        opt = optimizer(params)
+        options = {k: v for k, v in opt.defaults.items() if k != "differentiable"}
+        return type(opt)([dict(g) for g in opt.param_groups], step_in_backward=True, **options)
+    return make
+
+
 def blocks(model, units):
     """Modules worth recomputing whole, outermost only: each child of a ModuleList or
     Sequential that holds at least two units (a transformer's layers, a ResNet's blocks).
@@ -171,6 +195,12 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
     fp32_peak = step_peak(model, _all_fp32(plan), batch, loss_fn, optimizer).peak
     rep = step_peak(model, plan, batch, loss_fn, optimizer)
     first, rounds, scale = rep.peak, 0, 1.0   # scale: bytes the step saved per byte predicted
+    freed = False
+    if rep.peak > peak_bytes and _frees_grads(optimizer, plan):
+        # the first move: no whole-model gradient, for no error and about no time
+        new = step_peak(model, plan, batch, loss_fn, freeing(optimizer))
+        if new.peak < rep.peak:
+            rep, freed, optimizer = new, True, freeing(optimizer)
     banned = set()
     while rep.peak > peak_bytes and rounds < ROUNDS:
         lowering = _Lowering(plan, usable, measured, budget, recomputed(plan),
@@ -195,7 +225,7 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
             scale = min(1.0, max(0.05, (rep.peak - new.peak) / predicted))
         rep = new
     plan.data["peak"] = {"budget": int(peak_bytes), "fp32": fp32_peak, "fastest": first,
-                         "bytes": rep.peak, "rounds": rounds}
+                         "bytes": rep.peak, "rounds": rounds, "grads_freed": freed}
 
 
 def _undo(plan, before):
@@ -218,6 +248,8 @@ def settle(plan, model, batches, loss_fn, optimizer, fitted):
     step is measured again where the whole-plan check changed the choices ``fit`` left
     (``fitted``): a back-off raises units, and bytes with them."""
     d = plan.data["peak"]
+    if d.get("grads_freed"):
+        optimizer = freeing(optimizer)
     if plan.decisions != fitted:
         d["bytes"] = step_peak(model, plan, batches[0], loss_fn, optimizer).peak
     d["met"] = d["bytes"] <= d["budget"]
@@ -225,12 +257,16 @@ def settle(plan, model, batches, loss_fn, optimizer, fitted):
     what = (f"peak budget {d['budget'] / MiB:.1f} MiB: {'met' if d['met'] else 'NOT met'}, the "
             f"step measured {d['bytes'] / MiB:.1f} MiB (fp32 {d['fp32'] / MiB:.1f} MiB, the "
             f"fastest plan {d['fastest'] / MiB:.1f} MiB; {d['rounds']} round(s) of lowering"
-            + (f", {len(rc)} block(s) recomputed" if rc else "") + ")")
+            + (f", {len(rc)} block(s) recomputed" if rc else "") + ")"
+            + ("; with the gradients freed in the backward: make the optimizer with "
+               "step_in_backward=True" if d.get("grads_freed") else ""))
     if not d["met"]:
         why = ("the whole-plan check raised modules back to hold the error budget"
                if plan.data.get("backoffs") else
                "no module or block had a choice left that saves bytes within the error budget")
         what += (f": {why}; a larger budget, a looser error budget, or ampc.memory's sliced "
-                 "head and freed gradients (memory.md)")
+                 "head (memory.md)" + ("" if d.get("grads_freed") else
+                                       ", or ampc.optim.AdamW(..., step_in_backward=True) to "
+                                       "free the gradients in the backward"))
         warnings.warn(f"{FN}: {what}", stacklevel=3)
     plan.data["notes"].append(what)

@@ -214,3 +214,38 @@ def test_a_saved_plan_with_blocks_recomputed_trains_on_as_the_plan_it_was(least)
     plain = Plan.from_json(least.to_json())
     plain.data["recompute"] = []
     assert _train(again) == _train(least) == _train(plain)
+
+
+def _measured_freed(plan):
+    """As :func:`_measured`, with ampc's AdamW freeing each gradient in the backward."""
+    model = _model()
+    plan.apply(model)
+    return ampc.memory.report(_Under(model, plan.autocast),
+                              ampc.optim.AdamW(model.parameters(), step_in_backward=True),
+                              _batches()[0], plan.loss(None)).peak
+
+
+def test_an_ampc_optimizer_frees_the_gradients_first(least):
+    """With ampc's AdamW the first move is the gradients freed in the backward (no error,
+    about no time); its step is the one measured and the notes say how to train so. With
+    torch's AdamW (``least``) it is not taken, and the unmet budget's note points to it."""
+    with pytest.warns(UserWarning, match="peak budget .* NOT met"):
+        plan = _search(1, optimizer=lambda ps: ampc.optim.AdamW(ps, weight_decay=0.1))
+    d = plan.data["peak"]
+    assert d["grads_freed"] is True and d["bytes"] == _measured_freed(plan)
+    assert any("step_in_backward=True" in n and "gradients freed" in n
+               for n in plan.data["notes"])
+    assert d["bytes"] < least.data["peak"]["bytes"]     # the gradients' bytes besides the rest
+    assert least.data["peak"]["grads_freed"] is False
+    assert any("NOT met" in n and "step_in_backward=True" in n for n in least.data["notes"])
+
+
+def test_freeing_keeps_the_optimizers_groups_and_options():
+    from ampc.autoprecision._peak import freeing
+    a, b = nn.Parameter(torch.zeros(4, 4)), nn.Parameter(torch.zeros(4))
+    made = freeing(lambda ps: ampc.optim.AdamW([{"params": ps[:1]},
+                                                {"params": ps[1:], "weight_decay": 0.0}],
+                                               lr=3e-4, weight_decay=0.1, state="lean"))([a, b])
+    assert made.step_in_backward
+    assert [g["weight_decay"] for g in made.param_groups] == [0.1, 0.0]
+    assert all(g["lr"] == 3e-4 and g["moments"] == "8bit" for g in made.param_groups)
