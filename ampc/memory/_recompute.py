@@ -44,6 +44,9 @@ class ModuleHandle:
                 m.__dict__["forward"] = mark[1]
         self._modules = []
 
+    def __repr__(self):
+        return f"ampc.memory.{type(self).__name__}({self.names})"
+
     def __enter__(self):
         return self
 
@@ -55,9 +58,6 @@ class Recompute(ModuleHandle):
     """What :func:`recompute` returns: ``remove()`` (or the end of a ``with`` block) makes
     the modules save for the backward again."""
     _attr = _ATTR
-
-    def __repr__(self):
-        return f"ampc.memory.Recompute({self.names})"
 
 
 def recomputed(model: torch.nn.Module) -> list[str]:
