@@ -152,8 +152,8 @@ def _region_device(args, kwargs):
     """'cpu' or 'cuda': the device of the first tensor argument, when autocast is on there;
     else None."""
     t = _first_tensor(args, kwargs)
-    if t is None:
-        return None
+    if t is None or (type(t) is not _Tensor and getattr(t, "_ampc_deferred", False)):
+        return None           # logits a sliced head defers: its own __torch_function__ decides
     dev = "cuda" if t.is_cuda else "cpu" if t.is_cpu else None
     return dev if dev is not None and _enabled(dev) else None
 

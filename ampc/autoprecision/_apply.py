@@ -48,6 +48,8 @@ def apply(plan, model: torch.nn.Module) -> Applied:
             applied.place(u.module)
         if recomputed(plan):
             applied.recompute = ampc.memory.recompute(model, recomputed(plan))
+        if sliced(plan):
+            applied.sliced = ampc.memory.sliced_head(model, sliced(plan))
     except BaseException:
         applied.remove()
         for name, (cls, buffers) in before.items():    # fp8.convert's class and state
@@ -62,6 +64,11 @@ def apply(plan, model: torch.nn.Module) -> Applied:
 def recomputed(plan) -> list[str]:
     """The modules the plan recomputes in the backward (a byte budget's last resort)."""
     return list(plan.data.get("recompute") or [])
+
+
+def sliced(plan) -> list[str]:
+    """The heads whose logits the plan defers to the loss (ampc.memory.sliced_head)."""
+    return list(plan.data.get("sliced_head") or [])
 
 
 def autocast(plan) -> contextlib.ExitStack:
@@ -87,6 +94,8 @@ def python(plan) -> str:
     fp8 = []
     if recomputed(plan):
         lines.append(f"ampc.memory.recompute(model, {recomputed(plan)!r})")
+    if sliced(plan):
+        lines.append(f"ampc.memory.sliced_head(model, {sliced(plan)!r})")
     for u in plan:
         c = u.choice
         if _candidates.fp8_linear(c):
@@ -234,6 +243,7 @@ class Applied:
         self.modules = dict(model.named_modules())
         self.handles = {}
         self.recompute = None    # the ampc.memory.recompute handle of the plan's blocks
+        self.sliced = None       # the ampc.memory.sliced_head handle of the plan's head
         self._changes = {}       # name -> (name, type, choice), in the order first set
         self._by_region = {}     # modules the region's dtype already gives their choice
 
@@ -286,6 +296,9 @@ class Applied:
             self._by_region[name] = None
 
     def remove(self) -> None:
+        if self.sliced is not None:          # the last applied, the first taken off
+            self.sliced.remove()
+            self.sliced = None
         for hs in self.handles.values():
             for h in hs:
                 h.remove()

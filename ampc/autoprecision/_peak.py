@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from . import _candidates
-from ._apply import recomputed
+from ._apply import recomputed, sliced
+from .._numerics.model import call_model, first_float
 from ._solve import _err, summed_errors
 from ._units import Reason
 
@@ -95,6 +96,33 @@ def freeing(optimizer):
     return make
 
 
+SLICED = "sliced head"     # the move that defers a head's logits to the loss
+
+
+def heads(model, batch, units):
+    """{unit: bytes its logits take in fp32} for the Linear units whose output is the model's
+    output (its logits): the head, whose logits (with their fp32 copy and log-softmax) the
+    loss can make a slice at a time instead (ampc.memory.sliced_head)."""
+    work = copy.deepcopy(model)
+    seen, hooks = {}, []
+    for n in units:
+        m = work.get_submodule(n)
+        if type(m) is nn.Linear:
+            hooks.append(m.register_forward_hook(
+                lambda mod, args, out, n=n: seen.__setitem__(id(out), n)))
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = call_model(work, batch[0])
+    finally:
+        for h in hooks:
+            h.remove()
+    logits = out if isinstance(out, torch.Tensor) else (
+        getattr(out, "logits", None) if not isinstance(out, dict) else out.get("logits"))
+    logits = logits if isinstance(logits, torch.Tensor) else first_float(out)
+    name = None if logits is None else seen.get(id(logits))
+    return {} if name is None else {name: 3 * 4 * logits.numel()}
+
+
 def blocks(model, units):
     """Modules worth recomputing whole, outermost only: each child of a ModuleList or
     Sequential that holds at least two units (a transformer's layers, a ResNet's blocks).
@@ -121,11 +149,14 @@ class _Lowering:
     for about a third of its units' forward + backward time), best first by time added per
     byte saved; a move is open only while the units' summed errors stay within their limits."""
 
-    def __init__(self, plan, usable, measured, budget, recompute, saved, banned=()):
+    def __init__(self, plan, usable, measured, budget, recompute, saved, banned=(),
+                 head_bytes=None):
         self.choice, self.usable, self.measured = plan.decisions, usable, measured
-        self.banned = set(banned)         # (unit, candidate) or (block, None): saved nothing
+        # (unit, candidate), (block, None) or (head, SLICED): saved nothing
+        self.banned = set(banned)
         self.limits, self.totals = summed_errors(measured, self.choice, budget)
         self.recompute, self.saved = list(recompute), saved
+        self.sliced, self.head_bytes = list(sliced(plan)), head_bytes or {}
 
     def _ms(self, n, c):
         return self.measured[n][c].get("ms") or 0.0
@@ -149,6 +180,10 @@ class _Lowering:
             if b not in self.recompute and saved > 0 and (b, None) not in self.banned:
                 ms = sum(self._ms(n, c) for n, c in self.choice.items() if _inside(n, b)) / 3
                 out.append((ms / saved, -saved, b, None))
+        for h, saved in self.head_bytes.items():
+            # the loss takes the head's gradients slice by slice: no time added, none recomputed
+            if h not in self.sliced and (h, SLICED) not in self.banned:
+                out.append((0.0, -saved, h, SLICED))
         return sorted(out, key=lambda m: m[:3])
 
     def take(self, target):
@@ -161,6 +196,12 @@ class _Lowering:
                 break
             _, minus_saved, n, a = moves[0]
             got -= minus_saved
+            if a == SLICED:
+                self.sliced.append(n)
+                c = self.choice[n]
+                if _candidates.saved(c):          # its input is kept whole for the loss
+                    self._move(n, _candidates.get(c).raise_to, changed)
+                continue
             if a is None:
                 new_blocks.append(n)
                 self.recompute.append(n)
@@ -192,6 +233,7 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
     usable = {n: [c for c in opts if c not in rejected.get(n, {}) and not opts[c].get("error")]
               for n, opts in measured.items()}
     names = blocks(model, [u.module for u in plan])
+    head_bytes = heads(model, batch, [u.module for u in plan])
     fp32_peak = step_peak(model, _all_fp32(plan), batch, loss_fn, optimizer).peak
     rep = step_peak(model, plan, batch, loss_fn, optimizer)
     first, rounds, scale = rep.peak, 0, 1.0   # scale: bytes the step saved per byte predicted
@@ -204,22 +246,26 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
     banned = set()
     while rep.peak > peak_bytes and rounds < ROUNDS:
         lowering = _Lowering(plan, usable, measured, budget, recomputed(plan),
-                             _block_saved(rep, names), banned)
-        before = ({u.module: u for u in plan.every_unit}, recomputed(plan))
+                             _block_saved(rep, names), banned, head_bytes)
+        before = ({u.module: u for u in plan.every_unit}, recomputed(plan), sliced(plan))
         changed, new_blocks, predicted = lowering.take((rep.peak - peak_bytes) / scale)
-        if not changed and not new_blocks:
+        if not changed and not new_blocks and len(lowering.sliced) == len(sliced(plan)):
             break
         for n, c in changed.items():
             plan.set_choice(n, c, Reason.PEAK)
         if new_blocks:
             plan.data["recompute"] = lowering.recompute
+        new_heads = [h for h in lowering.sliced if h not in before[2]]
+        if new_heads:
+            plan.data["sliced_head"] = lowering.sliced
         rounds += 1
         new = step_peak(model, plan, batch, loss_fn, optimizer)
         if new.peak >= rep.peak:
             # the step did not fall (a bf16 copy held beside the fp32 tensor it came from
             # adds bytes): the round is undone and its moves not tried again
             _undo(plan, before)
-            banned |= set(changed.items()) | {(b, None) for b in new_blocks}
+            banned |= (set(changed.items()) | {(b, None) for b in new_blocks}
+                       | {(h, SLICED) for h in new_heads})
             continue
         if predicted > 0:
             scale = min(1.0, max(0.05, (rep.peak - new.peak) / predicted))
@@ -230,11 +276,12 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
 
 def _undo(plan, before):
     """The plan as it was before a round: each unit's choice and reason, the blocks."""
-    units, rc = before
+    units, rc, heads_before = before
     for n, u in units.items():
         if plan.unit(n) != u:
             plan.set_choice(n, u.choice, u.reason)
     plan.data["recompute"] = rc
+    plan.data["sliced_head"] = heads_before
 
 
 def _all_fp32(plan):
@@ -257,15 +304,18 @@ def settle(plan, model, batches, loss_fn, optimizer, fitted):
     what = (f"peak budget {d['budget'] / MiB:.1f} MiB: {'met' if d['met'] else 'NOT met'}, the "
             f"step measured {d['bytes'] / MiB:.1f} MiB (fp32 {d['fp32'] / MiB:.1f} MiB, the "
             f"fastest plan {d['fastest'] / MiB:.1f} MiB; {d['rounds']} round(s) of lowering"
-            + (f", {len(rc)} block(s) recomputed" if rc else "") + ")"
+            + (f", {len(rc)} block(s) recomputed" if rc else "")
+            + (f", the head's logits sliced ({', '.join(sliced(plan))})" if sliced(plan) else "")
+            + ")"
             + ("; with the gradients freed in the backward: make the optimizer with "
                "step_in_backward=True" if d.get("grads_freed") else ""))
     if not d["met"]:
         why = ("the whole-plan check raised modules back to hold the error budget"
                if plan.data.get("backoffs") else
                "no module or block had a choice left that saves bytes within the error budget")
-        what += (f": {why}; a larger budget, a looser error budget, or ampc.memory's sliced "
-                 "head (memory.md)" + ("" if d.get("grads_freed") else
+        what += (f": {why}; a larger budget, a looser error budget"
+                 + ("" if sliced(plan) else ", ampc.memory.sliced_head on the head")
+                 + ("" if d.get("grads_freed") else
                                        ", or ampc.optim.AdamW(..., step_in_backward=True) to "
                                        "free the gradients in the backward"))
         warnings.warn(f"{FN}: {what}", stacklevel=3)

@@ -141,9 +141,11 @@ def _check_record(data):
         if name in names:
             raise _bad(f"units[{k}]: module {name!r} appears twice")
         names.add(name)
-    rc = data.get("recompute")
-    if rc is not None and not (isinstance(rc, (list, tuple)) and all(isinstance(n, str) for n in rc)):
-        raise _bad(f"recompute must be a list of module names, got {rc!r}")
+    for key in ("recompute", "sliced_head"):
+        rc = data.get(key)
+        if rc is not None and not (isinstance(rc, (list, tuple))
+                                   and all(isinstance(n, str) for n in rc)):
+            raise _bad(f"{key} must be a list of module names, got {rc!r}")
     loss = data.get("loss")
     if loss is not None and not isinstance(loss, Unit):
         _check_unit("loss", loss)

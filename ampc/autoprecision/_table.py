@@ -221,7 +221,9 @@ def render(plan, details=False):
                     "plan.table(details=True)")
     tail.append(_ceiling_line(plan))
     for what, names in (("saved activations in 8 bits (ampc.memory.compress)", coded(plan)),
-                        ("recomputed in the backward (ampc.memory.recompute)", d.get("recompute"))):
+                        ("recomputed in the backward (ampc.memory.recompute)", d.get("recompute")),
+                        ("logits made in the loss a slice at a time (ampc.memory.sliced_head)",
+                         d.get("sliced_head"))):
         if names:
             tail.append(f"{what}: {len(names)} module(s), "
                         + ", ".join(names[:4]) + (", ..." if len(names) > 4 else ""))

@@ -26,11 +26,12 @@ from ._recompute import ModuleHandle, _find_modules
 _ATTR = "_ampc_sliced_head"   # on a head: (its handle, the forward it had before, chunk_tokens)
 _WHO = "ampc.memory.sliced_head"
 
-_META = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.is_floating_point,
-         torch.Tensor.__len__, torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__,
-         torch.Tensor.device.__get__, torch.Tensor.ndim.__get__,
-         torch.Tensor.requires_grad.__get__, torch.Tensor.is_cuda.__get__,
-         torch.Tensor.layout.__get__, torch.Tensor.is_sparse.__get__}
+# what reads only the tensor's metadata: answered without making the logits
+_META = {getattr(torch.Tensor, a) for a in (
+    "dim", "size", "numel", "is_floating_point", "is_complex", "element_size", "__len__",
+    "stride", "is_contiguous")} | {getattr(torch.Tensor, a).__get__ for a in (
+        "shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "layout", "is_cuda",
+        "is_cpu", "is_meta", "is_mps", "is_sparse", "is_quantized", "is_nested", "itemsize")}
 
 
 class SlicedHead(ModuleHandle):
@@ -85,6 +86,7 @@ class DeferredLogits(torch.Tensor):
     """The logits of ``head`` on ``hidden``, not computed: see the module's docstring.
     ``compute`` is the dtype the head's matmul runs in, the tensor's own dtype what it was
     cast to since."""
+    _ampc_deferred = True       # ampc.autocast leaves its ops to __torch_function__ below
 
     @staticmethod
     def __new__(cls, hidden, head, compute, dtype, chunk=None):

@@ -155,6 +155,7 @@ def _figures(ms, bytes_, loss_err=0.0, dgrad_err=0.0):
 class _Plan:
     def __init__(self, choice):
         self.decisions = dict(choice)
+        self.data = {}
 
 
 def test_the_moves_save_the_most_bytes_for_the_least_time_within_the_errors():
@@ -188,6 +189,15 @@ def test_the_moves_save_the_most_bytes_for_the_least_time_within_the_errors():
                     measured, budget, [], {"blk": 5000})
     changed, blocks, _ = low.take(5000)
     assert blocks == ["blk"] and changed == {"a": "fp32+8b", "blk.x": "fp32"}
+    # the head's logits sliced in the loss: no time added, so first; a code on the head is
+    # dropped (its input is kept whole for the loss)
+    low = _Lowering(_Plan({**dict.fromkeys(measured, "fp32"), "b": "fp32+8b"}),
+                    {**usable, "b": ["fp32", "fp32+8b", "bf16"]},
+                    {**measured, "b": {**measured["b"], "fp32+8b": _figures(1.1, 400)}},
+                    budget, [], {}, head_bytes={"b": 3000})
+    assert low.moves()[0][2:] == ("b", "sliced head")
+    changed, blocks, got = low.take(3000)
+    assert low.sliced == ["b"] and changed == {"b": "fp32"} and not blocks and got == 3000
 
 
 def _train(plan, steps=3):
@@ -249,3 +259,21 @@ def test_freeing_keeps_the_optimizers_groups_and_options():
     assert made.step_in_backward
     assert [g["weight_decay"] for g in made.param_groups] == [0.1, 0.0]
     assert all(g["lr"] == 3e-4 and g["moments"] == "8bit" for g in made.param_groups)
+
+
+def test_the_heads_logits_are_sliced_when_the_budget_needs_them(least):
+    """The model's last Linear gives its logits: under a budget no plan meets, the loss makes
+    them a slice at a time (ampc.memory.sliced_head); the plan applies, pastes, prints, saves
+    and loads it, and trains on as before."""
+    assert least.data["sliced_head"] == ["4"]
+    model = _model()
+    applied = least.apply(model)
+    assert isinstance(model(_batches()[0][0]), ampc.memory.DeferredLogits)
+    applied.remove()
+    assert type(model(_batches()[0][0])) is torch.Tensor
+    assert "ampc.memory.sliced_head(model, ['4'])" in least.python()
+    assert "ampc.memory.sliced_head): 1 module(s), 4" in " ".join(least.table().split())
+    assert Plan.from_json(least.to_json()).data["sliced_head"] == ["4"]
+    bad = dict(least.as_dict(), sliced_head="4")
+    with pytest.raises(ValueError, match="sliced_head must be a list of module names"):
+        Plan(bad)
