@@ -124,7 +124,9 @@ def main():
               f"step peak {d['bytes'] / MiB:.1f} MiB ({d['bytes'] / fp32_peak:.2f}x fp32, "
               f"{d['bytes'] / amp_peak:.2f}x torch.amp; the fastest plan {d['fastest'] / MiB:.1f}), "
               f"{d['rounds']} round(s), gradients freed: {d.get('grads_freed')}, search {s:.0f} s")
-        print(f"  choices: {plan!r}; recomputed: {plan.data.get('recompute') or 'none'}")
+        print(f"  choices: {plan!r}; recomputed: {plan.data.get('recompute') or 'none'}; logits "
+              f"sliced in the loss: {plan.data.get('sliced_head') or 'none'}")
+        print("  notes: " + " | ".join(plan.data["notes"]))
     fns = {"fp32": stepper(args, None), "torch.amp": stepper(args, "amp")}
     fns.update({f"budget {f:.2f}": stepper(args, plan) for f, plan in plans.items()})
     times = H.time_reps(fns, "cpu", reps=args.reps, warm=True)
