@@ -30,6 +30,7 @@ class Settings:
     master_weights: bool
     compress: tuple[str, ...] = ()     # modules whose saved activations are kept in 8 bits
     recompute: tuple[str, ...] = ()    # modules recomputed in the backward
+    sliced_head: tuple[str, ...] = ()  # heads whose logits the loss makes a slice at a time
 
     @contextlib.contextmanager
     def region(self) -> Iterator[None]:
@@ -53,12 +54,16 @@ class Settings:
         """``module`` with its FP8 modules converted (:meth:`convert_fp8`), then the modules
         named in ``compress`` keeping their saved activations in 8 bits
         (``ampc.memory.compress``) and those in ``recompute`` recomputed in the backward
-        (``ampc.memory.recompute``); the names are ``module``'s own (patterns allowed)."""
+        (``ampc.memory.recompute``), and the heads in ``sliced_head`` deferring their logits to
+        the loss (``ampc.memory.sliced_head``); the names are ``module``'s own (patterns
+        allowed)."""
         self.convert_fp8(module)
         if self.compress:
             ampc.memory.compress(module, list(self.compress), "8bit")
         if self.recompute:
             ampc.memory.recompute(module, list(self.recompute))
+        if self.sliced_head:
+            ampc.memory.sliced_head(module, list(self.sliced_head))
         return module
 
     def make_master_weights(self, name: str, which: str, model: nn.Module,
@@ -77,7 +82,8 @@ def check(name: str, device: str, dtype: torch.dtype, *, scaler: ampc.GradScaler
           fp8_modules: tuple[type[nn.Module], ...] = (nn.Linear,),
           cache_enabled: bool | None = None, master_weights: bool = False,
           compress: str | Sequence[str] | None = None,
-          recompute: str | Sequence[str] | None = None) -> Settings:
+          recompute: str | Sequence[str] | None = None,
+          sliced_head: str | Sequence[str] | None = None) -> Settings:
     """The integration ``name``'s settings, checked before anything is changed; fp16 gets a new
     ``ampc.GradScaler(device, init_scale=init_scale, dynamic=dynamic)`` unless given one."""
     if dtype not in _LOW:
@@ -91,7 +97,8 @@ def check(name: str, device: str, dtype: torch.dtype, *, scaler: ampc.GradScaler
     return Settings(device, dtype, scaler, dict(policy or {}), fp8_recipe(name, fp8),
                     tuple(fp8_modules), cache_enabled, bool(master_weights),
                     module_names(name, "compress", compress),
-                    module_names(name, "recompute", recompute))
+                    module_names(name, "recompute", recompute),
+                    module_names(name, "sliced_head", sliced_head))
 
 
 def module_names(name: str, arg: str, value: str | Sequence[str] | None) -> tuple[str, ...]:

@@ -59,7 +59,8 @@ def use_ampc(accelerator: Accelerator, *, dtype: torch.dtype | None = None,
              policy: dict[str, str] | None = None, fp8: bool | Recipe | None = None,
              fp8_modules: tuple[type[nn.Module], ...] = (nn.Linear,),
              cache_enabled: bool | None = None, compress: str | list[str] | None = None,
-             recompute: str | list[str] | None = None) -> Accelerator:
+             recompute: str | list[str] | None = None,
+             sliced_head: str | list[str] | None = None) -> Accelerator:
     """Makes ``accelerator`` train with ampc's autocast and scaler; call it before
     ``prepare()``. Returns the accelerator.
 
@@ -78,7 +79,10 @@ def use_ampc(accelerator: Accelerator, *, dtype: torch.dtype | None = None,
         compress (str or list): modules of each prepared model (names or patterns) whose saved
             activations are kept in 8 bits until the backward (``ampc.memory.compress``).
         recompute (str or list): modules of each prepared model recomputed in the backward
-            (``ampc.memory.recompute``). Both are set when the model is prepared.
+            (``ampc.memory.recompute``).
+        sliced_head (str or list): Linear heads of each prepared model whose logits
+            ``F.cross_entropy`` makes a slice of tokens at a time (``ampc.memory.sliced_head``).
+            All three are set when the model is prepared.
     """
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"{_NAME}: accelerator must be an accelerate.Accelerator, "
@@ -101,7 +105,8 @@ def use_ampc(accelerator: Accelerator, *, dtype: torch.dtype | None = None,
     accelerator._ampc = check(_NAME, accelerator.device.type, dtype, scaler=scaler,
                               policy=policy, fp8=fp8, fp8_modules=fp8_modules,
                               cache_enabled=cache_enabled, master_weights=master_weights,
-                              compress=compress, recompute=recompute)
+                              compress=compress, recompute=recompute,
+                              sliced_head=sliced_head)
     accelerator._ampc_models = weakref.WeakSet()     # the models whose forward is in ampc's region
     # Accelerate's public attributes: backward, the optimizers' step, save_state/load_state
     # and the Trainer's checkpoints use this scaler; no torch.autocast around the forward

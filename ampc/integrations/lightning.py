@@ -105,6 +105,8 @@ class AmpcPrecision(_Ampc, _MixedPrecision):
         recompute (str or list): modules recomputed in the backward instead of saving their
             activations (``ampc.memory.recompute``: activation checkpointing by module name).
             Default: None.
+        sliced_head (str or list): Linear heads whose logits ``F.cross_entropy`` makes a slice
+            of tokens at a time, never whole (``ampc.memory.sliced_head``). Default: None.
 
     Gradient clipping by norm (``Trainer(gradient_clip_val=...)``) goes through
     ``scaler.clip_grad_norm_``: with ampc's optimizers the norm is measured in one read of
@@ -119,11 +121,12 @@ class AmpcPrecision(_Ampc, _MixedPrecision):
                  policy: dict[str, str] | None = None, fp8: bool | Recipe | None = None,
                  fp8_modules: tuple[type[nn.Module], ...] = (nn.Linear,),
                  cache_enabled: bool = False, compress: str | list[str] | None = None,
-                 recompute: str | list[str] | None = None) -> None:
+                 recompute: str | list[str] | None = None,
+                 sliced_head: str | list[str] | None = None) -> None:
         super().__init__("AmpcPrecision", precision, device, scaler=scaler, dynamic=dynamic,
                          init_scale=init_scale, policy=policy, fp8=fp8, fp8_modules=fp8_modules,
                          cache_enabled=cache_enabled, master_weights=master_weights,
-                         compress=compress, recompute=recompute)
+                         compress=compress, recompute=recompute, sliced_head=sliced_head)
         self._module: nn.Module | None = None
 
     master_weights = _setting("master_weights")
@@ -202,11 +205,12 @@ class AmpcFabricPrecision(_Ampc, _FabricMixedPrecision):
                  fp8: bool | Recipe | None = None,
                  fp8_modules: tuple[type[nn.Module], ...] = (nn.Linear,),
                  cache_enabled: bool | None = None, compress: str | list[str] | None = None,
-                 recompute: str | list[str] | None = None) -> None:
+                 recompute: str | list[str] | None = None,
+                 sliced_head: str | list[str] | None = None) -> None:
         super().__init__("AmpcFabricPrecision", precision, device, scaler=scaler,
                          dynamic=dynamic, init_scale=init_scale, policy=policy, fp8=fp8,
                          fp8_modules=fp8_modules, cache_enabled=cache_enabled,
-                         compress=compress, recompute=recompute)
+                         compress=compress, recompute=recompute, sliced_head=sliced_head)
 
     def forward_context(self) -> AbstractContextManager[None]:
         return self.settings.region()

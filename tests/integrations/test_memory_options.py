@@ -1,6 +1,7 @@
-"""compress= and recompute= of the framework integrations (Lightning's Trainer and Fabric,
-Accelerate): the modules named keep their saved activations in 8 bits or recompute in the
-backward, exactly as ampc.memory set by hand on the model before the framework gets it."""
+"""compress=, recompute= and sliced_head= of the framework integrations (Lightning's Trainer
+and Fabric, Accelerate): the modules named keep their saved activations in 8 bits, recompute
+in the backward, or defer their logits to the loss, exactly as ampc.memory set by hand on the
+model before the framework gets it."""
 import pytest
 import torch
 from torch import nn
@@ -137,7 +138,7 @@ def test_accelerate_sets_them_as_by_hand():
     assert ampc.memory.recomputed(net) == ["0", "1"]
 
 
-@pytest.mark.parametrize("arg", ["compress", "recompute"])
+@pytest.mark.parametrize("arg", ["compress", "recompute", "sliced_head"])
 @pytest.mark.parametrize("bad", [3, [], ["net.0", 2], ""])
 def test_bad_names_are_refused_naming_the_integration_and_the_argument(arg, bad):
     with pytest.raises(TypeError, match=rf"^AmpcPrecision: {arg} must be a module name"):
@@ -150,3 +151,35 @@ def test_a_name_the_model_lacks_is_refused_when_the_model_is_handed_over():
     plugin = AmpcPrecision("bf16-mixed", "cpu", recompute="net.9")
     with pytest.raises(ValueError, match=r"ampc.memory.recompute: .*net\.9"):
         lightning_losses(plugin)
+
+
+class Classifier(Model):
+    """Model with a cross-entropy loss over 4 classes: its last Linear is the head."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x).float(), y.argmax(-1))
+        self.losses.append(loss.detach().clone())
+        return loss
+
+
+def test_a_sliced_head_as_by_hand_and_as_the_plain_head():
+    ours, model = lightning_losses(AmpcPrecision("bf16-mixed", "cpu", sliced_head="net.2"),
+                                   Classifier())
+    assert ampc.memory.sliced_heads(model) == ["net.2"]
+    by_hand = Classifier()
+    ampc.memory.sliced_head(by_hand, "net.2")
+    hand, _ = lightning_losses(AmpcPrecision("bf16-mixed", "cpu"), by_hand)
+    assert torch.equal(ours, hand), (ours, hand)
+    plain, _ = lightning_losses(AmpcPrecision("bf16-mixed", "cpu"), Classifier())
+    assert torch.allclose(ours, plain, rtol=2e-2), (ours, plain)   # bf16 matmuls, other sums
+    acc = use_ampc(_accelerator(), sliced_head="2")
+    torch.manual_seed(0)
+    net = _net()
+    opt = ampc.optim.AdamW(net.parameters(), lr=1e-2)
+    net, opt, loader = acc.prepare(net, opt, _loader())
+    x, y = next(iter(loader))
+    assert isinstance(net(x), ampc.memory.DeferredLogits)    # Accelerate's fp32 cast kept it
+    loss = nn.functional.cross_entropy(net(x), y.argmax(-1))
+    acc.backward(loss)
+    assert net[2].weight.grad is not None
