@@ -2,7 +2,7 @@
 fp32's seeds agree? search() then Plan.verify() on five models.
 
     python benchmarks/bench_plan_verify.py [--models resnet18,bncnn,bert,gpt2,gpt2text] [--steps N]
-        [--seeds 3] [--objectives memory,time] [--candidates fp32,bf16] [--monitor] [--quick]
+        [--seeds 3] [--objectives memory,time] [--candidates fp32,bf16] [--lr LR] [--monitor] [--quick]
         [--out FILE] [--json]
 
 Models and their tasks (synthetic and learnable; fresh batches every step, nothing to memorize; 40% of
@@ -230,9 +230,10 @@ def monitored(report):
     return f"{spikes} spikes, {raised} raised over {len(runs)} runs"
 
 
-def one(name, objective, steps, seeds, candidates, out, monitor=None):
+def one(name, objective, steps, seeds, candidates, out, monitor=None, lr=None):
     """search then verify on one model; the summary rows, the raw tables printed to ``out``."""
-    make_model, make_batch, units, lr, _, _ = MODELS[name]
+    make_model, make_batch, units, own_lr, _, _ = MODELS[name]
+    lr = lr or own_lr
     torch.manual_seed(0)
     model = make_model()
     batches = [make_batch(10_000 + k) for k in range(2)]       # not among the training batches
@@ -282,6 +283,7 @@ def main():
     p.add_argument("--candidates", default=None,
                    help="search candidates, comma-separated (default: the objective's own)")
     p.add_argument("--quick", action="store_true", help="a smoke check: few steps, 2 seeds")
+    p.add_argument("--lr", type=float, default=None, help="AdamW's rate (default: each model's own)")
     p.add_argument("--monitor", action="store_true",
                    help="train the plan's runs with its Monitor on (default arguments): its spikes "
                         "and raises go under the tables and in the summary's monitor column")
@@ -304,7 +306,7 @@ def main():
         for objective in args.objectives.split(","):
             rows += one(name, objective, steps, seeds,
                         args.candidates and args.candidates.split(","), out,
-                        {} if args.monitor else None)
+                        {} if args.monitor else None, args.lr)
     notes = [f"verdict: validate's, from the gap to fp32 of the same seed over the last quarter (95% "
              f"interval over the seeds) against fp32's spread (over {100 * MAX_SPREAD:g}%: too wide to judge); "
              "gap %: the final gap to fp32 seed 0; gap/range: to the fp32 seeds' mean, in units of their "
