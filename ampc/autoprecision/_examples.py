@@ -20,7 +20,7 @@ import torch
 from .._numerics.model import call_model
 from .._walk import map_tensors, tensors
 
-AUTO_ABOVE_S = 0.5   # "auto" slices when a whole batch's fp32 step would take longer than this
+AUTO_ABOVE_S = 1.0   # "auto" slices when a whole batch's fp32 step would take longer than this
 AUTO_SHARE = 4       # to this fraction of its examples,
 AUTO_LEAST = 4       # and never to fewer than this many
 

@@ -287,7 +287,9 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
             the budget was met (and a warning when it was not: the error budget wins).
         examples: how many leading examples of each batch the modules and the whole plan
             are measured on: "auto" (default), a quarter of them (at least 4) where an fp32
-            step of a whole batch would take over half a second; a number, that many; None,
+            step of a whole batch would take over a second, and only where time decides
+            something (not the memory objective with ``max_slowdown=None`` and no
+            ``peak_bytes``, which gives the same plan every time); a number, that many; None,
             whole batches. A slice is taken only where every tensor of the batches shares
             its leading size and no module reads sequence-first (``batch_first=False``);
             activation bytes are scaled to the whole batch, errors and times are the
@@ -313,6 +315,8 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
                          f"'current', got {fp8_recipe!r}")
     warmup, ceiling = _check_warmup(warmup), _check_ceiling(max_slowdown)
     examples = _examples.check(FN, examples)
+    if examples == "auto" and not goal_times(objective, max_slowdown, peak_bytes):
+        examples = None     # nothing timed decides: no timed step decides what is measured
     _peak.check_args(peak_bytes, optimizer, objective)
     goal = _objectives.get(objective)
     if not goal.has_ceiling or peak_bytes is not None:
@@ -372,6 +376,13 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     plan.data["examples"] = list(sliced) if sliced else None
     plan.data["search_s"] = time.perf_counter() - t_start
     return _broadcast(plan)
+
+
+def goal_times(objective, max_slowdown, peak_bytes):
+    """Whether measured time decides anything in a search so set (not: the memory objective
+    without a ceiling or a byte budget, whose plan is the same every time)."""
+    return (_objectives.get(objective).by_speed or peak_bytes is not None
+            or (_objectives.get(objective).has_ceiling and max_slowdown is not None))
 
 
 def _plain(model):

@@ -37,7 +37,8 @@ def test_leading_size_and_first_walk_nested_batches():
     assert examples_mod.leading_size((torch.zeros(6, 3), torch.tensor(1.0))) is None
 
 
-def test_auto_leaves_a_fast_step_whole():
+def test_auto_leaves_a_fast_step_whole(monkeypatch):
+    monkeypatch.setattr(examples_mod, "AUTO_ABOVE_S", 1.0)   # the module's line (conftest lifts it)
     b = batches()
     got, sliced, note = examples_mod.choose(model(), b, nn.functional.cross_entropy, "auto")
     assert got is b and sliced is None and note is None
@@ -157,3 +158,16 @@ def test_the_table_scales_the_saving_a_step_to_the_whole_batch(monkeypatch):
     # 1 ms a step on 4 examples is 4 ms on 16: 10 s repaid after 2,500 steps
     assert ("repaid after 2,500 steps at the 4.00 ms a step it saves against fp32 (measured "
             "on 4 examples, scaled to 16)") in text, text
+
+
+def test_auto_never_slices_where_nothing_timed_decides(monkeypatch):
+    """The memory objective without a ceiling or a byte budget gives the same plan every time:
+    "auto" measures whole batches there, however slow a step; a number is still taken."""
+    monkeypatch.setattr(examples_mod, "AUTO_ABOVE_S", 0.0)
+    kw = dict(candidates=("fp32", "bf16"), objective="memory", max_slowdown=None, check=False)
+    assert search(model(), batches(), **kw).data["examples"] is None
+    assert search(model(), batches(), examples=4, **kw).data["examples"] == [4, 16]
+    no_probe(monkeypatch)
+    timed = search(model(), batches(), candidates=("fp32", "bf16"), objective="memory",
+                   check=False)
+    assert timed.data["examples"] == [4, 16]
