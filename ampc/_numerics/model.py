@@ -21,9 +21,7 @@ def default_loss(output: Any, target: torch.Tensor | None) -> torch.Tensor:
         own = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
         if isinstance(own, torch.Tensor):
             return own.float().mean()
-        logits = (output.get("logits") if isinstance(output, Mapping)
-                  else getattr(output, "logits", None))
-        output = logits if isinstance(logits, torch.Tensor) else first_float(output)
+        output = logits_of(output)
         if output is None:
             raise TypeError("ampc: the default loss found no loss, logits or floating tensor "
                             "in the model's output; pass a loss_fn")
@@ -31,6 +29,16 @@ def default_loss(output: Any, target: torch.Tensor | None) -> torch.Tensor:
         raise TypeError("ampc: the default loss needs a target (or a model that returns its "
                         "own loss); pass a loss_fn")
     return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+def logits_of(output: Any) -> torch.Tensor | None:
+    """The logits in a model's output: the tensor itself, its ``logits`` (what transformers
+    models return), else the first floating tensor inside it; None without one."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = (output.get("logits") if isinstance(output, Mapping)
+              else getattr(output, "logits", None))
+    return logits if isinstance(logits, torch.Tensor) else first_float(output)
 
 
 def call_model(model: torch.nn.Module, inputs: Any, state: dict[str, torch.Tensor] | None = None

@@ -22,7 +22,7 @@ from torch import nn
 
 from . import _candidates
 from ._apply import recomputed, sliced
-from .._numerics.model import call_model, first_float
+from .._numerics.model import call_model, logits_of
 from ._solve import _err, summed_errors
 from ._units import Reason
 
@@ -116,9 +116,7 @@ def heads(model, batch, units):
     finally:
         for h in hooks:
             h.remove()
-    logits = out if isinstance(out, torch.Tensor) else (
-        getattr(out, "logits", None) if not isinstance(out, dict) else out.get("logits"))
-    logits = logits if isinstance(logits, torch.Tensor) else first_float(out)
+    logits = logits_of(out)
     name = None if logits is None else seen.get(id(logits))
     return {} if name is None else {name: 3 * 4 * logits.numel()}
 
@@ -240,9 +238,10 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
     freed = False
     if rep.peak > peak_bytes and _frees_grads(optimizer, plan):
         # the first move: no whole-model gradient, for no error and about no time
-        new = step_peak(model, plan, batch, loss_fn, freeing(optimizer))
+        frees = freeing(optimizer)
+        new = step_peak(model, plan, batch, loss_fn, frees)
         if new.peak < rep.peak:
-            rep, freed, optimizer = new, True, freeing(optimizer)
+            rep, freed, optimizer = new, True, frees
     banned = set()
     while rep.peak > peak_bytes and rounds < ROUNDS:
         lowering = _Lowering(plan, usable, measured, budget, recomputed(plan),

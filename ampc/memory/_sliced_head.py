@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -23,6 +24,7 @@ from torch.utils._pytree import tree_map
 from ._head_loss import linear_cross_entropy
 from ._recompute import ModuleHandle, _find_modules
 
+_WARNED = weakref.WeakSet()   # heads whose logits were made whole once (warned then)
 _ATTR = "_ampc_sliced_head"   # on a head: (its handle, the forward it had before, chunk_tokens)
 _WHO = "ampc.memory.sliced_head"
 
@@ -124,10 +126,9 @@ class DeferredLogits(torch.Tensor):
             done = _cross_entropy(*args, **kwargs)
         if done is not None:
             return done
-        heads = {id(a.head): a.head for a in _deferred((args, kwargs))}
-        for head in heads.values():
-            if not getattr(head, "_ampc_warned", False):
-                head._ampc_warned = True
+        for head in {a.head for a in _deferred((args, kwargs))}:
+            if head not in _WARNED:
+                _WARNED.add(head)
                 warnings.warn(f"{_WHO}: {getattr(func, '__name__', func)} needs the whole logits "
                               "of a sliced head: they were made whole (as without it), no "
                               "memory saved there; F.cross_entropy over a view of the tokens "
