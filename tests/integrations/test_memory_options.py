@@ -114,15 +114,6 @@ def test_fabric_sets_them_as_by_hand():
     assert ampc.memory.compressed(net.module) == {"2": "8bit"}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    """Accelerate keeps one process-wide state: none of these tests leaves its own behind
-    (a later Accelerator with another mixed precision would be refused)."""
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def _accelerator():
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
