@@ -21,12 +21,18 @@ class becomes a subclass of its own class that
 - reports a step that ampc's optimizer skipped on the device in
   ``optimizer_step_was_skipped`` (Accelerate detects a skip by whether ``optimizer.step``
   ran, which an optimizer that skips on the device always does);
+- with an ampc optimizer made with ``step_in_backward=True`` (each parameter stepped in
+  the backward), keeps the gradients of the micro-batches ``accumulate()`` does not sync
+  (the syncing backward steps on their sum) and refuses ``clip_grad_norm_`` /
+  ``clip_grad_value_`` (no gradient is left to clip; a norm asked for with ``max_norm=inf``,
+  only to be logged, is nan);
 - with ``master_weights=True``, runs ``ampc.prepare`` on each ampc optimizer passed to
   ``prepare()`` and the model that holds its parameters: low-precision weights, fp32
   masters in the optimizer.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from types import MethodType
@@ -202,11 +208,42 @@ class _AmpcAccelerator:
         for opt in optimizers:
             self.scaler.unscale_(_inner(opt))
 
+    def _in_backward(self) -> list[torch.optim.Optimizer]:
+        """The prepared optimizers that step each parameter in the backward."""
+        return [o for o in map(_inner, self._optimizers)
+                if getattr(o, "step_in_backward", False)]
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        # inside accumulate(), a micro-batch that does not sync is one whose gradients are
+        # kept: an optimizer stepping in the backward must keep them too, and step on the sum
+        if self.sync_gradients:
+            return super().backward(loss, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for opt in self._in_backward():
+                stack.enter_context(opt.accumulating())
+            return super().backward(loss, **kwargs)
+
+    def _refuse_clip(self, how: str) -> None:
+        if self._in_backward():
+            raise RuntimeError(f"{_NAME}: accelerator.{how}: the optimizer steps each parameter "
+                               "in the backward (step_in_backward=True) and has freed its "
+                               "gradients there; nothing is left to clip. Pass "
+                               "step_in_backward=False to clip")
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        self._refuse_clip("clip_grad_value_")
+        return super().clip_grad_value_(parameters, clip_value)
+
     def clip_grad_norm_(self, parameters: Any, max_norm: float,
                         norm_type: float = 2) -> torch.Tensor:
         """With the scaler, clips through ``scaler.clip_grad_norm_`` the optimizer(s) that
         hold exactly ``parameters``: one read of the scaled gradients, the factor applied in
         ampc's optimizers' step."""
+        if max_norm == float("inf") and self._in_backward():
+            # a norm asked for only to be logged (the transformers Trainer asks every step):
+            # the gradients are gone, so it is unknown, not zero
+            return torch.tensor(float("nan"), device=self.device)
+        self._refuse_clip("clip_grad_norm_")
         if self.scaler is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         params = [p for p in parameters]

@@ -45,6 +45,18 @@ _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 _FP8_STATE = "AmpcPrecision.fp8_state"     # checkpoint key of the FP8 layers' scaling state
 
 
+_CLIP = ("AmpcPrecision: {who} steps each parameter in the backward "
+         "(step_in_backward=True) and frees its gradient there")
+
+
+def _unwrap(optimizer: Any) -> Any:
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _in_backward(optimizer: Any) -> bool:
+    return bool(getattr(optimizer, "step_in_backward", False))
+
+
 def _setting(field: str) -> property:
     return property(lambda self: getattr(self.settings, field), doc=f"``settings.{field}``")
 
@@ -108,6 +120,11 @@ class AmpcPrecision(_Ampc, _MixedPrecision):
         sliced_head (str or list): Linear heads whose logits ``F.cross_entropy`` makes a slice
             of tokens at a time, never whole (``ampc.memory.sliced_head``). Default: None.
 
+    An ampc optimizer made with ``step_in_backward=True`` steps each parameter in the
+    backward: ``accumulate_grad_batches`` works (the accumulated micro-batches' backwards keep
+    their gradients, the last one steps on the sum); ``gradient_clip_val`` is refused when the
+    Trainer starts (no gradient is left to clip).
+
     Gradient clipping by norm (``Trainer(gradient_clip_val=...)``) goes through
     ``scaler.clip_grad_norm_``: with ampc's optimizers the norm is measured in one read of
     the still-scaled gradients and the clip factor is applied inside the optimizer's step.
@@ -128,6 +145,7 @@ class AmpcPrecision(_Ampc, _MixedPrecision):
                          cache_enabled=cache_enabled, master_weights=master_weights,
                          compress=compress, recompute=recompute, sliced_head=sliced_head)
         self._module: nn.Module | None = None
+        self._stepping = False          # inside optimizer_step (not a micro-batch accumulated)
 
     master_weights = _setting("master_weights")
 
@@ -158,11 +176,37 @@ class AmpcPrecision(_Ampc, _MixedPrecision):
     def connect(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
                 lr_schedulers: list[Any]) -> tuple[nn.Module, list[torch.optim.Optimizer],
                                                    list[Any]]:
+        trainer = getattr(self._module, "_trainer", None)
+        if trainer is not None and trainer.gradient_clip_val and \
+                self._module.automatic_optimization:
+            for i, opt in enumerate(optimizers):
+                if _in_backward(opt):
+                    raise ValueError(_CLIP.format(who=f"optimizer {i}") + ": Trainer("
+                                     f"gradient_clip_val={trainer.gradient_clip_val}) would "
+                                     "find none. Drop gradient_clip_val or pass "
+                                     "step_in_backward=False")
         if self.master_weights:
             for i, opt in enumerate(optimizers):
                 # the fp32 weights become the masters, the model's weights low precision
                 self.settings.make_master_weights("AmpcPrecision", f"optimizer {i}", model, opt)
         return model, optimizers, lr_schedulers
+
+    def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any,
+                 **kwargs: Any) -> None:
+        # Lightning runs the closure of a micro-batch it accumulates outside optimizer_step:
+        # an optimizer that steps in the backward keeps that micro-batch's gradients instead
+        inner = _unwrap(optimizer)
+        if _in_backward(inner) and model.automatic_optimization and not self._stepping:
+            with inner.accumulating():
+                return super().backward(tensor, model, optimizer, *args, **kwargs)
+        return super().backward(tensor, model, optimizer, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+        self._stepping = True
+        try:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        finally:
+            self._stepping = False
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: float = 0.0,
                        gradient_clip_algorithm: GradClipAlgorithmType =
@@ -170,8 +214,10 @@ class AmpcPrecision(_Ampc, _MixedPrecision):
         # Lightning's MixedPrecision refuses an optimizer that unscales in its step; ampc
         # folds the clip into that step. Manual optimization hands over Lightning's wrapper:
         # the scaler keys its state by the optimizer itself.
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer.optimizer
+        optimizer = _unwrap(optimizer)
+        if clip_val and _in_backward(optimizer):
+            raise RuntimeError(_CLIP.format(who="the optimizer") + ": there is nothing left "
+                               "to clip. Pass step_in_backward=False to clip")
         _Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
@@ -197,7 +243,9 @@ class AmpcFabricPrecision(_Ampc, _FabricMixedPrecision):
     arguments of :class:`AmpcPrecision` but ``master_weights`` (call ``ampc.prepare`` on the
     model and optimizer before ``fabric.setup``). Autocast's weight cache stays on by default.
     ``fabric.clip_gradients`` unscales through :meth:`unscale_gradients`, which works with
-    optimizers that unscale in their step too (Fabric's own plugin refuses them)."""
+    optimizers that unscale in their step too (Fabric's own plugin refuses them). With an
+    ampc optimizer made with ``step_in_backward=True``, accumulate micro-batches inside
+    ``optimizer.accumulating()``; ``fabric.clip_gradients`` is refused (no gradient is left)."""
 
     def __init__(self, precision: str = "bf16-mixed", device: str | None = None, *,
                  scaler: ampc.GradScaler | None = None, dynamic: bool = True,
@@ -216,5 +264,10 @@ class AmpcFabricPrecision(_Ampc, _FabricMixedPrecision):
         return self.settings.region()
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        # fabric.clip_gradients comes here first, with or without a scaler
+        if _in_backward(optimizer):
+            raise RuntimeError(_CLIP.format(who="the optimizer").replace(
+                "AmpcPrecision", "AmpcFabricPrecision") + ": there is nothing left to clip. "
+                "Pass step_in_backward=False to clip")
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)

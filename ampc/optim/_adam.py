@@ -162,15 +162,17 @@ class Adam(torch.optim.Optimizer):
         rounded from."""
         return self._strategy(group).init_state(self, group, p, master)
 
+    # read with getattr: a framework's wrapper that subclasses this class on the fly
+    # (Fabric's) holds the hooks only through its __getattr__
     @property
     def step_in_backward(self) -> bool:
-        return "_ampc_in_backward" in self.__dict__
+        return getattr(self, "_ampc_in_backward", None) is not None
 
     def accumulating(self):
         """A context in which backwards keep (accumulate) the gradients instead of stepping
         in the backward; the next backward outside it, or ``step()``, steps on their sum.
         Without ``step_in_backward`` it does nothing."""
-        hooks = self.__dict__.get("_ampc_in_backward")
+        hooks = getattr(self, "_ampc_in_backward", None)
         return contextlib.nullcontext() if hooks is None else hooks.keep_grads()
 
     @torch.no_grad()

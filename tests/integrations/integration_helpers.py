@@ -23,6 +23,15 @@ def regression_data(n=48, features=16, outputs=4, seed=0):
     return torch.randn(n, features, generator=g), torch.randn(n, outputs, generator=g)
 
 
+def regression_step(module, batch):
+    """A training step's loss: ``module.net``'s mean squared error on ``batch``, kept in
+    ``module.losses``."""
+    x, y = batch
+    loss = torch.nn.functional.mse_loss(module.net(x).float(), y)
+    module.losses.append(loss.detach().clone())
+    return loss
+
+
 def state_bytes(optimizer):
     """Bytes of the tensors in the optimizer's state."""
     return sum(t.numel() * t.element_size() for s in optimizer.state.values()

@@ -5,6 +5,8 @@ Accelerate does no fp16 mixed precision on the CPU (its fp16 path needs a GPU); 
 side of the fp16 comparisons switches its GPU path on for the CPU by setting the two
 attributes it sets there: ``accelerator.scaler = torch.amp.GradScaler(...)`` and
 ``accelerator.native_amp = True`` (torch.autocast around the forward)."""
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -225,7 +227,7 @@ class _Losses(transformers.TrainerCallback):
 
 
 def _trainer(tmp_path, precision, use, plant_inf=False, max_steps=8, seed=0, optim=None,
-             ampc_kw=None, **args):
+             ampc_kw=None, opt_kw=None, **args):
     ampc_kw = ampc_kw or {}
     losses = []
 
@@ -247,7 +249,7 @@ def _trainer(tmp_path, precision, use, plant_inf=False, max_steps=8, seed=0, opt
     targs = transformers.TrainingArguments(**settings)
     kw = {}
     if use:
-        kw["optimizer_cls_and_kwargs"] = (ampc.optim.AdamW, {"lr": 1e-2})
+        kw["optimizer_cls_and_kwargs"] = (ampc.optim.AdamW, {"lr": 1e-2, **(opt_kw or {})})
     else:
         targs.optim = optim or "adamw_torch_fused"
     callback = _Losses()
@@ -267,6 +269,31 @@ def test_trainer_bf16_same_losses_as_trainer_bf16(tmp_path):
     assert torch.equal(torch.stack(ours), torch.stack(theirs))
     for p, q in zip(trainer.model.parameters(), t_trainer.model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_trainer_steps_in_the_backward_with_accumulation_as_after_it(tmp_path):
+    # the Trainer clips by default (max_grad_norm=1.0), which freed gradients cannot serve
+    runs = []
+    for i, in_backward in enumerate((True, False)):
+        trainer, losses, _ = _trainer(tmp_path / str(i), "bf16", True, max_steps=4,
+                                      opt_kw={"step_in_backward": in_backward},
+                                      gradient_accumulation_steps=2, max_grad_norm=0.0)
+        trainer.train()
+        assert trainer.optimizer.optimizer.step_in_backward == in_backward
+        runs.append((torch.stack(losses), [p.detach().clone() for p in trainer.model.parameters()]))
+        if in_backward:         # the norm the Trainer logs: unknown, not zero
+            assert math.isnan(trainer.accelerator.clip_grad_norm_(
+                trainer.model.parameters(), float("inf")))
+    assert len(runs[0][0]) == 8                     # 4 steps of 2 micro-batches
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(p, q) for p, q in zip(runs[0][1], runs[1][1]))
+
+
+def test_trainer_refuses_its_default_clipping_with_freed_gradients(tmp_path):
+    trainer, _, _ = _trainer(tmp_path, "bf16", True, max_steps=2,
+                             opt_kw={"step_in_backward": True})
+    with pytest.raises(RuntimeError, match=r"clip_grad_norm_: .*step_in_backward=True"):
+        trainer.train()
 
 
 def test_trainer_fp16_skips_and_resumes(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from integration_helpers import need, regression_data
+from integration_helpers import need, regression_data, regression_step
 
 L = need("lightning.pytorch")
 lightning_fabric = need("lightning.fabric")
@@ -40,10 +40,7 @@ class Model(L.LightningModule):
         self.losses = []
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.mse_loss(self.net(x).float(), y)
-        self.losses.append(loss.detach().clone())
-        return loss
+        return regression_step(self, batch)
 
     def configure_optimizers(self):
         return ampc.optim.AdamW(self.parameters(), lr=1e-2)
