@@ -44,23 +44,26 @@ class Model(L.LightningModule):
                                 step_in_backward=self.in_backward)
 
 
-def trainer_losses(in_backward, **trainer_options):
+def trainer_losses(in_backward, master_weights=False, **trainer_options):
     model = Model(in_backward)
+    plugin = AmpcPrecision("bf16-mixed", "cpu", master_weights=master_weights)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0,
-                        plugins=[AmpcPrecision("bf16-mixed", "cpu")], **trainer_options)
+                        plugins=[plugin], **trainer_options)
     trainer.fit(model, _loader())
     return torch.stack(model.losses), model
 
 
-@pytest.mark.parametrize("accumulate", [1, 2, 4])
-def test_lightning_trainer_steps_in_the_backward_as_after_it(accumulate):
-    ours, _ = trainer_losses(True, accumulate_grad_batches=accumulate)
-    after, _ = trainer_losses(False, accumulate_grad_batches=accumulate)
+@pytest.mark.parametrize("accumulate,master_weights", [(1, False), (2, False), (4, False),
+                                                      (2, True)])
+def test_lightning_trainer_steps_in_the_backward_as_after_it(accumulate, master_weights):
+    ours, model = trainer_losses(True, master_weights, accumulate_grad_batches=accumulate)
+    after, _ = trainer_losses(False, master_weights, accumulate_grad_batches=accumulate)
     assert torch.equal(ours, after), (ours, after)
+    assert model.net[0].weight.dtype == (torch.bfloat16 if master_weights else torch.float32)
     if accumulate > 1:      # it did accumulate: not the run that steps every batch
-        every, _ = trainer_losses(True)
+        every, _ = trainer_losses(True, master_weights)
         assert not torch.equal(ours, every)
 
 
