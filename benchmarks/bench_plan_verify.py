@@ -269,7 +269,7 @@ def one(name, objective, steps, seeds, candidates, out, monitor=None, lr=None):
             "gap %": 100 * r["final_gap"], "verdict": verdict,
             "gap/range": against_mean(report, r),
             "step ms": r["step_ms"], "fp32 ms": report.base.median_ms(),
-            "monitor": monitored(report) if r["setup"] == "ampc auto" else "-",
+            "monitor": monitored(report) if r["setup"] in ("ampc auto", "ampc memory") else "-",
             "search s": search_s, "verify s": verify_s, "load": load.summary()})
     return rows
 

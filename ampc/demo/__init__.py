@@ -1,17 +1,21 @@
 """python -m ampc.demo: a character-level GPT trained on the source of Python's standard
-library six ways, side by side, in about three minutes on any machine.
+library seven ways, side by side, in about three minutes on any machine.
 
   fp32              fp32 weights, torch.optim.AdamW(fused=True)
   torch.amp         torch.autocast (+ torch.amp.GradScaler for fp16), torch AdamW
   ampc drop-in      ampc.autocast (+ ampc.GradScaler for fp16), ampc.optim.AdamW
   ampc master       ampc.prepare: 16-bit weights, fp32 master weights in ampc.optim.AdamW
   ampc auto         a precision per module chosen by ampc.autoprecision.search on this
-                    machine (its search time is counted in its speed), ampc.optim.AdamW
+                    machine (its search time is weighed apart), ampc.optim.AdamW
+  ampc memory       the plan ampc.autoprecision.search(objective="memory") finds for a
+                    step's peak at half torch.amp's (8-bit saved activations, blocks
+                    recomputed, the head's logits sliced), met or not, ampc.optim.AdamW
   ampc lean         ampc.prepare with ampc.optim.AdamW(state="lean"): 16-bit weights written
                     by stochastic rounding, no master copy, 8-bit moments
 
-Each run's row also gives its state bytes a parameter (weights, grads, optimizer state),
-measured from its tensors by ampc.lean_state.state_bytes.
+Each run's row also gives its peak memory (live tensors over its first steps) and its
+state bytes a parameter (weights, grads, optimizer state), measured from its tensors by
+ampc.lean_state.state_bytes.
 
 The text is read at run time from the running interpreter's standard library (every
 tenth file held out for validation). All runs start from the same weights and see the
@@ -20,7 +24,8 @@ spread. The model size and step count are chosen from what this machine measures
 CPU's capability, bf16 against fp32 matmul speed, and the time of a few real steps. The
 runs train in lockstep and all stop at the same step when the time budget (--budget,
 150 s) is used up, however busy the machine turns out to be.
-Output: a table, the validation summary, OUT/demo.{txt,json,png}, OUT/layers.*, and a
+Output: a table, the validation summary, OUT/demo.{txt,json,png}, OUT/layers.*,
+OUT/plan.* and OUT/memory_plan.*, and a
 sample of text written by the ampc model.
 
 A program on top of the library, shipped with it so that ``python -m ampc.demo`` runs

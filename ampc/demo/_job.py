@@ -4,17 +4,20 @@ from __future__ import annotations  # "X | None" hints on Python 3.9 too; none e
 import argparse
 import os
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 import ampc
-from ampc import autoprecision, validate
+from ampc import autoprecision, memory, validate
 from ampc.__main__ import cpu_model
 from ampc.validate import DEFAULT_DTYPE, LEAN_SETUP
+from ampc.validate._setups import torch_adamw
 
 from ._model import SIZES, batch_maker, model_maker, sample
-from ._report import describe_plan, result_rows, results_table, search_payback, write_all
+from ._report import (describe_memory_plan, describe_plan, result_rows, results_table,
+                      search_payback, write_all)
 from ._sizing import AFTER_S, MAX_STEPS, VAL_BATCHES, choose, measure_machine, prober
 from ._text import load_text
 
@@ -22,6 +25,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DNAMES = {dtype: name for name, dtype in DTYPES.items()}
 LR = 2e-3
 SEARCH_BATCHES = 2
+MEMORY_BUDGET = 0.5     # the memory arm asks for a step's peak at this fraction of torch.amp's
 
 
 def parse_args(argv):
@@ -29,8 +33,8 @@ def parse_args(argv):
         prog="python -m ampc.demo",
         description="A character-level GPT trained on Python's standard library with fp32, "
                     "torch.amp, the ampc drop-in, ampc master weights, a precision per "
-                    "module chosen by ampc.autoprecision and the lean state (state=\"lean\"), "
-                    "side by side.")
+                    "module chosen by ampc.autoprecision for speed and one for memory, and "
+                    "the lean state (state=\"lean\"), side by side.")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="default: cuda when torch sees a GPU, else cpu")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16"], default="auto",
@@ -127,8 +131,29 @@ def search_plan(job, train, ratio, log):
     return plan, search_s
 
 
-def train_runs(job, plan, train, val, log):
-    """The six runs and fp32's second seed in lockstep (ampc.validate.compare): a busy
+def search_memory_plan(job, train, log):
+    """ampc.autoprecision's plan for memory: a step's peak asked at MEMORY_BUDGET of
+    torch.amp's (both measured from the live tensors of a step, with torch's AdamW as the
+    torch.amp arm trains); the plan and its seconds."""
+    t0 = time.perf_counter()
+    found = job.batches(train, job.seed + 2)
+    batches = [tuple(t.to(job.device) for t in found(k)) for k in range(SEARCH_BATCHES)]
+    model = model_maker(job.size)().to(job.device)
+    amp_peak = memory.report(model, torch_adamw(model.parameters(), LR), batches[0],
+                             autocast=job.dtype).peak
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # a budget not met is said from the plan's notes
+        plan = autoprecision.search(
+            model_maker(job.size)().to(job.device), batches, objective="memory",
+            peak_bytes=int(MEMORY_BUDGET * amp_peak), repeats=1,
+            optimizer=lambda params: torch_adamw(params, LR))
+    search_s = time.perf_counter() - t0
+    describe_memory_plan(plan, amp_peak, MEMORY_BUDGET, search_s, log)
+    return plan, search_s
+
+
+def train_runs(job, plans, train, val, log):
+    """The seven runs and fp32's second seed in lockstep (ampc.validate.compare): a busy
     machine slows every run alike, and all stop at the same step when the time is up."""
     t0 = time.perf_counter()
     limit = job.deadline - t0 - AFTER_S if job.on_time else float("inf")
@@ -136,8 +161,8 @@ def train_runs(job, plan, train, val, log):
         model_maker(job.size), job.batches(train, job.seed), steps=job.steps, dtype=job.dtype,
         device=job.device, lr=LR, seeds=(job.seed, job.seed + 1),
         val_batches=[job.batches(val, job.seed + 1)(k) for k in range(VAL_BATCHES)],
-        time_limit=limit, setups=validate.SETUPS + (plan, LEAN_SETUP),
-        paired=False)       # its six setups from one seed: the time budget goes to steps
+        time_limit=limit, setups=validate.SETUPS + tuple(plans) + (LEAN_SETUP,),
+        paired=False)       # its seven setups from one seed: the time budget goes to steps
     if report.config["steps"] < job.steps:
         log(f"all runs stopped after {report.config['steps']} steps, to finish in "
             f"{job.budget:.0f} s")
@@ -157,9 +182,11 @@ def report_results(job, report, train, plan, search_s, train_s, log):
     log(results_table(rows))
     log(payback_line)
     log("step ms: median of forward + backward + optimizer step; peak MiB: memory the run "
-        "added at its peak (" + ("torch.cuda.max_memory_allocated" if job.device == "cuda"
-                                 else "resident set") + "); state B/param: weights, grads "
+        "added at its peak over its first steps (live tensors: " + (
+            "torch.cuda.max_memory_allocated" if job.device == "cuda"
+            else "the allocations torch's profiler records") + "); state B/param: weights, grads "
         "and optimizer state a parameter after the last step (ampc.lean_state.state_bytes); "
+        "ampc memory: the plan searched for memory (above); "
         "ampc lean: state=\"lean\", 8-bit moments and no master; train loss: mean of the last "
         f"{report.window} steps")
     log()
@@ -207,14 +234,17 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
 
     job, n_params = size_job(args, speeds, train, t_start + args.budget, log)
     plan, search_s = search_plan(job, train, speeds["low"] / speeds["fp32"], log)
-    report, train_s = train_runs(job, plan, train, val, log)
+    memory_plan, memory_search_s = search_memory_plan(job, train, log)
+    report, train_s = train_runs(job, (plan, memory_plan), train, val, log)
     rows, payback, layer_report = report_results(job, report, train, plan, search_s, train_s, log)
     text = sample_text(job, report, log)
 
     data = {"config": job_config(job, report.config["steps"], n_params, speeds, described),
             "table": rows, "compare": report.as_dict(), "layers": layer_report.as_dict(),
             "plan": plan.as_dict(), "search_s": search_s,
+            "memory_plan": memory_plan.as_dict(), "memory_search_s": memory_search_s,
             "search_payback_steps": payback, "sample": text}
-    write_all(args.out, log.lines, data, report, layer_report, plan, log)
+    write_all(args.out, log.lines, data, report, layer_report,
+              {"plan": plan, "memory_plan": memory_plan}, log)
     log(f"done in {time.perf_counter() - t_start:.0f} s")
     return 0

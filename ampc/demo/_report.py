@@ -8,7 +8,7 @@ from ampc._outputs import NO_MATPLOTLIB, fmt, format_table, write_outputs
 
 LABELS = {"fp32": "fp32", "torch.amp": "torch.amp", "ampc": "ampc drop-in",
           "ampc.master": "ampc master weights", "ampc.auto": "ampc auto",
-          "ampc.lean": "ampc lean"}
+          "ampc.memory": "ampc memory", "ampc.lean": "ampc lean"}
 HEADER = ["setup", "tokens/s", "step ms", "peak MiB", "state B/param", "train loss", "val loss",
           "speed vs torch.amp", "memory vs torch.amp"]
 
@@ -40,6 +40,26 @@ def describe_plan(plan, search_s, dname, ratio, log):
             f"  no 16-bit choice measured faster here")
         log("  so the plan keeps every module in fp32: the auto arm trains at fp32's speed "
             "with fp32's accuracy, where the uniform 16-bit arms pay for slow matmuls")
+
+
+def describe_memory_plan(plan, amp_peak, fraction, search_s, log):
+    """A few lines on the plan searched for memory: the peak asked for and the peak
+    measured, against torch.amp's step, and how it got there."""
+    d, mib = plan.data["peak"], 2 ** 20
+    counts = {}
+    for c in plan.choices.values():
+        counts[c] = counts.get(c, 0) + 1
+    log(f"ampc.autoprecision, objective=\"memory\": a step's peak asked at {fraction:g}x "
+        f"torch.amp's ({amp_peak / mib:.1f} MiB of tensors), "
+        + ("met" if d["met"] else "not met") + f" at {d['bytes'] / mib:.1f} MiB "
+        f"({d['bytes'] / amp_peak:.2f}x torch.amp's) in {search_s:.1f} s: "
+        + ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
+        + (f"; {len(plan.data['recompute'])} block(s) recomputed" if plan.data.get("recompute")
+           else "")
+        + ("; the head's logits sliced" if plan.data.get("sliced_head") else ""))
+    why = next((n for n in plan.data.get("notes", []) if n.startswith("peak budget")), None)
+    if why and not d["met"]:
+        log(f"  {why}")
 
 
 def result_rows(report, tokens):
@@ -96,15 +116,18 @@ def results_table(rows):
         for row in rows])
 
 
-def write_all(out, lines, data, report, layer_report, plan, log):
-    """OUT/demo.{txt,json,png}, OUT/layers.*, OUT/plan.{json,txt}, and where they went."""
+def write_all(out, lines, data, report, layer_report, plans, log):
+    """OUT/demo.{txt,json,png}, OUT/layers.*, OUT/NAME.{json,txt} of each plan in
+    ``plans`` ({NAME: plan}), and where they went."""
     throughput = {row["setup"]: row["tokens_per_s"] for row in data["table"]}
     paths = write_outputs(out, "demo", "\n".join(lines), data,
                           lambda plt, path: report.plot(plt, path, throughput))
     layer_paths = layer_report.save(out)
-    plan.save(os.path.join(out, "plan.json"))
-    with open(os.path.join(out, "plan.txt"), "w") as f:
-        f.write(plan.table() + "\n\n" + plan.python() + "\n")
+    written = []
+    for name, plan in plans.items():
+        written += [plan.save(os.path.join(out, f"{name}.json")), os.path.join(out, f"{name}.txt")]
+        with open(written[-1], "w") as f:
+            f.write(plan.table() + "\n\n" + plan.python() + "\n")
     log()
     if paths["png"]:
         log(f"picture: {os.path.abspath(paths['png'])} (loss curves, gap to fp32, "
@@ -112,5 +135,4 @@ def write_all(out, lines, data, report, layer_report, plan, log):
     else:
         log(NO_MATPLOTLIB)
     log(f"wrote {paths['txt']}, {paths['json']}, {layer_paths['txt']}, {layer_paths['json']}, "
-        f"{os.path.join(out, 'plan.txt')}, {os.path.join(out, 'plan.json')}"
-        + (f", {layer_paths['png']}" if layer_paths["png"] else ""))
+        + ", ".join(written) + (f", {layer_paths['png']}" if layer_paths["png"] else ""))

@@ -19,8 +19,10 @@ MAX_STEPS = {"cpu": 400, "cuda": 1000}
 SAFETY = 1.1          # probes are short: plan for slightly slower steps
 AFTER_S = 15.0        # evaluation, the layer report, the picture and the sample
 # the search costs about this many fp32 steps and seconds (its per-call overheads), reserved
-# when sizing
+# when sizing; the search for memory measures whole steps' peaks, its blocks recomputed
 SEARCH_STEPS, SEARCH_FIXED_S = 30, 3.0
+MEMORY_SEARCH_STEPS, MEMORY_SEARCH_FIXED_S = 100, 3.0
+MEMORY_ARM = 1.5      # the memory plan's step against the drop-in's (recomputed forwards, codes)
 
 
 def matmul_speed(dtype, device, seconds=0.4, shape=(1024, 256, 1024)):
@@ -62,8 +64,8 @@ def process_seconds():
 
 
 def prober(train, device, dtype, lr):
-    """probe(size): (seconds of one step of all seven runs, seconds of the search, fp32's
-    step over torch.amp's: what 16 bits pay at this size), from real
+    """probe(size): (seconds of one step of all eight runs, seconds of the two searches,
+    fp32's step over torch.amp's: what 16 bits pay at this size), from real
     steps of each kind: the fastest of five after one to warm up (the first steps of a run
     are slower, and a busy machine adds noise that only lengthens steps; the lockstep
     training stops on time if this was too hopeful)."""
@@ -76,8 +78,11 @@ def prober(train, device, dtype, lr):
             run = validate.train(kind, dtype, model_maker(size), batches, lr=lr, device=device)
             t[kind] = min(run.step_ms[1:]) / 1e3
         # ampc auto: about the drop-in's step (its modules at fp32 or 16 bits, each the faster)
-        runs = 2 * t["fp32"] + t["torch.amp"] + 2 * t["ampc"] + t["ampc.master"] + t[LEAN_SETUP]
-        return (runs, SEARCH_FIXED_S + SEARCH_STEPS * t["fp32"], t["fp32"] / t["torch.amp"])
+        runs = (2 * t["fp32"] + t["torch.amp"] + (2 + MEMORY_ARM) * t["ampc"]
+                + t["ampc.master"] + t[LEAN_SETUP])
+        searches = (SEARCH_FIXED_S + MEMORY_SEARCH_FIXED_S
+                    + (SEARCH_STEPS + MEMORY_SEARCH_STEPS) * t["fp32"])
+        return runs, searches, t["fp32"] / t["torch.amp"]
     return probe
 
 
@@ -100,7 +105,7 @@ def choose(args, speeds, probe, seconds_left, log):
         # each run also evaluates VAL_BATCHES forward passes (a third of a step each)
         steps = int((seconds_left() - AFTER_S - search_s) / per_step - VAL_BATCHES / 3)
         log(f"  {size:<6} {SIZES[size][0]:>3} wide x {SIZES[size][1]} layers: torch.amp at "
-            f"{amp_speed:.2f}x fp32's speed; {per_step * 1e3:,.0f} ms per step of all seven "
+            f"{amp_speed:.2f}x fp32's speed; {per_step * 1e3:,.0f} ms per step of all eight "
             f"runs, about {search_s:.0f} s of search -> {max(steps, 0)} steps fit")
         if chosen and steps < MIN_STEPS:
             break

@@ -259,6 +259,25 @@ def _events(prof, device):
     return [(p, n) for _, p, n in allocs], marks, [t for t, _, _ in allocs]
 
 
+def allocated_peak(prof, device) -> int:
+    """The highest running sum of the device's tensor allocations and frees that ``prof`` (a
+    finished ``torch.profiler.profile(profile_memory=True)``) recorded: the bytes of live
+    tensors at their peak over what was alive when it started (a free of a block allocated
+    before is left out)."""
+    events, _, _ = _events(prof, device)
+    opened, run, top = set(), 0, 0
+    for ptr, n in events:
+        if n > 0:
+            opened.add(ptr)
+        elif ptr in opened:
+            opened.discard(ptr)
+        else:
+            continue
+        run += n
+        top = max(top, run)
+    return top
+
+
 def _result(prof, device, base, saved, grads, recomputed_names, compressed_names, allocator_peak):
     events, marks, times = _events(prof, device)
     # each block seen allocated: (address, first event, event that frees it or len(events));

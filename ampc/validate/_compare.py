@@ -12,7 +12,6 @@ against the same difference between fp32's seeds (see ``Comparison``).
 from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
 
 import contextlib
-import ctypes
 import gc
 import math
 import statistics
@@ -21,10 +20,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 from .._numerics import failures
 from .._numerics.model import call_model, default_loss, to_device
+from ..memory._report import allocated_peak
 from . import _setups
 from ._report import Comparison
 from ._run import Run
@@ -32,6 +33,7 @@ from ._run import Run
 FN = "ampc.validate.compare"
 SETUPS = tuple(n for n, s in _setups.REGISTRY.items() if s.default)
 PLAN_SETUP = "ampc.auto"      # an ampc.autoprecision.Plan given as a setup
+MEMORY_PLAN_SETUP = "ampc.memory"    # one searched with objective="memory"
 CONTRAST_SETUPS = ("torch.amp.noscale", "pure")     # what mixed precision guards against
 LEAN_SETUP = "ampc.lean"
 ALL_SETUPS = tuple(n for n in _setups.REGISTRY if n != "fp32")
@@ -83,26 +85,19 @@ def _is_plan(spec):
 
 # ---- memory ----
 
-def _rss_kib(field_name):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    raise OSError(field_name)
-
-
 class _PeakMemory:
-    """Peak memory a run adds over what the process held when it started.
+    """Peak memory of live tensors a run adds over what was alive when it started (before its
+    model is built), over its first steps.
 
-    CUDA: torch.cuda.max_memory_allocated. CPU (Linux): the process's peak resident set,
-    reset before the run (writing 5 to /proc/self/clear_refs), after freed heap memory has
-    been handed back (malloc_trim), so that each run is measured on its own in one
-    process. Elsewhere the figure is None.
+    CUDA: torch.cuda.max_memory_allocated. CPU: the highest running sum of the tensor
+    allocations and frees torch's profiler records meanwhile, as ``ampc.memory.report``
+    counts them: not the allocator's cache, nor a library's own scratch (a process's resident
+    set mixes those in, and at small sizes they were most of it). Elsewhere None.
     """
 
     def __init__(self, device):
         self.device = device
-        self.base = None
+        self.base = self.prof = self.peak = None
 
     def start(self):
         gc.collect()
@@ -110,21 +105,21 @@ class _PeakMemory:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
-            return
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.base = _rss_kib("VmRSS")
-        except OSError:
-            self.base = None
+        elif self.device == "cpu":
+            self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self.prof.start()
 
     def peak_mib(self):
-        if self.base is None:
-            return None
-        if self.device == "cuda":
-            return (torch.cuda.max_memory_allocated() - self.base) / 2**20
-        return max(0, _rss_kib("VmHWM") - self.base) / 1024
+        """The peak so far, in MiB; the first call ends the measurement (the same figure
+        after)."""
+        if self.peak is None:
+            if self.device == "cuda":
+                self.peak = (torch.cuda.max_memory_allocated() - self.base) / 2**20
+            elif self.prof is not None:
+                self.prof.stop()
+                self.peak = allocated_peak(self.prof, torch.device("cpu")) / 2**20
+                self.prof = None
+        return self.peak
 
 
 # ---- one run ----
@@ -178,18 +173,21 @@ class Trainer:
     """
 
     def __init__(self, kind, dtype, make_model, *, loss_fn=None, lr=1e-3, seed=0,
-                 device="cpu", name=None, monitor=None):
+                 device="cpu", name=None, monitor=None, memory_steps=3):
         plan = kind if _is_plan(kind) else None
         if plan is not None and monitor is not None:
             plan = type(plan).from_json(plan.to_json())  # its monitor may raise modules: this run's own
         if plan is not None:
-            kind, dtype = PLAN_SETUP, {"fp16": torch.float16}.get(plan.dtype, torch.bfloat16)
+            memory = (getattr(plan, "data", None) or {}).get("objective") == "memory"
+            kind = MEMORY_PLAN_SETUP if memory else PLAN_SETUP
+            dtype = {"fp16": torch.float16}.get(plan.dtype, torch.bfloat16)
         self.loss_fn = plan.loss(loss_fn) if plan is not None else loss_fn or default_loss
         self.device = device
         dname = "fp32" if kind == "fp32" else DTYPE_NAMES[dtype]
         if plan is not None:
-            name, dname = name or "ampc auto", plan.dtype
+            name, dname = name or kind.replace(".", " "), plan.dtype
         self.run = Run(name or (kind if kind == "fp32" else f"{kind} {dname}"), kind, dname, seed)
+        self.memory_steps = memory_steps        # the peak is that of the first steps
         self.memory = _PeakMemory(device)
         self.memory.start()
         model = _build(make_model, seed).to(device)
@@ -232,6 +230,8 @@ class Trainer:
         step and, where ampc can tell, the cause and what to do."""
         try:
             self.timed_step(batch)
+            if len(self.run.losses) == self.memory_steps:
+                self.run.peak_mib = self.memory.peak_mib()
         except Exception as e:
             if str(e).startswith("ampc"):
                 raise
@@ -361,11 +361,12 @@ def train_lockstep(specs, make_model, batches, *, time_limit, val_batches=(), pr
     trainers = []
     first = min(memory_steps, len(batches))
     for i, (kind, dtype, seed, name) in enumerate(specs):
-        t = Trainer(kind, dtype, make_model, seed=seed, name=name, **kwargs)
+        t = Trainer(kind, dtype, make_model, seed=seed, name=name, memory_steps=first,
+                    **kwargs)
         t.bar = _progress(len(batches), t.run.name, progress, position=i)
         for batch in batches[:first]:
             t.step(batch)
-        t.run.peak_mib = t.memory.peak_mib()
+        t.run.peak_mib = t.memory.peak_mib()       # measured alone, before the next is built
         trainers.append(t)
     eval_rounds = len(val_batches) / 3          # a forward pass is about a third of a step
     rounds = []

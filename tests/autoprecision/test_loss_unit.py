@@ -246,5 +246,5 @@ def test_verify_trains_with_the_plans_loss(lm_plan, monkeypatch):
     monkeypatch.setattr(_loss.AtPrecision, "__call__", spy)
     report = lm_plan.verify(TinyLM, make_batch, steps=3, progress=False)
     assert seen and set(seen) == {"bf16"}
-    auto = next(r for r in report.rows if r["setup"] == "ampc auto")
+    auto = next(r for r in report.rows if r["setup"] == "ampc memory")
     assert auto["final_gap"] < 0.05

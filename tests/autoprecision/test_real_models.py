@@ -50,7 +50,7 @@ def test_gpt2_plan_trains_inside_fp32_spread(capsys):
     report = plan.verify(gpt2, gpt2_batch, steps=40, loss_fn=lm_loss, lr=3e-3, progress=False)
     with capsys.disabled():
         print("\n" + plan.table() + "\n" + report.table())
-    auto = next(r for r in report.rows if r["setup"] == "ampc auto")
+    auto = next(r for r in report.rows if r["setup"] == "ampc memory")
     limit = report.spread if not report.too_wide else 0.05
     assert auto["final_gap"] <= max(limit, 0.01)
     assert all(r["step_ms"] > 0 for r in report.rows) and report.base.median_ms() > 0
@@ -180,7 +180,7 @@ def plan_against_fp32_seeds(make_model, make_batch, steps, lr):
                      progress=False, device="cpu")
     print("\n" + plan.table() + "\n" + report.table())
     (row,) = report.rows
-    assert row["setup"] == "ampc auto"
+    assert row["setup"] == "ampc memory"      # the objective names the run
     assert low_count(plan) > 0                       # mixed, not the all-fp32 answer
     return plan, report, row
 

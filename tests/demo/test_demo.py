@@ -26,10 +26,21 @@ def test_short_demo_tracks_fp32_and_writes_outputs(tmp_path, capsys):
     # the plan's region: a 16-bit type where some module measured faster in it, else fp32
     auto = names[4]
     assert auto in ("ampc auto bf16", "ampc auto fp16", "ampc auto fp32")
-    assert names[5:] == ["ampc lean bf16"]
+    memory = names[5]
+    assert memory in ("ampc memory bf16", "ampc memory fp16", "ampc memory fp32")
+    assert names[6:] == ["ampc lean bf16"]
     fp32 = rows["fp32"]["val_loss"]
-    for name in ("ampc drop-in bf16", "ampc master weights bf16", auto, "ampc lean bf16"):
+    for name in ("ampc drop-in bf16", "ampc master weights bf16", auto, memory,
+                 "ampc lean bf16"):
         assert abs(rows[name]["val_loss"] - fp32) / fp32 < 0.02, name
+    # the memory arm: searched for half torch.amp's peak; met or not, its trained step's
+    # peak (live tensors) is under torch.amp's and the line says what it reached
+    peak = data["memory_plan"]["peak"]
+    assert rows[memory]["peak_mib"] < rows["torch.amp bf16"]["peak_mib"]
+    assert rows[memory]["memory_vs_torch_amp"] < 1
+    assert 'objective="memory": a step\'s peak asked at 0.5x torch.amp\'s' in printed
+    assert f"{peak['bytes'] / 2**20:.1f} MiB" in printed
+    assert data["memory_search_s"] > 0 and (out / "memory_plan.json").stat().st_size > 100
     plan = data["plan"]
     assert {u["choice"] for u in plan["units"]} <= {"fp32", "bf16", "fp16", "fp8"}
     assert data["search_s"] > 0 and "ampc.autoprecision:" in printed

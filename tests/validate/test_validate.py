@@ -306,3 +306,28 @@ def test_smooth_and_gap():
     assert validate._run.smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert validate._run.rel_gap([1.1, 2.0], [1.0, 2.0]) == pytest.approx([0.1, 0.0])
     assert math.isnan(validate._run.smooth([1.0, float("nan")], 2)[1])
+
+
+def test_the_cpu_peak_is_that_of_live_tensors_as_the_memory_report_counts_it():
+    # fp32 weights, grads and AdamW's two moments: 16 bytes a parameter, ~16.8 MB here,
+    # against a few hundred kB of activations; the batch exists before either measures
+    def make():
+        return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512))
+
+    def mse(out, y):
+        return nn.functional.mse_loss(out, y)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(32, 512, generator=g), torch.randn(32, 512, generator=g))
+               for _ in range(4)]
+    report = validate.compare(make, lambda k: batches[k], steps=4, setups=("torch.amp",),
+                              seeds=(0,), loss_fn=mse, progress=False, device="cpu")
+    params = sum(p.numel() for p in make().parameters())
+    model = make()
+    measured = ampc.memory.report(model, torch.optim.AdamW(model.parameters(), fused=True),
+                                  batches[0], mse).peak
+    fp32 = report.base.peak_mib * 2**20
+    assert 16 * params <= fp32 <= 1.1 * 16 * params
+    assert abs(fp32 - measured) / measured < 0.05, (fp32, measured)
+    # torch.amp: the same state; its bf16 copies of the weights add at most 2 bytes a param
+    amp = report.runs[0].peak_mib * 2**20
+    assert 16 * params <= amp <= fp32 + 2 * params + 2**20
