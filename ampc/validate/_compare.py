@@ -190,26 +190,30 @@ class Trainer:
         self.memory_steps = memory_steps        # the peak is that of the first steps
         self.memory = _PeakMemory(device)
         self.memory.start()
-        model = _build(make_model, seed).to(device)
-        for pname, p in model.named_parameters():
-            if p.is_floating_point() and p.dtype != torch.float32:
-                raise ValueError(f"ampc.validate: make_model() must return an fp32 model; "
-                                 f"parameter {pname} is {p.dtype}")
-        model.train()
-        fp16 = dtype == torch.float16 and kind != "fp32"
-        self.monitor = None
-        if plan is not None:
-            applied = plan.apply(model)
-            if monitor is not None:
-                self.monitor = applied.monitor(loss_fn, **monitor)
-            self.opt = ampc.optim.AdamW(model.parameters(), lr=lr)
-            self.scaler = _setups.scaler("ampc" if plan.needs_scaler() else None, device)
-            self.region = plan.autocast
-        else:
-            setup = _setups.REGISTRY[kind]
-            model, self.opt = setup.build(model, dtype, lr)
-            self.scaler = _setups.scaler(setup.scaler if fp16 else None, device)
-            self.region = lambda: setup.region(device, dtype)     # noqa: E731
+        try:
+            model = _build(make_model, seed).to(device)
+            for pname, p in model.named_parameters():
+                if p.is_floating_point() and p.dtype != torch.float32:
+                    raise ValueError(f"ampc.validate: make_model() must return an fp32 model; "
+                                     f"parameter {pname} is {p.dtype}")
+            model.train()
+            fp16 = dtype == torch.float16 and kind != "fp32"
+            self.monitor = None
+            if plan is not None:
+                applied = plan.apply(model)
+                if monitor is not None:
+                    self.monitor = applied.monitor(loss_fn, **monitor)
+                self.opt = ampc.optim.AdamW(model.parameters(), lr=lr)
+                self.scaler = _setups.scaler("ampc" if plan.needs_scaler() else None, device)
+                self.region = plan.autocast
+            else:
+                setup = _setups.REGISTRY[kind]
+                model, self.opt = setup.build(model, dtype, lr)
+                self.scaler = _setups.scaler(setup.scaler if fp16 else None, device)
+                self.region = lambda: setup.region(device, dtype)     # noqa: E731
+        except BaseException:
+            self.memory.peak_mib()      # ends the measurement (the profiler) first
+            raise
         self.model = model
         self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         torch.manual_seed(seed)                 # the same dropout draws in every setup
@@ -233,6 +237,7 @@ class Trainer:
             if len(self.run.losses) == self.memory_steps:
                 self.run.peak_mib = self.memory.peak_mib()
         except Exception as e:
+            self.memory.peak_mib()      # ends the measurement (the profiler) first
             if str(e).startswith("ampc"):
                 raise
             k = len(self.run.losses)

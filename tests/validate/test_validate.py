@@ -331,3 +331,24 @@ def test_the_cpu_peak_is_that_of_live_tensors_as_the_memory_report_counts_it():
     # torch.amp: the same state; its bf16 copies of the weights add at most 2 bytes a param
     amp = report.runs[0].peak_mib * 2**20
     assert 16 * params <= amp <= fp32 + 2 * params + 2**20
+
+
+def test_a_run_that_fails_leaves_no_measurement_running():
+    # the CPU peak is measured under torch's profiler: a failure while building or in the
+    # first steps must end it (left on, it records every op the process runs after)
+    def half():
+        return make_model().half()
+
+    with pytest.raises(ValueError, match="must return an fp32 model"):
+        validate.compare(half, make_batch, steps=3, setups=("ampc",), progress=False)
+    assert not torch.autograd._profiler_enabled()
+
+    def bad_batch(step):
+        x, y = make_batch(step)
+        return x, y[:, :3] if step == 1 else y
+    with pytest.raises(Exception, match="step 1"):
+        validate.compare(make_model, bad_batch, steps=3, setups=("ampc",), progress=False)
+    assert not torch.autograd._profiler_enabled()
+    model = make_model()
+    rep = ampc.memory.report(model, torch.optim.AdamW(model.parameters()), make_batch(0))
+    assert rep.peak > 0
