@@ -92,7 +92,8 @@ class _PeakMemory:
     CUDA: torch.cuda.max_memory_allocated. CPU: the highest running sum of the tensor
     allocations and frees torch's profiler records meanwhile, as ``ampc.memory.report``
     counts them: not the allocator's cache, nor a library's own scratch (a process's resident
-    set mixes those in, and at small sizes they were most of it). Elsewhere None.
+    set mixes those in, and at small sizes they were most of it). None elsewhere, and on the
+    CPU when the caller is profiling already.
     """
 
     def __init__(self, device):
@@ -105,7 +106,8 @@ class _PeakMemory:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
-        elif self.device == "cpu":
+        elif self.device == "cpu" and not torch.autograd._profiler_enabled():
+            # (under the caller's own profiler: not measured, which would end theirs)
             self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self.prof.start()
 

@@ -352,3 +352,13 @@ def test_a_run_that_fails_leaves_no_measurement_running():
     model = make_model()
     rep = ampc.memory.report(model, torch.optim.AdamW(model.parameters()), make_batch(0))
     assert rep.peak > 0
+
+
+def test_under_the_callers_profiler_the_cpu_peak_is_not_measured():
+    # measuring would start and stop a profiler of its own, ending the caller's
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        report = validate.compare(make_model, make_batch, steps=4, setups=("ampc",),
+                                  progress=False)
+        assert torch.autograd._profiler_enabled()
+    assert report.base.peak_mib is None and report.runs[0].peak_mib is None
+    assert any(e.name == "aten::addmm" for e in prof.events())
