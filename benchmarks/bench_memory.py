@@ -5,7 +5,7 @@ saved activations in 8 bits and gradients freed in the backward.
     python benchmarks/bench_memory.py [--model gpt2|resnet18]
                                       [--sizes 4x128,16x256] [--reps 5] [--compute fp32|bf16]
                                       [--recompute transformer.h.*.mlp.act] [--compress transformer.h.*]
-                                      [--report-dir DIR]
+                                      [--report-dir DIR] [--compile]
                                       [--width 512] [--layers 4] [--vocab 8192]
 
 Model: bench_lean_memory.py's (transformers' GPT2LMHeadModel, width 512, 4 layers, vocab 8192, dropout 0), with
@@ -25,6 +25,8 @@ step takes ~10x longer. Peak: ampc.memory.report (the live-tensor bytes at the s
 the tensors and the profiler's allocations, not the allocator's cache), after one warm-up step. Time: the step
 alone (no profiler), reps interleaved across the arms, median and quartiles; beside it the 1-minute load average
 at the end of the timed reps (another process on the machine slows every arm).
+
+--compile: every arm's model through torch.compile (after its memory handles are set; the warm-up step compiles).
 
 --model resnet18: torchvision's resnet18(num_classes=10) on random 64x64 images, random labels, cross-entropy;
 --sizes are batch sizes (default 32). Its arms: torch (fused AdamW; torch.amp with --compute bf16); torch + layer
@@ -136,6 +138,9 @@ def arm(name, args, size):
         def loss_fn(out, tokens):       # noqa: F811
             return ampc.memory.linear_cross_entropy(out[:, :-1], head, tokens[:, 1:])
 
+    if args.compile:    # after ampc.memory's handles are set, as a user would compile
+        model = torch.compile(model)
+
     def step():
         opt.zero_grad(set_to_none=True)
         out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
@@ -190,6 +195,8 @@ def main():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--report-dir", help="write each arm's memory report (table .txt and picture .png) here")
+    p.add_argument("--compile", action="store_true",
+                   help="every arm's model through torch.compile (its memory handles set first)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     sizes, recompute, compress = DEFAULTS[args.model]
@@ -197,7 +204,7 @@ def main():
     args.compress = args.compress or compress
     args.size_key = "batch x context" if args.model == "gpt2" else "batch (64x64)"
     hdr = H.machine("cpu")
-    hdr.update(model=args.model, compute=args.compute, recompute=",".join(args.recompute),
+    hdr.update(model=args.model, compute=args.compute, compiled=args.compile, recompute=",".join(args.recompute),
                compress=",".join(args.compress), reps=args.reps)
     rows = []
     for size in args.sizes.split(","):

@@ -119,6 +119,7 @@ class _Packer:
         self.how = how
         self.min_numel = min_numel
         self.seen = {}      # storage, offset, shape, strides, dtype -> (what was kept, the tensor)
+        self.spans = {}     # storage -> _Span of its views with gaps
 
     def keep_as_is(self, t):
         return (type(t) is not torch.Tensor or id(t) in self.buffers
@@ -147,11 +148,27 @@ class _Packer:
                     data = (codes[0], scales[0])
                 else:
                     data = x.to(torch.bfloat16)
-            kept = _Kept(data, t.dtype, self.how)
+            kept = _Kept(data, t.dtype, self.how, self.layout(t, key, ref))
             self.seen[key] = (kept, ref)
             note_held(self.module, data)      # what it keeps, counted as its saved activations
         # the tensor, weakly, and its version: a change in place while it lives is caught
         return (kept, ref, t._version)
+
+    def layout(self, t, key, ref):
+        """How ``t`` comes back: None (contiguous), or (strides, span, its offset in the
+        span). A compiled backward checks the strides of what it saved; views with gaps of
+        one storage (attention's q, k and v of one qkv output) share one decoded span, so
+        that together they take the bytes they took in the forward."""
+        if t.is_contiguous() or not _apart(t):
+            return None
+        if _apart(t, gaps=False):
+            return t.stride(), None, 0
+        span = self.spans.get(key[0])
+        if span is None or span.first() is None:
+            span = self.spans[key[0]] = _Span(ref)
+        start = t.storage_offset()
+        span.cover(start, start + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())))
+        return t.stride(), span, start
 
     def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
@@ -172,15 +189,57 @@ class _Packer:
         return kept.value()
 
 
-class _Kept:
-    """A saved tensor in fewer bits, decoded on demand."""
-    __slots__ = ("data", "dtype", "how")
+def _apart(t, gaps=True):
+    """Whether no two of ``t``'s elements share an address (with ``gaps=False``: and they
+    fill their span, a contiguous layout with the dims in some order)."""
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride < expected or (stride != expected and not gaps):
+            return False
+        expected = stride * size
+    return True
 
-    def __init__(self, data, dtype, how):
-        self.data, self.dtype, self.how = data, dtype, how
+
+class _Span:
+    """The elements [lo, hi) of one storage that its saved views with gaps cover; decoded,
+    they share one buffer while it lives."""
+
+    def __init__(self, first):
+        self.first, self.lo, self.hi = first, None, None
+        self.storage, self.dtype = None, None   # the decoded buffer's, weakly: while it lives
+
+    def cover(self, lo, hi):
+        self.lo = lo if self.lo is None else min(self.lo, lo)
+        self.hi = hi if self.hi is None else max(self.hi, hi)
+
+    def view(self, like, stride, start):
+        # the storage, not a tensor, is what the views a backward receives keep alive
+        store = self.storage() if self.storage is not None else None
+        if store is None or self.dtype != like.dtype or store.device != like.device:
+            store = torch.empty(self.hi - self.lo, dtype=like.dtype,
+                                device=like.device).untyped_storage()
+            self.storage, self.dtype = weakref.ref(store), like.dtype
+        out = torch.empty(0, dtype=like.dtype, device=like.device)
+        return out.set_(store, start - self.lo, like.shape, stride)
+
+
+class _Kept:
+    """A saved tensor in fewer bits, decoded on demand, with the strides it was saved with
+    (``_Packer.layout``)."""
+    __slots__ = ("data", "dtype", "how", "layout")
+
+    def __init__(self, data, dtype, how, layout=None):
+        self.data, self.dtype, self.how, self.layout = data, dtype, how, layout
 
     def value(self):
         if self.how == "8bit":
             codes, scales = self.data
-            return ops.decode_q8([codes], [scales], self.dtype)[0]
-        return self.data.to(self.dtype)
+            v = ops.decode_q8([codes], [scales], self.dtype)[0]
+        else:
+            v = self.data.to(self.dtype)
+        if self.layout is None:
+            return v
+        stride, span, start = self.layout
+        out = (torch.empty_strided(v.shape, stride, dtype=v.dtype, device=v.device)
+               if span is None else span.view(v, stride, start))
+        return out.copy_(v)

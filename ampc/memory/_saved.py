@@ -7,6 +7,7 @@ recomputation are noted here as its own (``note_held``).
 """
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -29,8 +30,39 @@ def storage_key(t: torch.Tensor) -> tuple[int, int] | None:
 def note_held(module: torch.nn.Module, values) -> None:
     """Counts the tensors in ``values`` as kept by ``module`` (for its recomputation, or its
     saved tensors in fewer bits)."""
-    if _ACTIVE:
+    # inside a compiled graph the tracker is not consulted: tracing it would put a
+    # measurement into the graph (what such a module keeps is counted as the graph's)
+    if _ACTIVE and not torch.compiler.is_compiling():
         _ACTIVE[-1].keep(module, tensors(values))
+
+
+def _eager_modules(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
+    """{module: name} of the modules whose hooks run eagerly. Inside a compiled module
+    (``torch.compile(m)`` or ``m.compile()``) one graph saves its tensors at once: hooks
+    there would be traced into it (and Dynamo refuses some), so what it saves is counted as
+    the compiled module's (``torch.compile(m)``'s wrapper runs its own hooks eagerly) or as
+    the module around it."""
+    frame = sys.modules.get("torch._dynamo.eval_frame")    # not loaded: nothing is compiled
+    optimized = frame.OptimizedModule if frame else ()
+    names, inside = {}, []
+    for n, m in model.named_modules():
+        if any(n.startswith(p) for p in inside):
+            continue
+        if isinstance(m, optimized):
+            names[m] = (n or "(model)") + " (compiled)"
+            inside.append(n + "." if n else "")
+        elif getattr(m, "_compiled_call_impl", None) is not None:
+            inside.append(n + "." if n else "")
+        else:
+            names[m] = n or "(model)"
+    return names
+
+
+def module_names(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
+    """{module: its name in ``model``}, without the ``_orig_mod`` that ``torch.compile``'s
+    wrapper adds."""
+    return {m: ".".join(p for p in n.split(".") if p != "_orig_mod") or "(model)"
+            for n, m in model.named_modules()}
 
 
 class SavedTracker:
@@ -38,7 +70,8 @@ class SavedTracker:
     ``live()`` then says which of them autograd still holds, each storage once."""
 
     def __init__(self, model: torch.nn.Module):
-        self.names = {m: n or "(model)" for n, m in model.named_modules()}
+        self.names = _eager_modules(model)
+        self.all_names = module_names(model)     # for what a module keeps itself
         self.stack: list[str] = []
         self.records: list[tuple[weakref.ref, str]] = []
         self._handles: list = []
@@ -62,7 +95,7 @@ class SavedTracker:
         return t
 
     def keep(self, module, ts):
-        name = self.names.get(module, "(model)")
+        name = self.all_names.get(module, "(model)")
         self.records.extend((weakref.ref(t), name) for t in ts)
 
     def __enter__(self):

@@ -231,6 +231,43 @@ def test_one_storage_saved_twice_is_coded_once(monkeypatch):
     assert torch.allclose(x.grad, 2 * x.detach(), rtol=0.07, atol=1e-3)
 
 
+@pytest.mark.parametrize("how", ["8bit", "bf16"])
+def test_saved_views_come_back_in_their_strides_sharing_one_buffer(how):
+    # what a backward receives has the strides it saved (a compiled backward checks them):
+    # q, k and v, views with gaps of one qkv output, in one decoded buffer of the qkv
+    # output's size; a transposed (dense) tensor in its transposed strides
+    class Attention(nn.Module):
+        def forward(self, x):
+            q, k, v = x.split(32, dim=2)
+            q, k, v = (z.view(2, 16, 4, 8).transpose(1, 2) for z in (q, k, v))
+            self.saved = (q, k, v)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    class Sine(nn.Module):
+        def forward(self, x):
+            self.saved = x.t()
+            return torch.sin(self.saved)
+
+    att, sine = Attention(), Sine()
+    ampc.memory.compress(att, att, how, min_numel=1)
+    ampc.memory.compress(sine, sine, how, min_numel=1)
+    x = torch.randn(2, 16, 96, requires_grad=True)
+    node = att(x * 1).grad_fn
+    with torch.no_grad():       # as in a backward: decoded here
+        got = [node._saved_query, node._saved_key, node._saved_value]
+    assert [t.stride() for t in got] == [t.stride() for t in att.saved]
+    assert len({t.untyped_storage().data_ptr() for t in got}) == 1
+    assert got[0].untyped_storage().nbytes() == x.numel() * 4
+    for t, ref in zip(got, att.saved):
+        assert torch.allclose(t, ref.detach(), rtol=0.07, atol=0.05)
+    y = torch.randn(64, 32, requires_grad=True)
+    node = sine(y * 1).grad_fn
+    with torch.no_grad():
+        back = node._saved_self
+    assert back.stride() == sine.saved.stride() == (1, 32)
+    assert torch.allclose(back, sine.saved.detach(), rtol=0.07, atol=0.05)
+
+
 def test_bad_arguments_change_nothing():
     m = model()
     with pytest.raises(ValueError, match="how must be one of 8bit, bf16, got 'fp8'"):
