@@ -370,7 +370,13 @@ class Plan:
         each one's gap to fp32 of the same seed over the last quarter of the run, the
         verdict (inside fp32's run-to-run spread or not) and the median step time.
         ``monitor=dict(...)`` trains the plan's runs with a :class:`Monitor` of those
-        arguments watching each (what it did is printed under the table)."""
+        arguments watching each (what it did is printed under the table).
+
+        The runs train in lockstep (a step of each in turn: ``time_limit=inf`` unless
+        given), so that a machine whose load changes during the verification slows every
+        run alike and the step times compare; every model is held at once. Pass
+        ``time_limit=None`` to train them one after another."""
+        kwargs.setdefault("time_limit", float("inf"))
         dtype = _candidates.get("bf16" if self.dtype == "fp32" else self.dtype).dtype
         return compare(make_model, make_batch, loss_fn, steps,
                                 setups=tuple(setups) + (self,), dtype=dtype, device=self.device,
