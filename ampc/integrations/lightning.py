@@ -45,7 +45,7 @@ _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 _FP8_STATE = "AmpcPrecision.fp8_state"     # checkpoint key of the FP8 layers' scaling state
 
 
-_CLIP = ("AmpcPrecision: {who} steps each parameter in the backward "
+_CLIP = ("{plugin}: {who} steps each parameter in the backward "
          "(step_in_backward=True) and frees its gradient there")
 
 
@@ -181,7 +181,8 @@ class AmpcPrecision(_Ampc, _MixedPrecision):
                 self._module.automatic_optimization:
             for i, opt in enumerate(optimizers):
                 if _in_backward(opt):
-                    raise ValueError(_CLIP.format(who=f"optimizer {i}") + ": Trainer("
+                    raise ValueError(_CLIP.format(plugin="AmpcPrecision", who=f"optimizer {i}")
+                                     + ": Trainer("
                                      f"gradient_clip_val={trainer.gradient_clip_val}) would "
                                      "find none. Drop gradient_clip_val or pass "
                                      "step_in_backward=False")
@@ -216,8 +217,9 @@ class AmpcPrecision(_Ampc, _MixedPrecision):
         # the scaler keys its state by the optimizer itself.
         optimizer = _unwrap(optimizer)
         if clip_val and _in_backward(optimizer):
-            raise RuntimeError(_CLIP.format(who="the optimizer") + ": there is nothing left "
-                               "to clip. Pass step_in_backward=False to clip")
+            raise RuntimeError(_CLIP.format(plugin="AmpcPrecision", who="the optimizer")
+                               + ": there is nothing left to clip. Pass step_in_backward=False "
+                               "to clip")
         _Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
@@ -266,8 +268,8 @@ class AmpcFabricPrecision(_Ampc, _FabricMixedPrecision):
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         # fabric.clip_gradients comes here first, with or without a scaler
         if _in_backward(optimizer):
-            raise RuntimeError(_CLIP.format(who="the optimizer").replace(
-                "AmpcPrecision", "AmpcFabricPrecision") + ": there is nothing left to clip. "
-                "Pass step_in_backward=False to clip")
+            raise RuntimeError(_CLIP.format(plugin="AmpcFabricPrecision", who="the optimizer")
+                               + ": there is nothing left to clip. Pass step_in_backward=False "
+                               "to clip")
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
