@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -198,8 +200,8 @@ def report(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tupl
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     tracker = SavedTracker(model)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, profile_memory=True) as prof:
+    prof = start_profiler(cuda)
+    try:
         with record_function(_MARK + "forward"):
             with tracker:
                 loss = forward()
@@ -213,6 +215,8 @@ def report(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tupl
             optimizer.step()
         if cuda:
             torch.cuda.synchronize(device)
+    finally:
+        stop_profiler(prof)
     allocator_peak = torch.cuda.max_memory_allocated(device) if cuda else None
     return _result(prof, device, base, saved, grads, recomputed(model), compressed(model),
                    allocator_peak)
@@ -257,6 +261,42 @@ def _events(prof, device):
             marks[e.name[len(_MARK):]] = (e.start_time_ns, e.end_time_ns)
     allocs.sort(key=lambda a: a[0])    # stable: ties keep the recorded order
     return [(p, n) for _, p, n in allocs], marks, [t for t, _, _ in allocs]
+
+
+@contextlib.contextmanager
+def _stderr_off():
+    """Kineto, under torch's profiler, prints a line to the process's stderr each time it
+    starts and stops (and, in a CUDA build without a GPU, an error it then ignores): not
+    ampc's to show. Python's own stderr is flushed first and kept."""
+    sys.stderr.flush()
+    try:
+        kept = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+        yield
+    finally:
+        os.dup2(kept, 2)
+        os.close(kept)
+
+
+def start_profiler(cuda: bool = False):
+    """torch's profiler recording allocations (and CUDA's with ``cuda``), started."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=activities, profile_memory=True)
+    with _stderr_off():
+        prof.start()
+    return prof
+
+
+def stop_profiler(prof) -> None:
+    with _stderr_off():
+        prof.stop()
+        prof.profiler.kineto_results       # (its results are made here, with their messages)
 
 
 def allocated_peak(prof, device) -> int:

@@ -20,12 +20,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 from .._numerics import failures
 from .._numerics.model import call_model, default_loss, to_device
-from ..memory._report import allocated_peak
+from ..memory._report import allocated_peak, start_profiler, stop_profiler
 from . import _setups
 from ._report import Comparison
 from ._run import Run
@@ -108,8 +107,7 @@ class _PeakMemory:
             self.base = torch.cuda.memory_allocated()
         elif self.device == "cpu" and not torch.autograd._profiler_enabled():
             # (under the caller's own profiler: not measured, which would end theirs)
-            self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self.prof.start()
+            self.prof = start_profiler()
 
     def peak_mib(self):
         """The peak so far, in MiB; the first call ends the measurement (the same figure
@@ -118,7 +116,7 @@ class _PeakMemory:
             if self.device == "cuda":
                 self.peak = (torch.cuda.max_memory_allocated() - self.base) / 2**20
             elif self.prof is not None:
-                self.prof.stop()
+                stop_profiler(self.prof)
                 self.peak = allocated_peak(self.prof, torch.device("cpu")) / 2**20
                 self.prof = None
         return self.peak

@@ -153,3 +153,16 @@ def test_a_peak_in_the_optimizer_step_holds_every_grad_and_no_activation():
     assert r.parts["grads"] == params and r.saved_at_peak == {} and r.parts["saved activations"] == 0
     # tanh saves its output and the next Linear the same tensor, its input: one storage, under tanh
     assert r.saved == {"1": 512 * 4}
+
+
+def test_the_profiler_s_own_lines_stay_off_stderr(capfd):
+    # kineto prints a line each time torch's profiler starts and stops (and, in a CUDA
+    # build without a GPU, an error it ignores); what Python wrote before is kept
+    import sys
+    m = torch.nn.Linear(8, 8)
+    print("before", file=sys.stderr)
+    mem.report(m, torch.optim.SGD(m.parameters(), lr=0.1),
+               (torch.randn(4, 8), torch.randint(0, 8, (4,))))
+    err = capfd.readouterr().err
+    assert "before" in err
+    assert "profiler_start" not in err and "profiler_stop" not in err, err
