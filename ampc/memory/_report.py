@@ -171,7 +171,10 @@ def report(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tupl
             a dict, else ``model(inputs)``; ``loss_fn(output, target)``.
         loss_fn: default: cross-entropy over the output's last dim (or the model's own loss).
         autocast: None (the model runs as it is) or the dtype of an ``ampc.autocast`` region.
-        warmup (int): steps before the measured one (the optimizer makes its state in its first).
+        warmup (int): steps before the measured one (the optimizer makes its state in its
+            first). 0: no training step before it; the optimizer makes its state in a step on
+            zero gradients instead (the state's bytes then count as they would after a real
+            step; weight decay still shrinks the weights once).
         top (int): modules named in the table (the rest summed).
     """
     device = _check(model, optimizer, batch, loss_fn, autocast, warmup, top)
@@ -191,6 +194,8 @@ def report(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tupl
         optimizer.zero_grad(set_to_none=True)
         forward().backward()
         optimizer.step()
+    if not warmup:
+        _make_state(optimizer)
     optimizer.zero_grad(set_to_none=True)
     gc.collect()
 
@@ -220,6 +225,18 @@ def report(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tupl
     allocator_peak = torch.cuda.max_memory_allocated(device) if cuda else None
     return _result(prof, device, base, saved, grads, recomputed(model), compressed(model),
                    allocator_peak)
+
+
+def _make_state(optimizer):
+    """The optimizer's state, made by a step on zero gradients (a gradient hook that steps
+    in the backward sees none: its step() takes them)."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    with torch.no_grad():
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _persistent(model, optimizer, batch):

@@ -1,9 +1,12 @@
 """ampc.memory.report: a training step's peak and what it is made of, on models whose saved
 tensors are known from the ops' backward formulas (exp saves its output, sin its input)."""
+import copy
+
 import pytest
 import torch
 from torch import nn
 
+import ampc
 import ampc.memory as mem
 
 N = 64 * 1024          # elements of the activations: 256 KiB in fp32
@@ -166,3 +169,21 @@ def test_the_profiler_s_own_lines_stay_off_stderr(capfd):
     err = capfd.readouterr().err
     assert "before" in err
     assert "profiler_start" not in err and "profiler_stop" not in err, err
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.AdamW(ps), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: ampc.optim.AdamW(ps, state="lean"),
+    lambda ps: ampc.optim.AdamW(ps, step_in_backward=True)])
+def test_no_warmup_step_measures_the_peak_of_one(make_opt):
+    # warmup=0: the optimizer's state made by a step on zero gradients, not a training step
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Embedding(64, 128), nn.Linear(128, 512), nn.GELU(),
+                         nn.Linear(512, 64))
+    batch = (torch.randint(0, 64, (16, 32)), torch.randint(0, 64, (16, 32)))
+    peaks = []
+    for warmup in (1, 0):
+        m = copy.deepcopy(base)
+        r = mem.report(m, make_opt(list(m.parameters())), batch, warmup=warmup)
+        peaks.append((r.peak, r.parts["optimizer state"]))
+    assert peaks[0] == peaks[1] and peaks[0][1] > 0
