@@ -333,7 +333,7 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     loss_name = _loss.loss_name(loss_fn)
     loss_fn = failures.checked_loss(FN, loss_fn)
     found, options, notes = _units_and_options(model, units, candidates, objective, device,
-                                               ceiling)
+                                               ceiling, budget=peak_bytes is not None)
     whole = batches             # what the peak is measured on
     batches, sliced, note = _examples.choose(model, batches, loss_fn, examples)
     notes += [note] if note else []
@@ -399,19 +399,24 @@ def _plain(model):
         f"model uncompiled ({hints})"]
 
 
-def _units_and_options(model, types, candidates, objective, device, ceiling):
+def _units_and_options(model, types, candidates, objective, device, ceiling, budget=False):
     """The units of ``model``, each one's candidates (less those too slow here), and the
     notes saying which were not tried. The time objective tries no candidate whose matmul
     runs SLOW times fp32's here; under the memory objective's ceiling (a unit's candidate
     that much slower is ruled out anyway) the matmul and conv units do not try it, the rest
-    are measured (a norm's time is mostly not a matmul's)."""
+    are measured (a norm's time is mostly not a matmul's). Under a byte ``budget`` the
+    matmul and conv units do not try fp16 where its matmul is that slow and bf16's is not:
+    it keeps the bytes bf16 keeps (and measuring it on such a CPU took most of a search)."""
     found = _units.find_units(model, tuple(types) if types else None)
     if not found:
         raise ValueError("ampc.autoprecision.search: the model has no module of the types "
                          "it decides (Linear, convolutions, attention, norms, softmax); "
                          "name yours with units=")
     everywhere = _objectives.get(objective).by_speed
-    skipped = probe(candidates, device) if everywhere or ceiling is not None else {}
+    skipped = probe(candidates, device) if everywhere or ceiling is not None or budget else {}
+    if budget and not everywhere and ceiling is None:
+        skipped = {c: why for c, why in skipped.items()
+                   if c == "fp16" and "bf16" in candidates and "bf16" not in skipped}
     where = "" if everywhere else " on the matmul and conv modules"
     notes = [f"{c} not tried{where}: {why}" for c, why in skipped.items()]
 
