@@ -277,3 +277,23 @@ def test_the_heads_logits_are_sliced_when_the_budget_needs_them(least):
     bad = dict(least.as_dict(), sliced_head="4")
     with pytest.raises(ValueError, match="sliced_head must be a list of module names"):
         Plan(bad)
+
+
+def test_under_a_budget_a_slow_fp16_is_not_tried_on_matmul_units(monkeypatch):
+    # fp16 keeps the bytes bf16 keeps: where its matmul is slow here and bf16's is not, a
+    # byte budget has no use for it on the matmul units (the norms still measure it)
+    import ampc.autoprecision._search as search_mod
+    slow = {"fp16": "its 512x512 matmul takes 5x fp32's time", "fp8": "6x"}
+    monkeypatch.setattr(search_mod, "probe", lambda candidates, device: dict(slow))
+    plan = search(_model(), _batches(), candidates=("fp32", "bf16", "fp16", "bf16+8b"),
+                  objective="memory", peak_bytes=10**12, repeats=1)
+    gemm = [u for u in plan.units if u.kind == "gemm"]
+    assert gemm and all("fp16" not in u.options for u in gemm)
+    assert any(n.startswith("fp16 not tried on the matmul and conv modules") for n in
+               plan.data["notes"])
+    assert not any(n.startswith("fp8 not tried") for n in plan.data["notes"])
+    # where bf16's matmul is slow too, fp16 is not dominated: it is tried
+    slow["bf16"] = "7x"
+    plan = search(_model(), _batches(), candidates=("fp32", "bf16", "fp16", "bf16+8b"),
+                  objective="memory", peak_bytes=10**12, repeats=1)
+    assert all("fp16" in u.options for u in plan.units if u.kind == "gemm")
