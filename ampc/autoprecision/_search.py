@@ -414,7 +414,7 @@ def _units_and_options(model, types, candidates, objective, device, ceiling, bud
                          "name yours with units=")
     everywhere = _objectives.get(objective).by_speed
     skipped = probe(candidates, device) if everywhere or ceiling is not None or budget else {}
-    if budget and not everywhere and ceiling is None:
+    if budget:      # (the memory objective's: no ceiling then)
         skipped = {c: why for c, why in skipped.items()
                    if c == "fp16" and "bf16" in candidates and "bf16" not in skipped}
     where = "" if everywhere else " on the matmul and conv modules"

@@ -2,6 +2,7 @@
 from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
 
 import os
+from collections import Counter
 
 from ampc.lean_state import state_bytes
 from ampc._outputs import NO_MATPLOTLIB, fmt, format_table, write_outputs
@@ -13,14 +14,15 @@ HEADER = ["setup", "tokens/s", "step ms", "peak MiB", "state B/param", "train lo
           "speed vs torch.amp", "memory vs torch.amp"]
 
 
+def _counts(plan):
+    """How many modules the plan puts at each choice: "2 bf16, 12 fp32"."""
+    return ", ".join(f"{n} {c}" for c, n in sorted(Counter(plan.choices.values()).items()))
+
+
 def describe_plan(plan, search_s, dname, ratio, log):
     """A few lines on what ampc.autoprecision chose here and why."""
-    counts = {}
-    for c in plan.choices.values():
-        counts[c] = counts.get(c, 0) + 1
     m = plan.data.get("measured") or {}
-    log(f"ampc.autoprecision: {len(plan.units)} modules in {search_s:.1f} s: "
-        + ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
+    log(f"ampc.autoprecision: {len(plan.units)} modules in {search_s:.1f} s: {_counts(plan)}"
         + f"; ops outside them {plan.rest}"
         + (f"; the loss {plan.loss_unit.choice}" if plan.loss_unit is not None else "")
         + (f"; whole model forward + backward {m['plan_ms']:.0f} ms against fp32's "
@@ -46,14 +48,10 @@ def describe_memory_plan(plan, amp_peak, fraction, search_s, log):
     """A few lines on the plan searched for memory: the peak asked for and the peak
     measured, against torch.amp's step, and how it got there."""
     d, mib = plan.data["peak"], 2 ** 20
-    counts = {}
-    for c in plan.choices.values():
-        counts[c] = counts.get(c, 0) + 1
     log(f"ampc.autoprecision, objective=\"memory\": a step's peak asked at {fraction:g}x "
         f"torch.amp's ({amp_peak / mib:.1f} MiB of tensors), "
         + ("met" if d["met"] else "not met") + f" at {d['bytes'] / mib:.1f} MiB "
-        f"({d['bytes'] / amp_peak:.2f}x torch.amp's) in {search_s:.1f} s: "
-        + ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
+        f"({d['bytes'] / amp_peak:.2f}x torch.amp's) in {search_s:.1f} s: {_counts(plan)}"
         + (f"; {len(plan.data['recompute'])} block(s) recomputed" if plan.data.get("recompute")
            else "")
         + ("; the head's logits sliced" if plan.data.get("sliced_head") else ""))

@@ -321,24 +321,14 @@ def allocated_peak(prof, device) -> int:
     finished ``torch.profiler.profile(profile_memory=True)``) recorded: the bytes of live
     tensors at their peak over what was alive when it started (a free of a block allocated
     before is left out)."""
-    events, _, _ = _events(prof, device)
-    opened, run, top = set(), 0, 0
-    for ptr, n in events:
-        if n > 0:
-            opened.add(ptr)
-        elif ptr in opened:
-            opened.discard(ptr)
-        else:
-            continue
-        run += n
-        top = max(top, run)
-    return top
+    return _lifetimes(_events(prof, device)[0])[1]
 
 
-def _result(prof, device, base, saved, grads, recomputed_names, compressed_names, allocator_peak):
-    events, marks, times = _events(prof, device)
-    # each block seen allocated: (address, first event, event that frees it or len(events));
-    # a free of a block allocated before the step is left out: it was not counted in either
+def _lifetimes(events):
+    """(each block seen allocated: [address, first event, event that frees it or
+    len(events), bytes], the running sum's peak, the event at it) of ``events`` in time
+    order. A free of a block allocated before the events is left out: it was not counted
+    in either."""
     blocks, open_, run, top, at = [], {}, 0, 0, -1
     for i, (ptr, n) in enumerate(events):
         if n > 0:
@@ -351,6 +341,12 @@ def _result(prof, device, base, saved, grads, recomputed_names, compressed_names
         run += n
         if run > top:
             top, at = run, i
+    return blocks, top, at
+
+
+def _result(prof, device, base, saved, grads, recomputed_names, compressed_names, allocator_peak):
+    events, marks, times = _events(prof, device)
+    blocks, top, at = _lifetimes(events)
 
     def alive_at(i):
         return {b[0]: b for b in blocks if b[1] <= i < b[2]}

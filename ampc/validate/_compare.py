@@ -369,9 +369,8 @@ def train_lockstep(specs, make_model, batches, *, time_limit, val_batches=(), pr
         t = Trainer(kind, dtype, make_model, seed=seed, name=name, memory_steps=first,
                     **kwargs)
         t.bar = _progress(len(batches), t.run.name, progress, position=i)
-        for batch in batches[:first]:
+        for batch in batches[:first]:       # its peak: measured alone, before the next is built
             t.step(batch)
-        t.run.peak_mib = t.memory.peak_mib()       # measured alone, before the next is built
         trainers.append(t)
     eval_rounds = len(val_batches) / 3          # a forward pass is about a third of a step
     rounds = []

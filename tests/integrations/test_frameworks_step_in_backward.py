@@ -68,12 +68,11 @@ def test_lightning_trainer_steps_in_the_backward_as_after_it(accumulate, master_
 
 
 def test_lightning_trainer_refuses_clipping_before_a_weight_changes():
-    model = Model(True)
-    before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match=r"^AmpcPrecision: optimizer 0 steps each parameter "
                                          r"in the backward.*gradient_clip_val=1.0"):
         trainer_losses(True, gradient_clip_val=1.0)
     model = Model(True)
+    before = [p.detach().clone() for p in model.parameters()]
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, gradient_clip_val=1.0,
