@@ -6,7 +6,9 @@ module saves for its backward and keep, instead of it:
           a sign and 4 exponent and 3 mantissa bits under the block's largest value,
           about 3% relative error), decoded back to the tensor's dtype in the backward;
   "bf16"  a bfloat16 copy of an fp32 tensor (16-bit ones are kept as they are).
-Left as they are: the module's parameters and buffers, tensors of a parameter's shape in
+Left as they are: tensors the code cannot hold exactly (any value not finite, such as an
+attention mask's -inf, or, for "bf16", past bf16's range, such as a mask's finfo.min), the
+module's parameters and buffers, tensors of a parameter's shape in
 any order of its dimensions that are views of a parameter or of another dtype (the 16-bit
 copies autocast makes of the weights, saved transposed: an error there is an error in every
 input gradient), tensors under ``min_numel`` elements, and non-float ones. A storage saved twice
@@ -131,6 +133,8 @@ class _Packer:
         dtypes = self.shapes.get(tuple(sorted(t.shape)))
         return dtypes is not None and (t.dtype not in dtypes or id(t._base) in self.params)
 
+    # run as Python, not traced: whether a tensor can be coded is decided on its values
+    @torch.compiler.disable
     def pack(self, t):
         if self.keep_as_is(t):
             return t
@@ -141,16 +145,14 @@ class _Packer:
         # the same storage only while the tensor first seen there lives: once it is freed,
         # a later tensor of the forward may take its address
         if kept is None or first() is None:
-            with torch.no_grad():
-                x = t.contiguous()
-                if self.how == "8bit":
-                    codes, scales = ops.encode_q8([x])
-                    data = (codes[0], scales[0])
-                else:
-                    data = x.to(torch.bfloat16)
-            kept = _Kept(data, t.dtype, self.how, self.layout(t, key, ref))
+            data = _code(t.contiguous(), self.how)
+            kept = _AS_IS if data is None else _Kept(data, t.dtype, self.how,
+                                                     self.layout(t, key, ref))
             self.seen[key] = (kept, ref)
-            note_held(self.module, data)      # what it keeps, counted as its saved activations
+            if data is not None:
+                note_held(self.module, data)  # what it keeps, counted as its saved activations
+        if kept is _AS_IS:
+            return t
         # the tensor, weakly, and its version: a change in place while it lives is caught
         return (kept, ref, t._version)
 
@@ -187,6 +189,23 @@ class _Packer:
                 f"expected version {version} instead (a tensor a {self.name} saved, kept in "
                 f"{self.how} by ampc.memory)")
         return kept.value()
+
+
+_AS_IS = object()     # seen: a tensor the code could not keep exactly, saved as it is
+
+
+def _code(x, how):
+    """``x`` coded as ``how``, or None where the code cannot hold it: a value that is not
+    finite (an attention mask's -inf makes its whole 8-bit block NaN), or an fp32 value past
+    bf16's range (a mask's finfo.min becomes -inf in bf16). One pass over the small side
+    (the block scales, or the bf16 copy); on CUDA it waits for the check."""
+    with torch.no_grad():
+        if how == "8bit":
+            codes, scales = ops.encode_q8([x])
+            # a block's scale is its absmax: not finite exactly where a value is not
+            return (codes[0], scales[0]) if bool(torch.isfinite(scales[0]).all()) else None
+        data = x.to(torch.bfloat16)
+        return data if bool(torch.isfinite(data).all()) else None
 
 
 def _apart(t, gaps=True):

@@ -6,11 +6,18 @@ the CPU and device random states of the first run (``preserve_rng_state``), so d
 the same masks and the gradients are those of the plain module. The module itself is not
 replaced (an instance attribute ``forward`` wraps the class's), so its name, its state_dict
 and the hooks on it stay as they were.
+
+State outside the forward's outputs is not changed twice: buffers the first run changed in
+place (BatchNorm's running statistics and its counter) are put back after the recomputation,
+and a KV cache is turned off while the modules recompute (``config.use_cache`` of a
+transformers model, as its own gradient checkpointing does, said once); a cache that still
+reaches a recomputed module in training is refused by name before the module runs.
 """
 from __future__ import annotations
 
 import difflib
 import functools
+import warnings
 from collections.abc import Iterable
 from fnmatch import fnmatchcase
 
@@ -56,8 +63,50 @@ class ModuleHandle:
 
 class Recompute(ModuleHandle):
     """What :func:`recompute` returns: ``remove()`` (or the end of a ``with`` block) makes
-    the modules save for the backward again."""
+    the modules save for the backward again (and turns back on a KV cache it turned off)."""
     _attr = _ATTR
+
+    def __init__(self, names, modules, caches_off=()):
+        super().__init__(names, modules)
+        self._caches_off = list(caches_off)
+
+    def remove(self) -> None:
+        super().remove()
+        for config in self._caches_off:
+            config.use_cache = True
+        self._caches_off = []
+
+
+def _cache_off(model):
+    """Turns off ``config.use_cache`` (transformers' KV cache) on ``model`` and its modules:
+    a recomputed forward would add its keys and values to the cache a second time. Returns
+    the configs turned off."""
+    configs = []
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if getattr(config, "use_cache", False) is True and not any(c is config for c in configs):
+            config.use_cache = False
+            configs.append(config)
+    if configs:
+        warnings.warn(f"ampc.memory.recompute: {type(model).__name__}'s config.use_cache set "
+                      "to False while its modules recompute (a recomputed forward would add "
+                      "to the KV cache twice); remove() turns it back on", stacklevel=3)
+    return configs
+
+
+def _running_stats(module):
+    """The running statistics of the batch norms in ``module`` that a training forward
+    updates: their kernel changes them in place without a new version."""
+    return [b for m in module.modules()
+            if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training
+            and m.track_running_stats
+            for b in (m.running_mean, m.running_var) if b is not None]
+
+
+def _is_cache(value):
+    """A KV cache (transformers' Cache classes): a forward adds to it in place."""
+    return callable(getattr(value, "update", None)) and callable(
+        getattr(value, "get_seq_length", None))
 
 
 def recomputed(model: torch.nn.Module) -> list[str]:
@@ -131,7 +180,7 @@ def recompute(model: torch.nn.Module, modules: str | torch.nn.Module | Iterable)
         raise TypeError(f"ampc.memory.recompute: model is {type(model).__name__}, expected a torch.nn.Module")
     chosen, names = _find_modules("ampc.memory.recompute", model, modules, _ATTR,
                                   "recomputes already")
-    handle = Recompute(names, chosen)
+    handle = Recompute(names, chosen, _cache_off(model))
     for m in chosen:
         m.__dict__[_ATTR] = (handle, m.__dict__.get("forward"))
         m.__dict__["forward"] = functools.partial(_recomputed_forward, m)
@@ -145,13 +194,33 @@ def _recomputed_forward(module, *args, **kwargs):
     inner = before if before is not None else type(module).forward.__get__(module)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)                      # nothing is saved: nothing to recompute
+    for key, value in [*enumerate(args), *kwargs.items()]:
+        if _is_cache(value):
+            raise RuntimeError(
+                f"ampc.memory.recompute: a {type(module).__name__} that recomputes was given a "
+                f"KV cache ({type(value).__name__}, argument {key!r}): its recomputation would add "
+                "to the cache a second time; call the model with use_cache=False")
     note_held(module, (args, kwargs))
     keys = list(kwargs)
+    buffers = list(module.buffers())
+    versions = [b._version for b in buffers]
+    changed = []        # the buffers the first run changed in place (running statistics)
 
     # keyword values go in as positional ones: torch's checkpoint finds the devices whose
     # random state it replays in its positional arguments only
     def run(*values):
         n = len(values) - len(keys)
-        return inner(*values[:n], **dict(zip(keys, values[n:])))
+        if changed:                      # the recomputation: leave them as the first run did
+            after = [b.detach().clone() for b in changed]
+            try:       # (torch's checkpoint may stop a recomputation early by raising)
+                return inner(*values[:n], **dict(zip(keys, values[n:])))
+            finally:
+                with torch.no_grad():
+                    for b, a in zip(changed, after):
+                        b.copy_(a)
+        out = inner(*values[:n], **dict(zip(keys, values[n:])))
+        changed.extend(b for b, v in zip(buffers, versions) if b._version != v)
+        changed.extend(b for b in _running_stats(module) if all(b is not c for c in changed))
+        return out
     return torch.utils.checkpoint.checkpoint(run, *args, *kwargs.values(), use_reentrant=False,
                                              preserve_rng_state=True)
