@@ -10,7 +10,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HEAVY = ("torch._dynamo", "torch.distributed.tensor", "matplotlib", "transformers")
+HEAVY = ("torch._dynamo", "torch.distributed.tensor", "matplotlib", "transformers", "lightning",
+         "accelerate", "torchtitan")
 
 PROBE = """
 import json, sys

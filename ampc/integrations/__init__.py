@@ -11,3 +11,17 @@ Each submodule imports its framework, so import the one you use:
 
 This package itself imports nothing, so ``import ampc`` never loads a framework.
 """
+import importlib
+
+_FRAMEWORKS = ("lightning", "accelerate", "torchtitan")
+
+
+def __getattr__(name):
+    # ampc.integrations.lightning works after a plain import; the framework loads only then
+    if name in _FRAMEWORKS:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'ampc.integrations' has no attribute '{name}'")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_FRAMEWORKS))
