@@ -24,7 +24,7 @@ import torch
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 from .._numerics import failures
 from .._numerics.model import call_model, default_loss, to_device
-from ..memory._report import allocated_peak, start_profiler, stop_profiler
+from ..memory.peak import allocated_peak, start_profiler, stop_profiler
 from . import _setups
 from ._report import Comparison
 from ._run import Run
