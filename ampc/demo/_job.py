@@ -12,8 +12,7 @@ import torch
 import ampc
 from ampc import autoprecision, memory, validate
 from ampc.__main__ import cpu_model
-from ampc.validate import DEFAULT_DTYPE, LEAN_SETUP
-from ampc.validate._setups import torch_adamw
+from ampc.validate import DEFAULT_DTYPE, LEAN_SETUP, torch_adamw
 
 from ._model import SIZES, batch_maker, model_maker, sample
 from ._report import (describe_memory_plan, describe_plan, result_rows, results_table,

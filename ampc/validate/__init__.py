@@ -14,7 +14,8 @@ for a model trained in fp32 or bf16, which modules' outputs or gradients fp16 ca
     print(ampc.validate.layers(model, batch).table())
 
 ``train(setup, dtype, make_model, batches)`` trains one setup (a name of ``ALL_SETUPS`` or a
-Plan) and returns its ``Run``.
+Plan) and returns its ``Run``; ``torch_adamw(params, lr)`` is the optimizer its fp32 and
+torch.amp setups train with.
 
 Command line: ``python -m ampc.validate mymodels:make_model --steps 200 --out out``.
 """
@@ -24,7 +25,8 @@ from ._compare import train_one as train
 from ._fp16_ready import Fp16Readiness, fp16_ready
 from ._layers import layers
 from ._report import Comparison, LayerReport, format_table
+from ._setups import torch_adamw
 
 __all__ = ["compare", "layers", "fp16_ready", "Comparison", "LayerReport", "Fp16Readiness", "Run",
            "SETUPS", "ALL_SETUPS", "CONTRAST_SETUPS", "LEAN_SETUP", "DTYPES", "DEFAULT_DTYPE",
-           "default_loss", "evaluate", "format_table", "train"]
+           "default_loss", "evaluate", "format_table", "torch_adamw", "train"]

@@ -46,6 +46,9 @@ class Setup:
 
 
 def torch_adamw(params, lr):
+    """torch's AdamW as the torch.amp and fp32 setups train with it: fused where the device and
+    dtype take it (public as ``ampc.validate.torch_adamw``, for a caller that measures against
+    those setups)."""
     params = list(params)
     try:
         return torch.optim.AdamW(params, lr=lr, fused=True)
