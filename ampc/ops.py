@@ -542,6 +542,37 @@ def stream_bytes() -> int:
     return int(_clib.ampc_cache_bytes())
 
 
+# ---- for ampc's own layers: straight to the kernel ----
+
+_CAST = torch.ops.ampc.cast.default
+_KERNEL_KEYS = {"cpu": torch._C.DispatchKeySet(torch._C.DispatchKey.CPU),
+                "cuda": torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)}
+
+
+def cast_new(dst: list[Tensor], src: list[Tensor], device: str) -> None:
+    """:func:`cast_` into outputs just made for it, at the kernel of ``device`` ("cpu" or
+    "cuda") itself: no Python checks, no autograd guard, no version bumps (a new output has
+    no reader yet; the caller's autograd.Function records the cast), round to nearest.
+    Autocast's casts take it, where the guard would cost more than the cast of a small
+    weight; the C glue still checks every argument."""
+    _CAST.redispatch(_KERNEL_KEYS[device], dst, src, [], False, 0)
+
+
+def fp8_gemm(out: Tensor, a: Tensor, b_t: Tensor, scale_inv_a: Tensor, scale_inv_b: Tensor,
+             bias: list[Tensor], amax: list[Tensor], workspace: Tensor) -> int:
+    """cuBLASLt's FP8 GEMM into ``out`` (CUDA only; ``ampc.fp8.gemm`` is its public face and
+    checks its arguments); 1 when the epilogue wrote ``amax``, else 0. Not guarded: fp8
+    tensors never require grad, and ``out`` is new."""
+    return torch.ops.ampc.fp8_gemm(out, a, b_t, scale_inv_a, scale_inv_b, bias, amax, workspace)
+
+
+@torch.library.register_fake("ampc::fp8_gemm")
+def _fp8_gemm_fake(out, a, b_t, scale_inv_a, scale_inv_b, bias, amax, workspace):
+    # whether the epilogue offers the amax is known only when cuBLASLt is asked: a traced
+    # graph takes the path that computes it after the GEMM, which is right either way
+    return 0
+
+
 # ---- version counters ----
 # A kernel registered through the stable C ABI writes memory behind autograd's back:
 # - the version counters of the tensors it mutates would not move, so a modified tensor
@@ -594,11 +625,11 @@ def _guard_autograd(name):
 
 
 # Every op the C library registered (its list is csrc/api/ampc_ops.h) gets the guard and
-# a fake kernel from here, but fp8_gemm: it belongs to ampc.fp8.gemm, its one caller, which
-# registers its fake kernel and calls it without the guard.
-_OWN_MODULE = {"fp8_gemm"}
+# a fake kernel from here, but fp8_gemm: its one caller, ampc.fp8.gemm, calls it through
+# fp8_gemm below, without the guard, and its fake kernel is its own.
+_UNGUARDED = {"fp8_gemm"}
 _OPS = sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names()
-              if n.startswith("ampc::") and n.split("::", 1)[1] not in _OWN_MODULE)
+              if n.startswith("ampc::") and n.split("::", 1)[1] not in _UNGUARDED)
 
 for _name in _OPS:
     _guard_autograd(_name)

@@ -4,8 +4,8 @@ A Python ``autograd.Function`` casts many tensors in one kernel call and casts e
 back to its input's dtype in backward, so gradients reach fp32 leaves in fp32. Each node
 costs tens of microseconds of Python per step, against a few for torch's C++ cast node; so
 autocast uses it only for the weight cache (one node per bucket of weights) and for ops whose
-ampc policy differs from torch's lists. Calls go straight to the kernel's dispatch key: the
-outputs are fresh tensors and ``_Cast`` does autograd's part.
+ampc policy differs from torch's lists. Calls go straight to the kernel's dispatch key
+(``ops.cast_new``): the outputs are fresh tensors and ``_Cast`` does autograd's part.
 
 A tensor whose storage is not allocated (numel > 0, no data: FSDP2 frees unsharded parameters
 between uses) never reaches the kernel: it goes through ``.to()``, which raises torch's clear
@@ -13,14 +13,11 @@ error instead of reading address 0.
 """
 import torch
 
-from .. import _lib
+from .. import _lib, ops
 
 _Tensor = torch.Tensor
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _PLAIN = (_Tensor, torch.nn.Parameter)
-_CAST_OP = torch.ops.ampc.cast.default
-_KERNEL_KEYS = {"cpu": torch._C.DispatchKeySet(torch._C.DispatchKey.CPU),
-                "cuda": torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)}
 
 
 def has_data(t):
@@ -59,7 +56,7 @@ def raw_cast(tensors, dtype):
         if all(type(t) in _PLAIN and t.dtype is src and t.is_cpu and t.is_contiguous() and has_data(t)
                for t in tensors):
             dsts = [torch.empty_like(t, dtype=dtype) for t in tensors]
-            _CAST_OP.redispatch(_KERNEL_KEYS["cpu"], dsts, tensors, [], False, 0)
+            ops.cast_new(dsts, tensors, "cpu")
             return dsts
     out = [None] * len(tensors)
     groups = {}
@@ -76,7 +73,7 @@ def raw_cast(tensors, dtype):
             srcs.append(src)
             dsts.append(torch.empty_like(src, dtype=dtype))
             undo.append(u)
-        _CAST_OP.redispatch(_KERNEL_KEYS[dev], dsts, srcs, [], False, 0)
+        ops.cast_new(dsts, srcs, dev)
         for i, d, u in zip(idx, dsts, undo):
             out[i] = d if u is None else d.permute(u)
     return out

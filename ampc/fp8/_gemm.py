@@ -1,7 +1,7 @@
 """ampc.fp8.gemm (defined here; the function is the public name): one FP8 matrix product, with
 torch._scaled_mm's contract.
 
-On CUDA it runs through cuBLASLt (torch.ops.ampc.fp8_gemm, GPUs of compute capability
+On CUDA it runs through cuBLASLt (ampc.ops.fp8_gemm, GPUs of compute capability
 8.9 and newer); on the CPU through a reference path: the fp8 values widened to fp32
 (exact: every fp8 value is an fp32 value), an fp32 matmul, the dequantizing scales and the
 bias applied to the fp32 result as cuBLASLt applies them, one rounding to ``out_dtype``.
@@ -113,20 +113,13 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_inv_a: torch.Tensor, scale_inv_
     if a.device.type != "cuda":
         _fail(ValueError, f"runs on CPU and CUDA tensors, got {a.device}")
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-    written = torch.ops.ampc.fp8_gemm(
+    written = ops.fp8_gemm(
         out, a, b.t(), scale_inv_a.reshape(1), scale_inv_b.reshape(1),
         [] if bias is None else [bias], [] if amax_out is None else [amax_out.reshape(1)],
         _workspace(a.device))
     if amax_out is not None and not written:
         ops.fp8_amax([out], amax_out.reshape(1))
     return out
-
-
-@torch.library.register_fake("ampc::fp8_gemm")
-def _fp8_gemm_fake(out, a, b_t, scale_inv_a, scale_inv_b, bias, amax, workspace):
-    # whether the epilogue offers the amax is known only when cuBLASLt is asked: a traced
-    # graph takes the path that computes it after the GEMM, which is right either way
-    return 0
 
 
 def _widen(x):

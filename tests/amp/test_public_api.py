@@ -11,7 +11,8 @@ import ampc
 
 PUBLIC_MODULES = ["ampc", "ampc.amp", "ampc.amp.autocast_mode", "ampc.policy", "ampc.grad_scaler",
                   "ampc.optim", "ampc.master", "ampc.demo", "ampc.fp8", "ampc.fp8.autocast_mode",
-                  "ampc.fp8.linear", "ampc.fp8.recipe", "ampc.fp8.scaling", "ampc.validate"]
+                  "ampc.fp8.linear", "ampc.fp8.recipe", "ampc.fp8.scaling", "ampc.validate",
+                  "ampc.memory", "ampc.memory.peak", "ampc.lean_state"]
 
 
 @pytest.mark.parametrize("name", PUBLIC_MODULES)
