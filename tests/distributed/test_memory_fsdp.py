@@ -3,10 +3,12 @@ recomputed (ampc.memory.recompute) or kept in 8 bits (ampc.memory.compress), the
 FSDP2 shards being the modules recomputed or coded.
 
 Recomputation is exact: the sharded run with blocks recomputed equals the same run without,
-bit for bit, losses and weights; and DDP with the same blocks recomputed equals FSDP2's run
-too. 8-bit saved activations change the gradients by their rounding: the run stays within a
+bit for bit, losses and weights, and keeps fewer bytes for the backward; and DDP with the same
+blocks recomputed equals FSDP2's run too. 8-bit saved activations change the gradients by their rounding: the run stays within a
 small distance of the run without them, and equals DDP's run with the same modules coded.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -50,10 +52,35 @@ def fsdp(model):
     return fully_shard(model, mesh=mesh)
 
 
+class SavedBytes:
+    """The bytes of the storages saved for the backward inside it, each storage once. A
+    recomputed module's saves go to its checkpoint's own hooks: they are not seen here."""
+
+    def __init__(self):
+        self.storages = {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    def pack(self, t):
+        s = t.untyped_storage()
+        self.storages[(s.data_ptr(), s.nbytes())] = s.nbytes()
+        return t
+
+    def __enter__(self):
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    @property
+    def bytes(self):
+        return sum(self.storages.values())
+
+
 def train(rank, wrap, memory):
     """STEPS steps of ampc.autocast(bf16) + ampc.GradScaler + ampc AdamW, with the blocks
     recomputed or their saved activations in 8 bits (``memory``) or as they are;
-    (losses, full weights)."""
+    (losses, full weights, the bytes the first step's forward saved for its backward)."""
     model = make_model()
     if memory == "recompute":
         ampc.memory.recompute(model, ["1", "2"])
@@ -64,18 +91,19 @@ def train(rank, wrap, memory):
     model = fsdp(model) if wrap == "fsdp" else ddp(model)
     opt = ampc.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = ampc.GradScaler("cpu", init_scale=2.0 ** 8)
-    losses = []
+    losses, saved = [], SavedBytes()
     torch.manual_seed(1234 + rank)              # dropout's masks: the same in every arm
     for step in range(STEPS):
         x, y = batch(step, rank)
         opt.zero_grad(set_to_none=True)
-        with ampc.autocast("cpu", dtype=torch.bfloat16):
+        with ampc.autocast("cpu", dtype=torch.bfloat16), \
+                (saved if step == 0 else contextlib.nullcontext()):
             loss = nn.functional.mse_loss(model(x).float(), y)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
         losses.append(loss.item())
-    return losses, [full(p) for p in model.parameters()]
+    return losses, [full(p) for p in model.parameters()], saved.bytes
 
 
 def test_fsdp_amp_recompute_equals_the_run_that_saves(tmp_path):
@@ -89,6 +117,8 @@ def test_fsdp_amp_recompute_equals_the_run_that_saves(tmp_path):
         assert recomputed[rank][0] == on_ddp[rank][0], rank
         for a, b in zip(recomputed[rank][1], on_ddp[rank][1]):
             assert torch.equal(a, b)
+        # and it did recompute: the blocks' saved activations are gone
+        assert 0 < recomputed[rank][2] < plain[rank][2] / 4, (recomputed[rank][2], plain[rank][2])
     assert plain[0][0][-1] < plain[0][0][0]                         # it trained
 
 
