@@ -89,6 +89,21 @@ def prepare(model: nn.Module, optimizer: Adam | Callable[..., Adam], dtype: torc
         >>> for x, y in data:
         ...     opt.zero_grad(); loss_fn(model(x).float(), y).backward(); opt.step()
     """
+    types = _check_arguments(model, dtype, keep_fp32, detect_norms)
+    _check_model(model)
+    why, kept = _kept_fp32(model, types, detect_norms)
+    params, buffers = _to_cast(model, kept)
+    opt = _take_optimizer(model, optimizer, dtype, optimizer_kwargs)
+    _cast_weights(params, buffers, dtype, opt)
+    _add_cast_hooks(model, kept, why, dtype, cast_inputs)
+    _distributed.watch_params(model, opt)
+    return model, opt
+
+
+# ---- prepare's phases, in order ----
+
+def _check_arguments(model, dtype, keep_fp32, detect_norms):
+    """Refuses a wrong argument before anything changes; the tuple of classes kept fp32."""
     if dtype not in _LOW:
         raise ValueError(f"ampc.prepare: dtype must be torch.float16 or torch.bfloat16, "
                          f"got {dtype}")
@@ -100,20 +115,38 @@ def prepare(model: nn.Module, optimizer: Adam | Callable[..., Adam], dtype: torc
                         f"got {keep_fp32!r}")
     if not isinstance(detect_norms, bool):
         raise TypeError(f"ampc.prepare: detect_norms must be True or False, got {detect_norms!r}")
+    return types
+
+
+def _check_model(model):
+    """An fp32 model, not sharded yet."""
     _distributed.refuse_sharded_model(model)
     for name, p in model.named_parameters():
         if p.is_floating_point() and p.dtype != torch.float32:
             raise ValueError(f"ampc.prepare: parameter {name} is {p.dtype}; prepare takes "
                              "an fp32 model")
+
+
+def _kept_fp32(model, types, detect_norms):
+    """The modules that stay fp32: {name: "keep_fp32" or "detected"}, and the modules."""
     modules = dict(model.named_modules())
     why = {n: "keep_fp32" if isinstance(m, types) else "detected" for n, m in modules.items()
            if isinstance(m, types) or (detect_norms and _module_kinds.kind(m) == _module_kinds.NORM)}
-    kept = [modules[n] for n in why]
+    return why, [modules[n] for n in why]
+
+
+def _to_cast(model, kept):
+    """The floating parameters and the fp32 buffers (module, name, buffer) to cast: all
+    but the kept modules' own."""
     kept_ids = {id(t) for m in kept for t in _own_tensors(m)}
     params = [p for p in model.parameters() if p.is_floating_point() and id(p) not in kept_ids]
     buffers = [(m, name, b) for m in model.modules() for name, b in m.named_buffers(recurse=False)
                if b is not None and b.dtype == torch.float32 and id(b) not in kept_ids]
+    return params, buffers
 
+
+def _take_optimizer(model, optimizer, dtype, optimizer_kwargs):
+    """The ampc optimizer, made over the model's parameters or taken before its first step."""
     if isinstance(optimizer, torch.optim.Optimizer):
         opt = optimizer
         if any(opt.state[p] for g in opt.param_groups for p in g["params"]):
@@ -124,12 +157,16 @@ def prepare(model: nn.Module, optimizer: Adam | Callable[..., Adam], dtype: torc
     if not isinstance(opt, Adam):
         raise TypeError(f"ampc.prepare: optimizer must be an ampc.optim optimizer, got "
                         f"{type(opt).__name__}")
-    groups = {id(p): g for g in opt.param_groups for p in g["params"]}
     if dtype != torch.bfloat16 and any(g.get("kahan_summation") for g in opt.param_groups):
         raise ValueError(f"ampc.prepare: kahan_summation=True keeps bf16 compensations of "
                          f"bf16 weights; dtype is {dtype}")
+    return opt
 
-    # one fused cast per device for all weights and buffers
+
+def _cast_weights(params, buffers, dtype, opt):
+    """One fused cast per device for all weights and buffers; the fp32 tensors the weights
+    were cast from become the optimizer's master weights."""
+    groups = {id(p): g for g in opt.param_groups for p in g["params"]}
     originals = [p.data for p in params] + [b for _, _, b in buffers]
     by_device = defaultdict(list)
     for i, t in enumerate(originals):
@@ -146,14 +183,16 @@ def prepare(model: nn.Module, optimizer: Adam | Callable[..., Adam], dtype: torc
     for (module, name, _), out in zip(buffers, low[len(params):]):
         module._buffers[name] = out
 
+
+def _add_cast_hooks(model, kept, why, dtype, cast_inputs):
+    """The kept modules run in fp32 (inputs cast up, outputs back down); with
+    ``cast_inputs`` the model's inputs are cast to ``dtype``."""
     for m in kept:
         m.register_forward_pre_hook(_cast_inputs(torch.float32), with_kwargs=True)
         m.register_forward_hook(_cast_outputs(dtype))
     if cast_inputs:
         model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
     model.ampc_kept_fp32 = why
-    _distributed.watch_params(model, opt)
-    return model, opt
 
 
 def _own_tensors(module):
