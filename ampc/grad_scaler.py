@@ -20,17 +20,18 @@ from __future__ import annotations  # "X | None" hints on Python 3.9 too; none e
 
 import inspect
 import math
-import struct
 import warnings
 import weakref
 from collections import abc, defaultdict, deque
 from enum import Enum
-from typing import Any, Iterable, NamedTuple, Tuple, TypeVar, Union
+from typing import Any, TypeVar
 
 import torch
 
 from . import _distributed, ops
+from ._min_scale_watch import MinScaleWatch
 from ._skip_watch import DEFAULT_AFTER, SkipWatch
+from ._step_records import StepRecord, make_record, read_step_records
 
 __all__ = ["GradScaler", "OptState", "StepRecord", "read_step_records"]
 
@@ -38,11 +39,10 @@ _Scaled = TypeVar("_Scaled")    # scale() gives back what it was given, scaled
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Created on the first scale(), dropped when pickling (their values travel as _init_*):
-# _skipped counts update()s whose steps found an inf/nan; _skips_at_min counts overflowing
-# steps in a row at min_scale, _host_skips is its copy on the host (_host_view: a numpy view of
-# it), _host_event says the copy landed.
+# _skipped counts update()s whose steps found an inf/nan; _min_scale_watch counts overflowing
+# steps in a row at min_scale (_min_scale_watch.py).
 _DEVICE_STATE = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_skipped",
-                 "_last_found_inf", "_skips_at_min", "_host_skips", "_host_view", "_host_event")
+                 "_last_found_inf", "_min_scale_watch")
 _GRAD_SCALER_WARNING = (
     "GradScaler is going to stop passing itself as a keyword argument to the passed "
     "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
@@ -62,19 +62,6 @@ def _fresh_state():
     # "host_skipped": whether step() skipped, when it read that on the host (else None)
     return {"stage": OptState.READY, "found_inf_per_device": {}, "folded": False,
             "clip_coef": None, "norm": None, "host_skipped": None}
-
-
-class StepRecord(NamedTuple):
-    """One iteration as device tensors, kept by ``GradScaler(step_records=N)``.
-
-    scale: 0-dim float32, the scale the iteration's gradients were scaled by.
-    skipped: 0-dim bool, whether a step of the iteration found an inf or a nan.
-    grad_norm: what :meth:`GradScaler.clip_grad_norm_` returned in the iteration (the
-        unscaled total norm), None without a clip, a tuple with several clipped optimizers.
-    """
-    scale: torch.Tensor
-    skipped: torch.Tensor
-    grad_norm: Union[None, torch.Tensor, Tuple[torch.Tensor, ...]]
 
 
 # The losses enabled scalers have scaled, while they live (a backward holds its root): a
@@ -97,41 +84,6 @@ def _refuse_freed(optimizer, funcname):
         raise RuntimeError(f"GradScaler.{funcname}: the optimizer steps in the backward "
                            "(step_in_backward=True) and has freed its gradients there; pass "
                            "step_in_backward=False to unscale or clip them")
-
-
-def read_step_records(records: Iterable[StepRecord]) -> list[dict[str, Any]]:
-    """Reads StepRecords to the host in one transfer (one wait for the device in all).
-
-    Returns a list of dicts {"scale": float, "skipped": bool, "grad_norm": float, None
-    or a list of floats}, in the order of ``records``.
-    """
-    records = list(records)
-    if not records:
-        return []
-    device, n = records[0].scale.device, len(records)
-    # float64 holds every float32 and bool exactly; a norm on another device is copied
-    # here first, blocking (a non-blocking copy to the host would not be waited for)
-    norms = [t.to(device=device, dtype=torch.float64)
-             for r in records for t in _norm_tuple(r.grad_norm)]
-    values = torch.cat([torch.stack([r.scale for r in records]).double(),
-                        torch.stack([r.skipped for r in records]).double(),
-                        torch.stack(norms) if norms else
-                        torch.zeros(0, dtype=torch.float64, device=device)]).tolist()
-    out, at = [], 2 * n
-    for i, r in enumerate(records):
-        count = len(_norm_tuple(r.grad_norm))
-        norm = values[at:at + count]
-        if not isinstance(r.grad_norm, tuple):
-            norm = norm[0] if count else None
-        out.append({"scale": values[i], "skipped": bool(values[n + i]), "grad_norm": norm})
-        at += count
-    return out
-
-
-def _norm_tuple(grad_norm):
-    if grad_norm is None:
-        return ()
-    return grad_norm if isinstance(grad_norm, tuple) else (grad_norm,)
 
 
 _TAKES_GRAD_SCALER = weakref.WeakKeyDictionary()
@@ -163,10 +115,6 @@ def _extras_attributes(extras):
             "_init_skipped": extras["_skipped_steps"],
             "_init_last_skipped": extras["_last_step_skipped"],
             "_init_skips_at_min": extras["_skips_at_min"]}
-
-
-def _f32(x):
-    return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
 def _unscale_check(grads, found_inf, inv_scale, check_only):
@@ -387,12 +335,10 @@ class GradScaler:
         if self._init_last_skipped is not None:
             self._last_found_inf = torch.full((), self._init_last_skipped, dtype=torch.bool,
                                               device=dev)
-        self._skips_at_min = self._host_skips = self._host_view = self._host_event = None
+        self._min_scale_watch = None
         if self._min_scale is not None and self._patience is not None:
-            self._skips_at_min = torch.full((), self._init_skips_at_min, dtype=torch.int32,
-                                            device=dev)
-            self._host_skips = torch.zeros((), dtype=torch.int32, pin_memory=dev.type == "cuda")
-            self._host_view = self._host_skips.numpy()     # read as plain host memory
+            self._min_scale_watch = MinScaleWatch(self._min_scale, self._patience,
+                                                  self._init_skips_at_min, dev)
         self._skip_watch.restart(self._skipped)
 
     def scale(self, outputs: _Scaled) -> _Scaled:
@@ -650,13 +596,17 @@ class GradScaler:
         elif found_inf is None:
             raise AssertionError("No inf checks were recorded prior to update.")
         else:
-            self._watch_min_scale(found_inf)
+            if self._min_scale_watch is not None:
+                self._min_scale_watch.note(self._scale, found_inf)
             self._update_scale(found_inf)
         if found_inf is not None:
             self._last_found_inf = found_inf != 0
             self._skipped += self._last_found_inf
             if used_scale is not None:
-                self._records.append(self._step_record(used_scale))
+                self._records.append(make_record(
+                    used_scale, self._last_found_inf,
+                    (st["norm"] for st in self._per_optimizer_states.values()
+                     if st["norm"] is not None)))
         flags = [st["host_skipped"] for st in self._per_optimizer_states.values()]
         self._per_optimizer_states = defaultdict(_fresh_state)
         report = None
@@ -664,7 +614,8 @@ class GradScaler:
             report = self._skip_watch.after_update(
                 self, self._skipped, any(flags) if flags and None not in flags else None)
         self._skip_watch.deliver(report)
-        self._raise_if_stuck_at_min()
+        if self._min_scale_watch is not None:
+            self._min_scale_watch.check(self._skip_watch)
 
     def is_dynamic(self) -> bool:
         """False for static loss scaling: growth and backoff factors of 1, as in the
@@ -683,12 +634,6 @@ class GradScaler:
                          hysteresis_tracker=self._hysteresis_tracker,
                          min_scale=lo, max_scale=hi)
 
-    def _step_record(self, used_scale):
-        norms = tuple(st["norm"] for st in self._per_optimizer_states.values()
-                      if st["norm"] is not None)
-        norm = None if not norms else norms[0] if len(norms) == 1 else norms
-        return StepRecord(used_scale, self._last_found_inf, norm)
-
     def _set_scale(self, new_scale):
         if isinstance(new_scale, (int, float)) and not isinstance(new_scale, bool):
             self._scale.fill_(new_scale)
@@ -701,40 +646,6 @@ class GradScaler:
                 or new_scale.requires_grad:
             raise AssertionError(reason)
         self._scale.copy_(new_scale.reshape(()))
-
-    def _watch_min_scale(self, found_inf):
-        # counts, on the device, overflowing steps in a row taken at min_scale
-        if self._skips_at_min is None:
-            return
-        overflow = found_inf != 0
-        at_min = self._scale <= _f32(self._min_scale)
-        self._skips_at_min.add_(overflow & at_min).mul_(overflow)
-
-    def _raise_if_stuck_at_min(self):
-        # Reads a host copy of the device counter, and on CUDA only once the copy has
-        # landed (an event says so): the check never waits, and runs a step or two late.
-        if self._skips_at_min is None:
-            return
-        if self._host_event is not None:
-            if not self._host_event.query():
-                return
-            self._check_stuck(int(self._host_view))
-        self._host_skips.copy_(self._skips_at_min, non_blocking=True)
-        if self._skips_at_min.is_cuda:
-            self._host_event = torch.cuda.Event()
-            self._host_event.record()
-        else:
-            self._check_stuck(int(self._host_view))
-
-    def _check_stuck(self, count):
-        if count >= 2:
-            self._skip_watch.floor_reached()
-        if count >= self._patience:
-            raise RuntimeError(
-                f"ampc.GradScaler: {count} steps in a row had inf or nan gradients with the "
-                f"loss scale already at min_scale={self._min_scale}, and were skipped: "
-                f"training is not progressing. Look for the op that overflows in float16 "
-                f"(often a loss, a softmax or an attention mask), or train in bfloat16.")
 
     # ---- skipped steps ----
 
@@ -825,7 +736,7 @@ class GradScaler:
         else:
             skipped = int(self._skipped)
             last = None if self._last_found_inf is None else bool(self._last_found_inf)
-            at_min = 0 if self._skips_at_min is None else int(self._skips_at_min)
+            at_min = 0 if self._min_scale_watch is None else int(self._min_scale_watch.count)
         return {"hysteresis": self._hysteresis,
                 "_hysteresis_tracker": self._get_hysteresis_tracker(),
                 "min_scale": self._min_scale, "max_scale": self._max_scale,
@@ -907,5 +818,6 @@ class GradScaler:
     def __setstate__(self, state: dict[str, Any]) -> None:
         # a scaler pickled by an earlier ampc has no skip counters nor records: they start
         self.__dict__.update(_init_skipped=0, _init_last_skipped=None, _init_skips_at_min=0,
-                             _records=None, _skip_watch=SkipWatch(DEFAULT_AFTER, False))
+                             _records=None, _skip_watch=SkipWatch(DEFAULT_AFTER, False),
+                             _min_scale_watch=None)
         self.__dict__.update(state)
