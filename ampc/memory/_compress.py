@@ -23,14 +23,13 @@ values carry no graph.
 """
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Iterable
 
 import torch
 
 from .. import ops
-from ._recompute import ModuleHandle, _find_modules
+from ._recompute import ModuleHandle, _find_modules, marked
 from ._saved import note_held
 
 _ATTR = "_ampc_saved_as"    # on a wrapped module: (its handle, the forward it had before, how)
@@ -54,8 +53,7 @@ class Compress(ModuleHandle):
 def compressed(model: torch.nn.Module) -> dict[str, str]:
     """{module name: how} of the modules of ``model`` whose saved activations are kept in
     fewer bits."""
-    return {n or "(model)": m.__dict__[_ATTR][2] for n, m in model.named_modules()
-            if _ATTR in m.__dict__}
+    return {n: mark[2] for n, mark in marked(model, _ATTR).items()}
 
 
 def compress(model: torch.nn.Module, modules: str | torch.nn.Module | Iterable,
@@ -84,9 +82,7 @@ def compress(model: torch.nn.Module, modules: str | torch.nn.Module | Iterable,
     chosen, names = _find_modules(where, model, modules, _ATTR, "keeps its saved tensors "
                                   "in fewer bits already")
     handle = Compress(names, chosen, how)
-    for m in chosen:
-        m.__dict__[_ATTR] = (handle, m.__dict__.get("forward"), how, min_numel)
-        m.__dict__["forward"] = functools.partial(_compressed_forward, m)
+    handle.wrap(_compressed_forward, how, min_numel)
     return handle
 
 

@@ -39,6 +39,14 @@ class ModuleHandle:
         self.names = names
         self._modules = modules
 
+    def wrap(self, forward, *extra) -> None:
+        """Marks each module ``(self, the forward it had, *extra)`` and makes its forward
+        ``forward(module, ...)``: a module-level function bound by functools.partial, so that
+        a deepcopy of the model calls its own module and pickle can save it."""
+        for m in self._modules:
+            m.__dict__[self._attr] = (self, m.__dict__.get("forward"), *extra)
+            m.__dict__["forward"] = functools.partial(forward, m)
+
     def remove(self) -> None:
         for m in self._modules:
             mark = m.__dict__.get(self._attr)
@@ -109,9 +117,16 @@ def _is_cache(value):
         getattr(value, "get_seq_length", None))
 
 
+def marked(model: torch.nn.Module, attr: str) -> dict[str, tuple]:
+    """{name: mark} of the modules of ``model`` that a handle marked with ``attr``, in the
+    model's order."""
+    return {n or "(model)": m.__dict__[attr] for n, m in model.named_modules()
+            if attr in m.__dict__}
+
+
 def recomputed(model: torch.nn.Module) -> list[str]:
     """Names of the modules of ``model`` that recompute in the backward."""
-    return [n or "(model)" for n, m in model.named_modules() if _ATTR in m.__dict__]
+    return list(marked(model, _ATTR))
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -181,9 +196,7 @@ def recompute(model: torch.nn.Module, modules: str | torch.nn.Module | Iterable)
     chosen, names = _find_modules("ampc.memory.recompute", model, modules, _ATTR,
                                   "recomputes already")
     handle = Recompute(names, chosen, _cache_off(model))
-    for m in chosen:
-        m.__dict__[_ATTR] = (handle, m.__dict__.get("forward"))
-        m.__dict__["forward"] = functools.partial(_recomputed_forward, m)
+    handle.wrap(_recomputed_forward)
     return handle
 
 
