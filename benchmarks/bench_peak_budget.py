@@ -48,13 +48,11 @@ def fresh(args):
     return gpt2(args)
 
 
-def optimizer_for(args, plan=None):
-    """What the search measures and the step trains with: torch's AdamW, or ampc's (freeing
-    the gradients in the backward where the plan's peak was measured so)."""
+def optimizer_for(args):
+    """What the search measures the step with: torch's AdamW, or ampc's."""
     if args.optimizer == "torch":
         return lambda ps: torch.optim.AdamW(ps, lr=1e-3)
-    freed = bool(plan is not None and (plan.data.get("peak") or {}).get("grads_freed"))
-    return lambda ps: ampc.optim.AdamW(ps, lr=1e-3, step_in_backward=freed)
+    return lambda ps: ampc.optim.AdamW(ps, lr=1e-3)
 
 
 def stepper(args, plan):
@@ -66,10 +64,11 @@ def stepper(args, plan):
         region = lambda: torch.autocast("cpu", dtype=torch.bfloat16)   # noqa: E731
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     elif plan is not None:
-        plan.apply(model)
+        # the state and gradient release the plan chose, its modules' precisions and moves
+        model, opt = plan.prepare(model, ampc.optim.AdamW, lr=1e-3)
         region, loss_fn = plan.autocast, plan.loss(lm_loss)
-    if plan != "amp":
-        opt = optimizer_for(args, plan)(list(model.parameters()))
+    else:
+        opt = optimizer_for(args)(list(model.parameters()))
     (inputs, y), = batches(args, 1, seed=1)
 
     def step():
@@ -118,14 +117,14 @@ def main():
                                              peak_bytes=int(f * of), repeats=1,
                                              optimizer=optimizer_for(args))
         s = time.perf_counter() - t0
-        d = plan.data["peak"]
+        d, st = plan.peak, plan.step
         plans[f] = plan
-        print(f"\nbudget {f:.2f} x {args.of} = {d['budget'] / MiB:.1f} MiB: {'met' if d['met'] else 'NOT met'}, "
-              f"step peak {d['bytes'] / MiB:.1f} MiB ({d['bytes'] / fp32_peak:.2f}x fp32, "
-              f"{d['bytes'] / amp_peak:.2f}x torch.amp; the fastest plan {d['fastest'] / MiB:.1f}), "
-              f"{d['rounds']} round(s), gradients freed: {d.get('grads_freed')}, search {s:.0f} s")
-        print(f"  choices: {plan!r}; recomputed: {plan.data.get('recompute') or 'none'}; logits "
-              f"sliced in the loss: {plan.data.get('sliced_head') or 'none'}")
+        print(f"\nbudget {f:.2f} x {args.of} = {d.budget / MiB:.1f} MiB: {'met' if d.met else 'NOT met'}, "
+              f"step peak {d.bytes / MiB:.1f} MiB ({d.bytes / fp32_peak:.2f}x fp32, "
+              f"{d.bytes / amp_peak:.2f}x torch.amp; the fastest plan {d.fastest / MiB:.1f}), "
+              f"{d.rounds} round(s), state {st.state}, gradients freed: {st.grads_freed}, search {s:.0f} s")
+        print(f"  choices: {plan!r}; recomputed: {list(st.recompute) or 'none'}; logits "
+              f"sliced in the loss: {list(st.sliced_head) or 'none'}")
         print("  notes: " + " | ".join(plan.data["notes"]))
     fns = {"fp32": stepper(args, None), "torch.amp": stepper(args, "amp")}
     fns.update({f"budget {f:.2f}": stepper(args, plan) for f, plan in plans.items()})

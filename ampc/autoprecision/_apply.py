@@ -63,12 +63,12 @@ def apply(plan, model: torch.nn.Module) -> Applied:
 
 def recomputed(plan) -> list[str]:
     """The modules the plan recomputes in the backward (a byte budget's last resort)."""
-    return list(plan.data.get("recompute") or [])
+    return list(plan.step.recompute)
 
 
 def sliced(plan) -> list[str]:
     """The heads whose logits the plan defers to the loss (ampc.memory.sliced_head)."""
-    return list(plan.data.get("sliced_head") or [])
+    return list(plan.step.sliced_head)
 
 
 def autocast(plan) -> contextlib.ExitStack:

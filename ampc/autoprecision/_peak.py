@@ -15,37 +15,53 @@ from __future__ import annotations
 
 import copy
 import math
+import re
+import time
 import warnings
+from dataclasses import replace
 
 import torch
 from torch import nn
 
-from . import _candidates
+from . import _candidates, _step
 from ._apply import recomputed, sliced
 from .._numerics.model import call_model, logits_of
 from ._solve import _err, summed_errors
 from ._units import Reason
 
-ROUNDS = 4
+ROUNDS = 8
 MiB = float(1 << 20)
 FN = "ampc.autoprecision.search"
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
 def check_args(peak_bytes, optimizer, objective):
-    """Raises, before anything is measured, on a budget search cannot take."""
+    """The byte budget in bytes (an int, or a string such as "6GiB" or "500 MB"), or None;
+    raises, before anything is measured, on a budget search cannot take."""
     if peak_bytes is None:
-        return
-    if objective != "memory":
-        raise ValueError(f"{FN}: peak_bytes is a budget of the memory objective; pass "
-                         f"objective='memory' (got {objective!r})")
+        return None
+    given = peak_bytes
+    if isinstance(peak_bytes, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", peak_bytes)
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{FN}: peak_bytes must be a number of bytes or a string such as "
+                             f"'6GiB' or '500MB', got {given!r}")
+        peak_bytes = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if objective not in ("memory", "time"):
+        raise ValueError(f"{FN}: peak_bytes is a budget of the memory and time objectives; "
+                         f"got objective={objective!r}")
     if not (isinstance(peak_bytes, (int, float)) and not isinstance(peak_bytes, bool)
             and 0 < peak_bytes < math.inf):
         raise ValueError(f"{FN}: peak_bytes must be a positive number of bytes, got "
-                         f"{peak_bytes!r}")
+                         f"{given!r}")
     if not callable(optimizer):
         raise TypeError(f"{FN}: optimizer must be a callable that takes the parameters and "
                         f"returns an optimizer (such as torch.optim.AdamW), got "
                         f"{type(optimizer).__name__}")
+    return int(peak_bytes)
 
 
 class _Under(torch.nn.Module):
@@ -63,39 +79,122 @@ class _Under(torch.nn.Module):
 
 def step_peak(model, plan, batch, loss_fn, optimizer):
     """The ``ampc.memory.report`` of a training step of ``plan`` applied to a copy of
-    ``model``, with ``optimizer(params)`` (its module names begin ``model.``)."""
+    ``model``: its state and optimizer as ``plan.step`` says (from ``optimizer``, a callable
+    taking the params), its modules as the plan says (module names begin ``model.``)."""
     from ..memory import report
-    work = copy.deepcopy(model)
+    work, opt = _step.make(plan.step, copy.deepcopy(model), optimizer_for(optimizer, plan.step))
     plan.apply(work)
     with torch.random.fork_rng(devices=[]):
         # warmup=0: the optimizer's state from a step on zero gradients, not a whole
         # training step (the same bytes; half the time of each measurement)
-        return report(_Under(work, plan.autocast), optimizer(list(work.parameters())), batch,
-                      plan.loss(loss_fn), warmup=0)
+        return report(_Under(work, plan.autocast), opt, batch, plan.loss(loss_fn), warmup=0)
 
 
-def _frees_grads(optimizer, plan):
-    """Whether the step can free each gradient in the backward instead: ``optimizer`` makes
-    ampc's Adam or AdamW (``step_in_backward``, which fp16's loss scaler and several ranks
-    rule out), not doing so already."""
-    if plan.needs_scaler() or (torch.distributed.is_available() and
-                               torch.distributed.is_initialized() and
-                               torch.distributed.get_world_size() > 1):
-        return False
+def _ampc_adam(optimizer):
+    """(ampc's Adam class, its options) standing for what ``optimizer`` makes: ampc's Adam
+    or AdamW as it is, torch's with the same hyperparameters; None for another optimizer."""
     import ampc.optim
     probe = optimizer([nn.Parameter(torch.zeros(1))])
-    return isinstance(probe, ampc.optim.Adam) and not probe.step_in_backward
+    if isinstance(probe, ampc.optim.Adam):
+        keep = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+        return type(probe), {k: v for k, v in probe.defaults.items() if k in keep}
+    if type(probe) in (torch.optim.Adam, torch.optim.AdamW) and not probe.defaults.get("amsgrad"):
+        cls = ampc.optim.AdamW if type(probe) is torch.optim.AdamW else ampc.optim.Adam
+        return cls, {k: probe.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    return None
 
 
-def freeing(optimizer):
-    """``optimizer`` as it would be made with ``step_in_backward=True``: each parameter
-    stepped, and its gradient freed, as soon as the backward completes it (its groups and
-    options kept)."""
-    def make(params):
-        opt = optimizer(params)
-        options = {k: v for k, v in opt.defaults.items() if k != "differentiable"}
-        return type(opt)([dict(g) for g in opt.param_groups], step_in_backward=True, **options)
-    return make
+def optimizer_for(optimizer, step):
+    """A callable (params, **options) making the optimizer of ``step``: ``optimizer`` itself
+    where the step keeps fp32 state and every gradient, else ampc's Adam/AdamW with its
+    hyperparameters (the lean states and step_in_backward are ampc's)."""
+    if step.state == "fp32" and not step.grads_freed:
+        return lambda params, **options: optimizer(params)
+    cls, base = _ampc_adam(optimizer)
+    return lambda params, **options: cls(params, **{**base, **options})
+
+
+def _can_free(optimizer, plan):
+    """Why the step cannot free each gradient in the backward, or None when it can: that
+    takes ampc's Adam/AdamW (``step_in_backward``), which fp16's loss scaler and several
+    ranks rule out."""
+    if plan.needs_scaler():
+        return "a module runs fp16: its loss scaler sees every gradient before the step"
+    if (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
+        return "several ranks: gradients are reduced across them before the step"
+    if _ampc_adam(optimizer) is None:
+        return "the optimizer is not Adam or AdamW"
+    return None
+
+
+def _optimizer_ms(model, step, optimizer, reps=3):
+    """Milliseconds of an optimizer step of ``step``'s state on a copy of ``model``, on
+    gradients of the weights' size (the fastest of ``reps``)."""
+    work, opt = _step.make(replace(step, grads_freed=False), copy.deepcopy(model),
+                           optimizer_for(optimizer, replace(step, grads_freed=False)))
+    params = [p for p in work.parameters() if p.requires_grad]
+    times = []
+    for _ in range(reps + 1):           # the first makes the state: not counted
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return min(times[1:]) * 1e3
+
+
+def free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=None):
+    """The whole-step moves that cost about no time, each measured and kept where the step's
+    peak falls, until it is under ``stop``: each gradient freed in the backward (no gradient
+    of the whole model), the lean state (bf16 weights, 8-bit moments: 6 B a parameter against
+    fp32 AdamW's 16), the head's logits sliced. ``plan.step.why`` says why each was taken or
+    left. Returns the report of the step as it stands."""
+    why = dict(plan.step.why)
+    heads_bytes = heads(model, batch, [u.module for u in plan])
+
+    def attempt(name, change, undo):
+        nonlocal rep
+        if stop is not None and rep.peak <= stop:
+            why.setdefault(name, "not needed: the step was under the budget")
+            return
+        plan.set_step(**change)
+        new = step_peak(model, plan, batch, loss_fn, optimizer)
+        if new.peak < rep.peak:
+            why[name] = f"taken: the step's peak {rep.peak / MiB:.1f} -> {new.peak / MiB:.1f} MiB"
+            rep = new
+            return True
+        plan.set_step(**undo)
+        why[name] = f"left: the step's peak did not fall ({new.peak / MiB:.1f} MiB)"
+
+    cannot = _can_free(optimizer, plan)
+    if cannot:
+        why["grads freed"] = f"left: {cannot}"
+    elif not plan.step.grads_freed:
+        attempt("grads freed", {"grads_freed": True}, {"grads_freed": False})
+    if plan.step.state == "fp32":
+        if _ampc_adam(optimizer) is None:
+            why["state"] = "fp32: the optimizer is not Adam or AdamW"
+        else:
+            before = plan.step.bytes_per_param()
+            if attempt("state", {"state": "lean"}, {"state": "fp32"}):
+                fp32_ms = _optimizer_ms(model, _step.Step(), optimizer)
+                lean_ms = _optimizer_ms(model, plan.step, optimizer)
+                why["state"] += (f"; lean: {plan.step.bytes_per_param():.2f} B a parameter of "
+                                 f"weights, state and grads against {before:.2f}; its optimizer "
+                                 f"step {lean_ms:.1f} ms against {fp32_ms:.1f} ms here; quality "
+                                 f"{_step.QUALITY['lean']}")
+    for h in heads_bytes:
+        u = plan.unit(h)
+        if h in plan.step.sliced_head or not _sliceable(u.choice):
+            continue
+        if _candidates.saved(u.choice):           # the loss keeps its input whole
+            plan.set_choice(h, _candidates.get(u.choice).raise_to, Reason.PEAK)
+        if not attempt(f"sliced head {h}", {"sliced_head": plan.step.sliced_head + (h,)},
+                       {"sliced_head": plan.step.sliced_head}):
+            plan.set_choice(h, u.choice, u.reason)
+    plan.set_step(why=why)
+    return rep
 
 
 SLICED = "sliced head"     # the move that defers a head's logits to the loss
@@ -172,6 +271,9 @@ class _Lowering:
             if any(_inside(n, b) for b in self.recompute):
                 continue                      # saves nothing: the block keeps only its input
             for a in self.usable[n]:
+                if n in self.sliced and not _sliceable(a, sliced=True):
+                    continue
+
                 saved = (self.measured[n][c].get("bytes") or 0) - (self.measured[n][a].get("bytes") or 0)
                 if saved > 0 and (n, a) not in self.banned and self._fits(n, a):
                     extra = max(self._ms(n, a) - self._ms(n, c), 0.0)
@@ -182,19 +284,23 @@ class _Lowering:
                 out.append((ms / saved, -saved, b, None))
         for h, saved in self.head_bytes.items():
             # the loss takes the head's gradients slice by slice: no time added, none recomputed
-            if h not in self.sliced and (h, SLICED) not in self.banned:
+            if (h not in self.sliced and (h, SLICED) not in self.banned
+                    and _sliceable(self.choice[h])):
                 out.append((0.0, -saved, h, SLICED))
         return sorted(out, key=lambda m: m[:3])
 
-    def take(self, target):
-        """Takes the best moves until their bytes reach ``target``; (units changed, blocks
-        recomputed, bytes predicted)."""
+    def take(self, target, most=None):
+        """Takes the best moves until their bytes reach ``target`` (or ``most`` moves are
+        taken); (units changed, blocks recomputed, bytes predicted). ``self.taken`` lists the
+        moves as (unit, candidate), (block, None) or (head, SLICED)."""
         changed, new_blocks, got = {}, [], 0
-        while got < target:
+        self.taken = []
+        while got < target and (most is None or len(self.taken) < most):
             moves = self.moves()
             if not moves:
                 break
             _, minus_saved, n, a = moves[0]
+            self.taken.append((n, a))
             got -= minus_saved
             if a == SLICED:
                 self.sliced.append(n)
@@ -220,6 +326,13 @@ class _Lowering:
         self.choice[n] = changed[n] = a
 
 
+def _sliceable(choice, sliced=False):
+    """Whether a head at ``choice`` can defer its logits: an fp8 head is another Linear
+    (ampc.memory.sliced_head takes torch's). A head sliced already does not move to 8-bit
+    saved tensors either: the loss keeps its input whole, a code would only add a copy."""
+    return not _candidates.fp8_linear(choice) and not (sliced and _candidates.saved(choice))
+
+
 def _block_saved(rep, names):
     """{block: bytes its modules saved for the backward} in the measured step."""
     return {b: sum(v for k, v in rep.saved.items()
@@ -228,7 +341,7 @@ def _block_saved(rep, names):
 
 def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, optimizer):
     """Lowers the plan's units, and recomputes blocks, until its step's peak measures under
-    ``peak_bytes`` (or nothing is left to do); the figures go to ``plan.data["peak"]``."""
+    ``peak_bytes`` (or nothing is left to do); the figures go to ``plan.peak``."""
     batch = batches[0]
     usable = {n: [c for c in opts if c not in rejected.get(n, {}) and not opts[c].get("error")]
               for n, opts in measured.items()}
@@ -237,57 +350,61 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
     fp32_peak = step_peak(model, _all_fp32(plan), batch, loss_fn, optimizer).peak
     rep = step_peak(model, plan, batch, loss_fn, optimizer)
     first, rounds, scale = rep.peak, 0, 1.0   # scale: bytes the step saved per byte predicted
-    freed = False
-    if rep.peak > peak_bytes and _frees_grads(optimizer, plan):
-        # the first move: no whole-model gradient, for no error and about no time
-        frees = freeing(optimizer)
-        new = step_peak(model, plan, batch, loss_fn, frees)
-        if new.peak < rep.peak:
-            rep, freed, optimizer = new, True, frees
-    banned = set()
+    # first the moves that cost about no time and no error: freed gradients, the state, the head
+    rep = free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=peak_bytes)
+    banned, most = set(), None
     while rep.peak > peak_bytes and rounds < ROUNDS:
         lowering = _Lowering(plan, usable, measured, budget, recomputed(plan),
                              _block_saved(rep, names), banned, head_bytes)
-        before = ({u.module: u for u in plan.every_unit}, recomputed(plan), sliced(plan))
-        changed, new_blocks, predicted = lowering.take((rep.peak - peak_bytes) / scale)
-        if not changed and not new_blocks and len(lowering.sliced) == len(sliced(plan)):
+        before = ({u.module: u for u in plan.every_unit}, recomputed(plan), sliced(plan),
+                  plan.step.why)
+        changed, new_blocks, predicted = lowering.take((rep.peak - peak_bytes) / scale, most)
+        if not lowering.taken:
             break
         for n, c in changed.items():
             plan.set_choice(n, c, Reason.PEAK)
         if new_blocks:
-            plan.data["recompute"] = lowering.recompute
+            plan.set_step(recompute=lowering.recompute)
         new_heads = [h for h in lowering.sliced if h not in before[2]]
         if new_heads:
-            plan.data["sliced_head"] = lowering.sliced
+            plan.set_step(sliced_head=lowering.sliced, why={
+                **plan.step.why, **{f"sliced head {h}": "taken by the budget's lowering"
+                                    for h in new_heads}})
         rounds += 1
         new = step_peak(model, plan, batch, loss_fn, optimizer)
         if new.peak >= rep.peak:
             # the step did not fall (a bf16 copy held beside the fp32 tensor it came from
-            # adds bytes): the round is undone and its moves not tried again
+            # adds bytes): the round is undone; tried again with half its moves, the best
+            # first, until one move alone is found not to save, and that one is not tried again
             _undo(plan, before)
-            banned |= (set(changed.items()) | {(b, None) for b in new_blocks}
-                       | {(h, SLICED) for h in new_heads})
+            if len(lowering.taken) > 1:
+                most = len(lowering.taken) // 2
+            else:
+                banned |= set(lowering.taken)
+                most = None
             continue
+        most = None
         if predicted > 0:
             scale = min(1.0, max(0.05, (rep.peak - new.peak) / predicted))
         rep = new
-    plan.data["peak"] = {"budget": int(peak_bytes), "fp32": fp32_peak, "fastest": first,
-                         "bytes": rep.peak, "rounds": rounds, "grads_freed": freed}
+    plan.set_peak(_step.Peak(int(peak_bytes), fp32_peak, first, rep.peak, rounds,
+                             by_kind=_step.by_kind(rep)))
 
 
 def _undo(plan, before):
-    """The plan as it was before a round: each unit's choice and reason, the blocks."""
-    units, rc, heads_before = before
+    """The plan as it was before a round: each unit's choice and reason, the blocks, the
+    heads sliced and why."""
+    units, rc, heads_before, why = before
     for n, u in units.items():
         if plan.unit(n) != u:
             plan.set_choice(n, u.choice, u.reason)
-    plan.data["recompute"] = rc
-    plan.data["sliced_head"] = heads_before
+    plan.set_step(recompute=rc, sliced_head=heads_before, why=why)
 
 
 def _all_fp32(plan):
     fp32 = copy.deepcopy(plan)
     fp32.set_choices(dict.fromkeys(fp32.decisions, "fp32"), Reason.ALL_FP32)
+    fp32.set_step(state="fp32", grads_freed=False, recompute=(), sliced_head=())
     return fp32
 
 
@@ -295,29 +412,39 @@ def settle(plan, model, batches, loss_fn, optimizer, fitted):
     """Whether the budget was met, said in the notes (and a warning when it was not); the
     step is measured again where the whole-plan check changed the choices ``fit`` left
     (``fitted``): a back-off raises units, and bytes with them."""
-    d = plan.data["peak"]
-    if d.get("grads_freed"):
-        optimizer = freeing(optimizer)
+    d = plan.peak
     if plan.decisions != fitted:
-        d["bytes"] = step_peak(model, plan, batches[0], loss_fn, optimizer).peak
-    d["met"] = d["bytes"] <= d["budget"]
-    rc = recomputed(plan)
-    what = (f"peak budget {d['budget'] / MiB:.1f} MiB: {'met' if d['met'] else 'NOT met'}, the "
-            f"step measured {d['bytes'] / MiB:.1f} MiB (fp32 {d['fp32'] / MiB:.1f} MiB, the "
-            f"fastest plan {d['fastest'] / MiB:.1f} MiB; {d['rounds']} round(s) of lowering"
+        rep = step_peak(model, plan, batches[0], loss_fn, optimizer)
+        d = replace(d, bytes=rep.peak, by_kind=_step.by_kind(rep))
+    d = replace(d, met=d.bytes <= d.budget)
+    plan.set_peak(d)
+    rc, step = recomputed(plan), plan.step
+    what = (f"peak budget {d.budget / MiB:.1f} MiB: {'met' if d.met else 'NOT met'}, the "
+            f"step measured {d.bytes / MiB:.1f} MiB (fp32 {d.fp32 / MiB:.1f} MiB, the "
+            f"fastest plan {d.fastest / MiB:.1f} MiB; {d.rounds} round(s) of lowering"
             + (f", {len(rc)} block(s) recomputed" if rc else "")
             + (f", the head's logits sliced ({', '.join(sliced(plan))})" if sliced(plan) else "")
-            + ")"
-            + ("; with the gradients freed in the backward: make the optimizer with "
-               "step_in_backward=True" if d.get("grads_freed") else ""))
-    if not d["met"]:
+            + (f", the {step.state} state" if step.state != "fp32" else "")
+            + (", the gradients freed in the backward" if step.grads_freed else "")
+            + "); plan.prepare(model, ampc.optim.AdamW, ...) makes all of it")
+    if not d.met:
         why = ("the whole-plan check raised modules back to hold the error budget"
                if plan.data.get("backoffs") else
+               f"the lowering stopped after its {ROUNDS} rounds" if d.rounds >= ROUNDS else
                "no module or block had a choice left that saves bytes within the error budget")
-        what += (f": {why}; a larger budget, a looser error budget"
-                 + ("" if sliced(plan) else ", ampc.memory.sliced_head on the head")
-                 + ("" if d.get("grads_freed") else
-                                       ", or ampc.optim.AdamW(..., step_in_backward=True) to "
-                                       "free the gradients in the backward"))
+        left = [f"{k} {w}" for k, w in step.why.items() if w.startswith("left")]
+        what += f": {why}" + (f" ({'; '.join(left)})" if left else "") + \
+            "; a larger budget or a looser error budget"
         warnings.warn(f"{FN}: {what}", stacklevel=3)
     plan.data["notes"].append(what)
+
+
+def whole_step(plan, model, batches, loss_fn, optimizer):
+    """Without a byte budget (the memory objective): the moves that cost about no time
+    (:func:`free_moves`) taken where the step's peak falls, and the peak measured, by kind."""
+    batch = batches[0]
+    fp32_peak = step_peak(model, _all_fp32(plan), batch, loss_fn, optimizer).peak
+    rep = step_peak(model, plan, batch, loss_fn, optimizer)
+    first = rep.peak
+    rep = free_moves(plan, model, batch, loss_fn, optimizer, rep)
+    plan.set_peak(_step.Peak(None, fp32_peak, first, rep.peak, by_kind=_step.by_kind(rep)))

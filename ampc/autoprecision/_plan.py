@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
-from . import _apply, _candidates, _loss, _objectives, _table
+from . import _apply, _candidates, _loss, _objectives, _step, _table
 from ._apply import Applied
 from ._solve import Budget
 from ._units import Reason
@@ -141,11 +141,8 @@ def _check_record(data):
         if name in names:
             raise _bad(f"units[{k}]: module {name!r} appears twice")
         names.add(name)
-    for key in ("recompute", "sliced_head"):
-        rc = data.get(key)
-        if rc is not None and not (isinstance(rc, (list, tuple))
-                                   and all(isinstance(n, str) for n in rc)):
-            raise _bad(f"{key} must be a list of module names, got {rc!r}")
+    _step.Step.from_record(data)
+    _step.Peak.from_record(data.get("peak"))
     loss = data.get("loss")
     if loss is not None and not isinstance(loss, Unit):
         _check_unit("loss", loss)
@@ -168,7 +165,10 @@ class Plan:
 
     def __init__(self, data: Mapping[str, Any]) -> None:
         _check_record(data)     # every field, before anything reads one
-        self.data = {k: v for k, v in data.items() if k not in ("units", "loss")}
+        self.data = {k: v for k, v in data.items()
+                     if k not in ("units", "loss", "peak", *_step.RECORD_KEYS)}
+        self._step = _step.Step.from_record(data)
+        self._peak = _step.Peak.from_record(data.get("peak"))
         loss = data.get("loss")
         # the loss unit (None: not measured; the loss runs as loss_fn does)
         self._loss = loss if isinstance(loss, Unit) or loss is None else Unit.from_dict(loss)
@@ -291,12 +291,31 @@ class Plan:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Plan) and self.decisions == other.decisions and \
-            self.dtype == other.dtype
+            self.dtype == other.dtype and replace(self.step, why={}) == replace(other.step, why={})
 
     def __repr__(self) -> str:
         counts = {c: n for c, n in self._counts.items() if n}
         return (f"Plan({len(self._units)} modules: "
                 + ", ".join(f"{n} {c}" for c, n in sorted(counts.items())) + ")")
+
+    @property
+    def step(self) -> _step.Step:
+        """The whole-step choices: the weights' and optimizer's state, freed gradients, the
+        blocks recomputed, the heads sliced (:class:`ampc.autoprecision.Step`)."""
+        return self._step
+
+    def set_step(self, **changes: Any) -> _step.Step:
+        """The one way the step's choices change (``plan.set_step(state="lean")``)."""
+        self._step = replace(self._step, **changes)
+        return self._step
+
+    @property
+    def peak(self) -> _step.Peak | None:
+        """A byte budget's figures (:class:`ampc.autoprecision.Peak`), None without one."""
+        return self._peak
+
+    def set_peak(self, peak: _step.Peak | None) -> None:
+        self._peak = peak
 
     # ---- the table ----
 
@@ -312,7 +331,9 @@ class Plan:
     # ---- JSON ----
 
     def _record(self):
-        out = dict(self.data, units=[u.as_dict() for u in self])
+        out = dict(self.data, **self._step.record(), units=[u.as_dict() for u in self])
+        if self._peak is not None:
+            out["peak"] = self._peak.record()
         if self._loss is not None:
             out["loss"] = self._loss.as_dict()
         return out
@@ -350,6 +371,27 @@ class Plan:
         """Gives each module of the plan its precision; returns an :class:`Applied` (see
         ``_apply.apply``: what it refuses before changing anything)."""
         return _apply.apply(self, model)
+
+    def prepare(self, model: torch.nn.Module, optimizer: Callable = None,
+                **kwargs: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """(model, optimizer) ready to train as the plan says: the weights and the
+        optimizer's state as :attr:`step` chose (``ampc.prepare`` for bf16 weights), each
+        gradient freed in the backward where it chose so, then :meth:`apply` (each module's
+        precision, saved activations, blocks recomputed, heads sliced). ``optimizer``: a
+        class or callable taking the params and ``kwargs`` (default ``ampc.optim.AdamW``;
+        one of ampc's where the state is not "fp32" or gradients are freed). The loop is the
+        usual one, inside :meth:`autocast`, with :meth:`loss`. ``model`` is changed in place;
+        the optimizer's step count and state start fresh."""
+        model, opt = self.prepare_state(model, optimizer, **kwargs)
+        self.apply(model)
+        return model, opt
+
+    def prepare_state(self, model: torch.nn.Module, optimizer: Callable = None,
+                      **kwargs: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """:meth:`prepare` without :meth:`apply`: the weights, the optimizer's state and the
+        gradient release alone (for a caller that applies the modules' part itself and keeps
+        its :class:`Applied`)."""
+        return _step.prepare_state(self, model, optimizer, **kwargs)
 
     def autocast(self) -> contextlib.ExitStack:
         """The region to train in: ampc.autocast at the region dtype, with an FP8 region

@@ -235,7 +235,7 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
            fp8_recipe: str = "delayed", sensitivity: bool = True, check: bool = True,
            max_backoffs: int = 12, repeats: int = 2, loss_unit: bool = True,
            warmup: int | str = "auto", max_slowdown: float | None = CEILING,
-           peak_bytes: int | None = None, examples: int | str | None = "auto",
+           peak_bytes: int | str | None = None, examples: int | str | None = "auto",
            optimizer: Callable = torch.optim.AdamW) -> Plan:
     """Chooses a precision for each module of ``model`` from measured error and measured
     cost, under an error budget, and checks the whole choice.
@@ -279,12 +279,18 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
             times slower than its module's fastest within the budget, and no whole step more
             than this many times fp32's (default 1.25); None lifts it. Not used with
             ``peak_bytes``.
-        peak_bytes: the memory objective's byte budget for a training step's peak (live
-            tensors, as ``ampc.memory.report`` measures it, with ``optimizer``): the fastest
-            plan within the error budget is measured, and its modules lowered (to fewer bytes,
-            the most bytes for the least time first) and measured again until the step fits
-            (at most 4 rounds). ``plan.data["peak"]`` has the figures; the notes say whether
-            the budget was met (and a warning when it was not: the error budget wins).
+        peak_bytes: a byte budget for a training step's peak (live tensors, as
+            ``ampc.memory.report`` measures it, with ``optimizer``): an int, or a string such
+            as "6GiB" or "500MB"; with the memory or the time objective. The fastest plan
+            within the error budget is measured; then the whole-step moves that cost about no
+            time are taken while the step is over (each gradient freed in the backward, the
+            lean state, the head's logits sliced: ``plan.step``), and its modules lowered (to
+            fewer bytes, the most bytes for the least time first, or blocks recomputed) and
+            measured again until the step fits (at most 4 rounds). ``plan.peak`` has the
+            figures, by kind; the notes say whether the budget was met (and a warning when it
+            was not: the error budget wins). ``plan.prepare(model, ampc.optim.AdamW, lr=...)``
+            makes the model and optimizer so. Without it, the memory objective takes the
+            whole-step moves that lower the step's peak, and measures it.
         examples: how many leading examples of each batch the modules and the whole plan
             are measured on: "auto" (default), a quarter of them (at least 4) where an fp32
             step of a whole batch would take over a second, and only where time decides
@@ -294,8 +300,10 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
             its leading size and no module reads sequence-first (``batch_first=False``);
             activation bytes are scaled to the whole batch, errors and times are the
             slice's, and the notes say so. ``peak_bytes`` is measured on whole batches.
-        optimizer: what the step of ``peak_bytes`` trains with: a callable that takes the
-            parameters and returns an optimizer (default torch.optim.AdamW).
+        optimizer: what the step whose peak is measured trains with: a callable that takes
+            the parameters and returns an optimizer (default torch.optim.AdamW). The lean
+            state and freed gradients are ampc's: they are tried where it makes Adam or
+            AdamW, with its hyperparameters.
         check (bool): measure the whole plan against fp32 and back off the worst
             contributor until it fits the budget: one module per round for 4 rounds, then
             2, 4, ... per round, at most ``max_backoffs`` rounds (12: up to 60 modules),
@@ -317,7 +325,7 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     examples = _examples.check(FN, examples)
     if examples == "auto" and not goal_times(objective, max_slowdown, peak_bytes):
         examples = None     # nothing timed decides: no timed step decides what is measured
-    _peak.check_args(peak_bytes, optimizer, objective)
+    peak_bytes = _peak.check_args(peak_bytes, optimizer, objective)
     goal = _objectives.get(objective)
     if not goal.has_ceiling or peak_bytes is not None:
         ceiling = None               # the fastest plan is taken (then lowered to the budget)
@@ -370,6 +378,8 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
                      max_backoffs)
     if peak_bytes is not None:
         _peak.settle(plan, model, whole, loss_fn, optimizer, fitted)
+    elif not goal.by_speed:
+        _peak.whole_step(plan, model, whole, loss_fn, optimizer)
     plan.data["predicted"] = {
         "fp32_ms": sum(u.options["fp32"]["ms"] or 0.0 for u in plan.every_unit),
         "plan_ms": sum(u.figures()["ms"] or 0.0 for u in plan.every_unit)}

@@ -12,6 +12,7 @@ import textwrap
 
 from . import _candidates, _objectives
 from ._solve import OVER_CEILING, clearly_faster, noise_ratio
+from ._step import STATES
 from ._units import Reason
 from ..validate import format_table
 
@@ -60,8 +61,13 @@ def reasons(plan, u) -> dict[str, tuple[str, str]]:
             continue
         if u.reason in _HELD:
             out[c] = _HELD[u.reason]
-        elif plan.data.get("peak"):
+        elif plan.peak is not None and u.module.startswith(tuple(b + "." for b in plan.step.recompute)):
+            out[c] = ("recomputed", "its block is recomputed in the backward: it saves nothing")
+        elif plan.peak is not None and plan.peak.met is not False:
             out[c] = ("not needed", "the step's peak fit the byte budget without it")
+        elif plan.peak is not None:
+            out[c] = ("not taken", "the budget's lowering did not take it: tried, it did not "
+                                   "lower the step's peak, or the lowering's rounds ran out")
         elif (_objectives.get(plan.data["objective"]).by_speed and r.get("ms") and mine.get("ms")
               and clearly_faster(mine["ms"], r["ms"])):
             out[c] = ("slower", f"slower: {r['ms']:.2f} ms against {mine['ms']:.2f} at "
@@ -163,6 +169,29 @@ def _ceiling_line(plan):
             f"(\"slower\")")
 
 
+def state_line(plan):
+    """The weights, the optimizer's state and the gradients: what the plan keeps, in bytes a
+    parameter, and why it took or left each whole-step move."""
+    step = plan.step
+    _, w, st, g = STATES[step.state]
+    line = (f"state {step.state}: weights {w:g} + optimizer state {st:g} + grads "
+            + ("0 (freed in the backward)" if step.grads_freed else f"{g:g}")
+            + f" = {step.bytes_per_param():.2f} B a parameter")
+    if step.why:
+        line += "; " + "; ".join(f"{k}: {v}" for k, v in step.why.items())
+    return line
+
+
+def peak_line(plan):
+    """The step's peak by kind, where a byte budget measured it."""
+    p = plan.peak
+    if p is None:
+        return None
+    parts = ", ".join(f"{k} {v / 2 ** 20:.1f}" for k, v in p.by_kind.items())
+    return (f"step peak {p.bytes / 2 ** 20:.1f} MiB ({p.bytes / p.fp32:.2f}x fp32's "
+            f"{p.fp32 / 2 ** 20:.1f})" + (f": {parts} MiB" if parts else ""))
+
+
 def coded(plan):
     """The units that keep their saved activations in fewer bits."""
     return [u.module for u in plan.every_unit if _candidates.saved(u.choice)]
@@ -220,10 +249,12 @@ def render(plan, details=False):
                     "choice; every candidate's time and the reasons in full: "
                     "plan.table(details=True)")
     tail.append(_ceiling_line(plan))
+    tail += [state_line(plan), peak_line(plan)]
     for what, names in (("saved activations in 8 bits (ampc.memory.compress)", coded(plan)),
-                        ("recomputed in the backward (ampc.memory.recompute)", d.get("recompute")),
+                        ("recomputed in the backward (ampc.memory.recompute)",
+                         plan.step.recompute),
                         ("logits made in the loss a slice at a time (ampc.memory.sliced_head)",
-                         d.get("sliced_head"))):
+                         plan.step.sliced_head)):
         if names:
             tail.append(f"{what}: {len(names)} module(s), "
                         + ", ".join(names[:4]) + (", ..." if len(names) > 4 else ""))

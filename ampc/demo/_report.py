@@ -47,16 +47,17 @@ def describe_plan(plan, search_s, dname, ratio, log):
 def describe_memory_plan(plan, amp_peak, fraction, search_s, log):
     """A few lines on the plan searched for memory: the peak asked for and the peak
     measured, against torch.amp's step, and how it got there."""
-    d, mib = plan.data["peak"], 2 ** 20
+    d, mib, step = plan.peak, 2 ** 20, plan.step
     log(f"ampc.autoprecision, objective=\"memory\": a step's peak asked at {fraction:g}x "
         f"torch.amp's ({amp_peak / mib:.1f} MiB of tensors), "
-        + ("met" if d["met"] else "not met") + f" at {d['bytes'] / mib:.1f} MiB "
-        f"({d['bytes'] / amp_peak:.2f}x torch.amp's) in {search_s:.1f} s: {_counts(plan)}"
-        + (f"; {len(plan.data['recompute'])} block(s) recomputed" if plan.data.get("recompute")
-           else "")
-        + ("; the head's logits sliced" if plan.data.get("sliced_head") else ""))
+        + ("met" if d.met else "not met") + f" at {d.bytes / mib:.1f} MiB "
+        f"({d.bytes / amp_peak:.2f}x torch.amp's) in {search_s:.1f} s: {_counts(plan)}"
+        + (f"; {len(step.recompute)} block(s) recomputed" if step.recompute else "")
+        + ("; the head's logits sliced" if step.sliced_head else "")
+        + (f"; the {step.state} state" if step.state != "fp32" else "")
+        + ("; gradients freed in the backward" if step.grads_freed else ""))
     why = next((n for n in plan.data.get("notes", []) if n.startswith("peak budget")), None)
-    if why and not d["met"]:
+    if why and not d.met:
         log(f"  {why}")
 
 

@@ -65,8 +65,10 @@ def sliced_head(model: torch.nn.Module, modules: str | torch.nn.Module | Iterabl
     chosen, names = _find_modules(_WHO, model, modules, _ATTR, "defers its logits already")
     for m, n in zip(chosen, names):
         if type(m) is not torch.nn.Linear:    # an fp8.Linear computes another way
-            raise TypeError(f"{_WHO}: {n!r} is {type(m).__name__}; only an nn.Linear head can "
-                            "defer its logits")
+            cls = type(m)
+            raise TypeError(f"{_WHO}: {n!r} is {cls.__module__}.{cls.__qualname__}, not "
+                            "torch.nn.Linear; only a torch.nn.Linear head can defer its logits "
+                            "(an fp8 Linear computes another way)")
     handle = SlicedHead(names, chosen)
     for m in chosen:
         m.__dict__[_ATTR] = (handle, m.__dict__.get("forward"), chunk_tokens)

@@ -200,10 +200,13 @@ class Trainer:
             fp16 = dtype == torch.float16 and kind != "fp32"
             self.monitor = None
             if plan is not None:
+                # the weights, optimizer state and gradient release the plan chose, if any
+                prepare = getattr(plan, "prepare_state", None)
+                model, self.opt = (prepare(model, ampc.optim.AdamW, lr=lr) if prepare else
+                                   (model, ampc.optim.AdamW(model.parameters(), lr=lr)))
                 applied = plan.apply(model)
                 if monitor is not None:
                     self.monitor = applied.monitor(loss_fn, **monitor)
-                self.opt = ampc.optim.AdamW(model.parameters(), lr=lr)
                 self.scaler = _setups.scaler("ampc" if plan.needs_scaler() else None, device)
                 self.region = plan.autocast
             else:

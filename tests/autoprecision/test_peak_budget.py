@@ -10,6 +10,7 @@ from torch import nn
 import ampc.memory
 from ampc.autoprecision import Plan, search
 from ampc.autoprecision._peak import _Under
+from ampc.autoprecision._step import Step
 from ampc.autoprecision._units import Reason
 from autoprecision_models import Block
 
@@ -33,12 +34,17 @@ def _search(peak_bytes, **kw):
                   peak_bytes=peak_bytes, repeats=1, **kw)
 
 
+def _optimizer(plan):
+    """torch's AdamW where the plan keeps fp32 state and every gradient, else ampc's."""
+    return (torch.optim.AdamW if plan.step.state == "fp32" and not plan.step.grads_freed
+            else ampc.optim.AdamW)
+
+
 def _measured(plan):
-    """The plan's step measured here, apart from the search: a fresh model, the plan applied."""
-    model = _model()
-    plan.apply(model)
-    return ampc.memory.report(_Under(model, plan.autocast),
-                              torch.optim.AdamW(model.parameters()), _batches()[0],
+    """The plan's step measured here, apart from the search: a fresh model and its
+    optimizer made by plan.prepare."""
+    model, opt = plan.prepare(_model(), _optimizer(plan))
+    return ampc.memory.report(_Under(model, plan.autocast), opt, _batches()[0],
                               plan.loss(None)).peak
 
 
@@ -50,38 +56,45 @@ def least():
 
 
 def test_a_budget_no_plan_meets_gives_the_least_and_says_so(least):
-    d = least.data["peak"]
-    assert d["met"] is False and d["budget"] == 1
-    assert d["bytes"] < d["fp32"], d          # it did lower what it could
+    d = least.peak
+    assert d.met is False and d.budget == 1
+    assert d.bytes < d.fp32, d          # it did lower what it could
     assert any("NOT met" in n for n in least.data["notes"])
     assert "NOT met" in least.table()
-    # where it is not recomputed, every module in fewer bytes than fp32 (lowered, or so
-    # already in the fastest plan where a candidate timed as a tie)
-    blocks = tuple(b + "." for b in least.data["recompute"])
-    outside = [u for u in least if not u.module.startswith(blocks)]
+    # where it is not recomputed and not a head whose logits the loss makes a slice at a
+    # time, every module in fewer bytes than fp32 (lowered, or so already in the fastest
+    # plan where a candidate timed as a tie)
+    blocks = tuple(b + "." for b in least.step.recompute)
+    outside = [u for u in least
+               if not u.module.startswith(blocks) and u.module not in least.step.sliced_head]
     assert outside and all(u.figures()["bytes"] < u.options["fp32"]["bytes"] for u in outside)
     # the figure is the step's: measured again apart from the search, the same bytes
-    assert _measured(least) == d["bytes"]
+    assert _measured(least) == d.bytes
+    # the whole step's moves: the lean state taken (torch's AdamW's hyperparameters on
+    # ampc's), the parts of the peak by kind
+    assert least.step.state == "lean" and least.step.why["state"].startswith("taken")
+    assert sum(d.by_kind.values()) == d.bytes and d.by_kind["state"] > 0
+    assert "state lean: weights 2 + optimizer state 2.03" in " ".join(least.table().split())
 
 
 def test_a_budget_between_is_met_lowering_less_than_the_least(least):
-    d0 = least.data["peak"]
-    mid = (d0["fastest"] + d0["bytes"]) // 2
+    d0 = least.peak
+    mid = (d0.fastest + d0.bytes) // 2
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         plan = _search(mid)
     assert not [w for w in said if "peak budget" in str(w.message)], (mid, plan.data["notes"])
-    d = plan.data["peak"]
-    assert d["met"] and d["bytes"] <= mid, d
+    d = plan.peak
+    assert d.met and d.bytes <= mid, d
     assert _measured(plan) <= mid
     assert any("peak budget" in n and ": met" in n for n in plan.data["notes"])
     # lowered where the fastest plan was over (whether it was depends on which candidates
     # timed as ties here), but not as far as the least plan: what fits is taken, no more
-    assert d["rounds"] == 0 or any(u.reason is Reason.PEAK for u in plan) or plan.data["recompute"]
-    assert len(plan.data.get("recompute") or []) <= len(least.data["recompute"])
+    assert d.rounds == 0 or any(u.reason is Reason.PEAK for u in plan) or plan.step.recompute
+    assert len(plan.step.recompute) <= len(least.step.recompute)
     # the figures and the reason survive a save and a load; the table says why not lower
     again = Plan.from_json(plan.to_json())
-    assert again.data["peak"] == d and again.decisions == plan.decisions
+    assert again.peak == d and again.decisions == plan.decisions and again.step == plan.step
     assert "not needed" in plan.table() or all(u.reason is Reason.PEAK for u in plan)
 
 
@@ -93,14 +106,15 @@ def roomy():
 
 def test_a_budget_the_fastest_plan_meets_lowers_nothing(roomy):
     plan = roomy
-    d = plan.data["peak"]
-    assert d["met"] and d["rounds"] == 0 and d["bytes"] == d["fastest"]
+    d = plan.peak
+    assert d.met and d.rounds == 0 and d.bytes == d.fastest
+    assert plan.step.state == "fp32" and not plan.step.grads_freed and not plan.step.sliced_head
     assert not any(u.reason is Reason.PEAK for u in plan)
     assert plan.data["ceiling"] is None      # a budget, not the time ceiling
 
 
 @pytest.mark.parametrize("kw, err, match", [
-    (dict(peak_bytes=10 ** 6, objective="time"), ValueError, "objective='memory'"),
+    (dict(peak_bytes="6 parsecs", objective="memory"), ValueError, "a string such as '6GiB'"),
     (dict(peak_bytes=0, objective="memory"), ValueError, "peak_bytes must be a positive"),
     (dict(peak_bytes=-5, objective="memory"), ValueError, "peak_bytes must be a positive"),
     (dict(peak_bytes=float("inf"), objective="memory"), ValueError, "peak_bytes"),
@@ -121,13 +135,13 @@ def test_the_optimizer_given_is_the_one_measured(roomy):
     sgd = _search(10 ** 12, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     adamw = roomy
     n_params = sum(p.numel() for p in _model().parameters())
-    assert adamw.data["peak"]["fp32"] - sgd.data["peak"]["fp32"] >= 2 * 4 * n_params
+    assert adamw.peak.fp32 - sgd.peak.fp32 >= 2 * 4 * n_params
 
 
 def test_blocks_are_recomputed_when_lowering_is_not_enough(least):
     # every Block holds two units: recomputed whole, its modules' codes dropped (a copy
     # of what is not saved); the plan applies, pastes, prints and removes it
-    assert least.data["recompute"] == ["1", "2", "3"]
+    assert least.step.recompute == ("1", "2", "3")
     assert not any(u.choice.endswith("+8b") for u in least if u.module[:2] in ("1.", "2.", "3."))
     assert "ampc.memory.recompute(model, ['1', '2', '3'])" in least.python()
     assert "recomputed in the backward (ampc.memory.recompute): 3 module(s)" in least.table()
@@ -137,7 +151,7 @@ def test_blocks_are_recomputed_when_lowering_is_not_enough(least):
     applied.remove()
     assert ampc.memory.recomputed(model) == []
     again = Plan.from_json(least.to_json())
-    assert again.data["recompute"] == ["1", "2", "3"]
+    assert again.step.recompute == ("1", "2", "3")
 
 
 def test_a_saved_plan_with_bad_recompute_is_refused(roomy):
@@ -156,6 +170,7 @@ class _Plan:
     def __init__(self, choice):
         self.decisions = dict(choice)
         self.data = {}
+        self.step = Step()
 
 
 def test_the_moves_save_the_most_bytes_for_the_least_time_within_the_errors():
@@ -202,9 +217,7 @@ def test_the_moves_save_the_most_bytes_for_the_least_time_within_the_errors():
 
 def _train(plan, steps=3):
     """Losses of a few AdamW steps of a fresh model with ``plan`` applied."""
-    model = _model()
-    plan.apply(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = plan.prepare(_model(), _optimizer(plan), lr=1e-2)
     losses = []
     for x, y in _batches(steps):
         opt.zero_grad()
@@ -222,50 +235,53 @@ def test_a_saved_plan_with_blocks_recomputed_trains_on_as_the_plan_it_was(least)
     # exact: without its blocks recomputed the same choices train the same
     again = Plan.from_json(least.to_json())
     plain = Plan.from_json(least.to_json())
-    plain.data["recompute"] = []
+    plain.set_step(recompute=())
     assert _train(again) == _train(least) == _train(plain)
-
-
-def _measured_freed(plan):
-    """As :func:`_measured`, with ampc's AdamW freeing each gradient in the backward."""
-    model = _model()
-    plan.apply(model)
-    return ampc.memory.report(_Under(model, plan.autocast),
-                              ampc.optim.AdamW(model.parameters(), step_in_backward=True),
-                              _batches()[0], plan.loss(None)).peak
 
 
 def test_an_ampc_optimizer_frees_the_gradients_first(least):
     """With ampc's AdamW the first move is the gradients freed in the backward (no error,
-    about no time); its step is the one measured and the notes say how to train so. With
-    torch's AdamW (``least``) it is not taken, and the unmet budget's note points to it."""
+    about no time); its step is the one measured, and plan.prepare makes the optimizer so.
+    torch's AdamW (``least``) is stood for by ampc's with its hyperparameters: the same."""
     with pytest.warns(UserWarning, match="peak budget .* NOT met"):
         plan = _search(1, optimizer=lambda ps: ampc.optim.AdamW(ps, weight_decay=0.1))
-    d = plan.data["peak"]
-    assert d["grads_freed"] is True and d["bytes"] == _measured_freed(plan)
-    assert any("step_in_backward=True" in n and "gradients freed" in n
-               for n in plan.data["notes"])
-    assert d["bytes"] < least.data["peak"]["bytes"]     # the gradients' bytes besides the rest
-    assert least.data["peak"]["grads_freed"] is False
-    assert any("NOT met" in n and "step_in_backward=True" in n for n in least.data["notes"])
+    d = plan.peak
+    assert plan.step.grads_freed is True and d.bytes == _measured(plan)
+    assert plan.step.why["grads freed"].startswith("taken")
+    assert any("gradients freed in the backward" in n for n in plan.data["notes"])
+    model, opt = plan.prepare(_model(), ampc.optim.AdamW, weight_decay=0.1)
+    assert opt.step_in_backward and all(g["moments"] == "8bit" for g in opt.param_groups)
+    assert least.step.grads_freed is True
 
 
-def test_freeing_keeps_the_optimizers_groups_and_options():
-    from ampc.autoprecision._peak import freeing
-    a, b = nn.Parameter(torch.zeros(4, 4)), nn.Parameter(torch.zeros(4))
-    made = freeing(lambda ps: ampc.optim.AdamW([{"params": ps[:1]},
-                                                {"params": ps[1:], "weight_decay": 0.0}],
-                                               lr=3e-4, weight_decay=0.1, state="lean"))([a, b])
-    assert made.step_in_backward
-    assert [g["weight_decay"] for g in made.param_groups] == [0.1, 0.0]
-    assert all(g["lr"] == 3e-4 and g["moments"] == "8bit" for g in made.param_groups)
+def test_an_optimizer_that_is_not_adam_keeps_fp32_state_and_its_gradients():
+    with pytest.warns(UserWarning, match="peak budget .* NOT met"):
+        plan = _search(1, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert plan.step.state == "fp32" and not plan.step.grads_freed
+    assert "not Adam or AdamW" in plan.step.why["state"]
+    assert "not Adam or AdamW" in plan.step.why["grads freed"]
+
+
+def test_the_time_objective_takes_a_byte_budget(least):
+    """The fastest plan under the budget: the time objective's candidates, lowered to fit."""
+    budget = (least.peak.fp32 + least.peak.fastest) // 2
+    plan = search(_model(), _batches(), candidates=("fp32", "bf16"), objective="time",
+                  peak_bytes=budget, repeats=1)
+    assert plan.peak.met and plan.peak.bytes <= budget and _measured(plan) <= budget
+
+
+def test_a_byte_budget_given_as_a_string():
+    from ampc.autoprecision._peak import check_args
+    assert check_args("6GiB", torch.optim.AdamW, "memory") == 6 * 2 ** 30
+    assert check_args("500 MB", torch.optim.AdamW, "time") == 500 * 10 ** 6
+    assert check_args("1.5kib", torch.optim.AdamW, "memory") == 1536
 
 
 def test_the_heads_logits_are_sliced_when_the_budget_needs_them(least):
     """The model's last Linear gives its logits: under a budget no plan meets, the loss makes
     them a slice at a time (ampc.memory.sliced_head); the plan applies, pastes, prints, saves
     and loads it, and trains on as before."""
-    assert least.data["sliced_head"] == ["4"]
+    assert least.step.sliced_head == ("4",)
     model = _model()
     applied = least.apply(model)
     assert isinstance(model(_batches()[0][0]), ampc.memory.DeferredLogits)
@@ -273,7 +289,7 @@ def test_the_heads_logits_are_sliced_when_the_budget_needs_them(least):
     assert type(model(_batches()[0][0])) is torch.Tensor
     assert "ampc.memory.sliced_head(model, ['4'])" in least.python()
     assert "ampc.memory.sliced_head): 1 module(s), 4" in " ".join(least.table().split())
-    assert Plan.from_json(least.to_json()).data["sliced_head"] == ["4"]
+    assert Plan.from_json(least.to_json()).step.sliced_head == ("4",)
     bad = dict(least.as_dict(), sliced_head="4")
     with pytest.raises(ValueError, match="sliced_head must be a list of module names"):
         Plan(bad)

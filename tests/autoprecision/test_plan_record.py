@@ -32,8 +32,14 @@ def test_old_saved_plan_loads_and_round_trips(tmp_path):
     assert plan.unit("0").reason is Reason.SOLVED and plan.unit("1").kind == "norm"
     again = Plan.from_json(plan.to_json())
     assert again == plan and again.as_dict()["units"][0]["reason"] == "solved"
-    assert {k: v for k, v in again.as_dict().items() if k != "units"} == \
+    # what it held comes back as it was; the whole step, saved before it was chosen, is
+    # written out at what such a plan did: fp32 state, every gradient kept, nothing recomputed
+    saved = {k: v for k, v in again.as_dict().items() if k != "units"}
+    assert {k: v for k, v in saved.items() if k in OLD} == \
         {k: v for k, v in OLD.items() if k != "units"}
+    assert {k: v for k, v in saved.items() if k not in OLD} == {
+        "state": "fp32", "grads_freed": False, "recompute": [], "sliced_head": [],
+        "step_why": {}}
     assert "fp16: too slow here" in plan.table(details=True)
     assert next(l for l in plan.table().splitlines() if l.startswith("0 ")).endswith("fp16 slower")
     # saved before the noise yardstick: judged, and read back, by the fixed figures alone
@@ -251,3 +257,17 @@ def test_python_of_a_mixed_plan_runs_and_sets_what_apply_sets():
     for a, b in zip(pasted, applied):
         sa, sb = scope_of(a), scope_of(b)
         assert (sa is None) == (sb is None) and (sa is None or (sa.dtype, sa.ops) == (sb.dtype, sb.ops))
+
+
+def test_plan_saved_with_the_untyped_step_loads_typed():
+    # before plan.step and plan.peak: recompute and sliced_head lists, the peak a dict that
+    # also held grads_freed
+    old = dict(OLD, recompute=["1"], sliced_head=["0"],
+               peak={"budget": 1000, "fp32": 3000, "fastest": 2500, "bytes": 900, "met": True,
+                     "rounds": 2, "grads_freed": True})
+    plan = Plan(old)
+    assert plan.step.recompute == ("1",) and plan.step.sliced_head == ("0",)
+    assert plan.step.grads_freed is True and plan.step.state == "fp32"
+    assert plan.peak.bytes == 900 and plan.peak.met is True and plan.peak.rounds == 2
+    again = Plan.from_json(plan.to_json())
+    assert again.step == plan.step and again.peak == plan.peak

@@ -74,11 +74,13 @@ def test_one_fp32_pass_checks_the_batches_and_finds_silent_units():
     """Before measuring, one fp32 forward a batch both names a failing batch or loss_fn and
     finds the units that cannot show an error; then the measurement's own pass: with two
     batches and no whole-plan check, four forwards of the model in all (not six); one more
-    where the search times a slice of a batch to decide whether to measure on slices."""
+    where the search times a slice of a batch to decide whether to measure on slices. (The
+    time objective: the memory objective measures whole steps after this, for its whole-step
+    moves.)"""
     for examples, n in ((None, 4), (4, 5)):
         net = model()
         forwards = []
         net.register_forward_pre_hook(lambda m, args: forwards.append(1))   # copies keep it
-        search(net, batches(), candidates=("fp32", "bf16"), objective="memory", check=False,
+        search(net, batches(), candidates=("fp32", "bf16"), objective="time", check=False,
                max_slowdown=None, loss_unit=False, examples=examples)
         assert len(forwards) == n, examples

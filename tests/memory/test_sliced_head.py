@@ -131,7 +131,7 @@ def test_other_uses_make_the_logits_whole_with_a_warning():
 
 def test_refusals_and_remove():
     model = TinyLM()
-    with pytest.raises(TypeError, match=r"sliced_head: 'body.2' is LayerNorm; only an nn.Linear"):
+    with pytest.raises(TypeError, match=r"sliced_head: 'body.2' is torch.nn.modules.normalization.LayerNorm, not torch.nn.Linear; only a torch.nn.Linear head"):
         ampc.memory.sliced_head(model, "body.2")
     with pytest.raises(ValueError, match="sliced_head: chunk_tokens must be"):
         ampc.memory.sliced_head(model, "head", chunk_tokens=0)
@@ -145,3 +145,12 @@ def test_refusals_and_remove():
     assert isinstance(copied(tokens()), ampc.memory.DeferredLogits)
     handle.remove()
     assert ampc.memory.sliced_heads(model) == [] and type(model(tokens())) is torch.Tensor
+
+
+def test_an_fp8_head_is_refused_by_its_full_class_name():
+    # an ampc.fp8.Linear is also called "Linear": the message names both classes in full
+    model = TinyLM()
+    model.head = ampc.fp8.Linear(WIDTH, VOCAB)
+    with pytest.raises(TypeError, match=r"'head' is ampc\.fp8\.linear\.Linear, not torch\.nn\.Linear"):
+        ampc.memory.sliced_head(model, "head")
+    assert ampc.memory.sliced_heads(model) == []

@@ -1,0 +1,133 @@
+"""One plan for the whole step: plan.prepare makes the model and the optimizer as the plan
+says (the state, freed gradients, each module's precision and saved activations, blocks
+recomputed, the head sliced); a checkpoint of them resumes bit for bit; a plan read back
+from its file prepares the same."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import ampc
+from ampc.autoprecision import Plan, search
+from ampc.autoprecision._step import Peak, Step
+from autoprecision_models import Block
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), Block(), Block(), nn.Linear(64, 1024))
+
+
+def _batches(n=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(256, 32, generator=g), torch.randint(0, 1024, (256,), generator=g))
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def plan():
+    """A budget no plan meets: every whole-step move taken."""
+    with pytest.warns(UserWarning, match="NOT met"):
+        return search(_model(), _batches(), candidates=("fp32", "bf16", "bf16+8b"),
+                      objective="memory", peak_bytes=1, repeats=1)
+
+
+def _train(plan, model, opt, batches):
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        with plan.autocast():
+            out = model(x)
+        loss = plan.loss(None)(out, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_prepare_makes_what_the_plan_chose(plan):
+    assert plan.step.state == "lean" and plan.step.sliced_head
+    model, opt = plan.prepare(_model(), ampc.optim.AdamW, lr=1e-3)
+    assert isinstance(opt, ampc.optim.AdamW)
+    assert opt.step_in_backward == plan.step.grads_freed
+    assert all(g["moments"] == "8bit" and g["stochastic_rounding"] for g in opt.param_groups)
+    assert model[0].weight.dtype == torch.bfloat16
+    assert ampc.memory.sliced_heads(model) == list(plan.step.sliced_head)
+    assert ampc.memory.recomputed(model) == list(plan.step.recompute)
+    coded = {u.module for u in plan if u.choice.endswith("+8b")}
+    assert set(ampc.memory.compressed(model)) == coded
+    losses = _train(plan, model, opt, _batches(6, seed=1))
+    assert all(l == l for l in losses) and losses[-1] < losses[0]
+
+
+def test_the_plan_file_prepares_the_same_and_trains_the_same(plan, tmp_path):
+    again = Plan.load(plan.save(str(tmp_path / "plan.json")))
+    assert again.step == plan.step and again.peak == plan.peak
+    runs = []
+    for p in (plan, again):
+        model, opt = p.prepare(_model(), ampc.optim.AdamW, lr=1e-3)
+        runs.append(_train(p, model, opt, _batches(3, seed=2)))
+    assert runs[0] == runs[1]
+
+
+def test_a_checkpoint_of_the_prepared_model_and_optimizer_resumes_bit_for_bit(plan):
+    batches = _batches(6, seed=3)
+    model, opt = plan.prepare(_model(), ampc.optim.AdamW, lr=1e-3)
+    _train(plan, model, opt, batches[:3])
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    rng = torch.get_rng_state()
+    straight = _train(plan, model, opt, batches[3:])
+    # a fresh process's view: the plan prepares a new model, the checkpoint is loaded
+    fresh, fresh_opt = plan.prepare(_model(), ampc.optim.AdamW, lr=1e-3)
+    fresh.load_state_dict(ckpt["model"])
+    fresh_opt.load_state_dict(ckpt["opt"])
+    torch.set_rng_state(rng)        # the stochastic rounding's draws follow torch's generator
+    resumed = _train(plan, fresh, fresh_opt, batches[3:])
+    assert resumed == straight
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_the_memory_objective_without_a_budget_takes_the_free_moves():
+    plan = search(_model(), _batches(), candidates=("fp32", "bf16", "bf16+8b"),
+                  objective="memory", repeats=1)
+    assert plan.peak is not None and plan.peak.budget is None
+    # the module choices may stay fp32 where 16-bit compute is slow; the whole-step moves
+    # lower the peak whatever they are
+    assert plan.peak.bytes < plan.peak.fastest <= plan.peak.fp32
+    assert plan.peak.by_kind["grads"] == 0
+    assert plan.step.state == "lean"
+    assert set(plan.step.why) >= {"grads freed", "state"}
+    assert "step peak" in plan.table()
+
+
+def test_a_step_record_refuses_bad_fields_by_name(plan):
+    d = plan.as_dict()
+    for key, bad, match in (("state", "tiny", "state must be one of"),
+                            ("grads_freed", "yes", "grads_freed must be True or False"),
+                            ("recompute", "1", "recompute must be a list"),
+                            ("peak", {"bytes": 1}, "peak must hold")):
+        with pytest.raises(ValueError, match=f"ampc.autoprecision.Plan: {match}"):
+            Plan(dict(d, **{key: bad}))
+
+
+def test_a_plan_saved_before_the_step_was_recorded_loads_as_fp32(plan):
+    d = plan.as_dict()
+    for key in ("state", "grads_freed", "step_why"):
+        d.pop(key)
+    d["peak"] = dict(d["peak"], grads_freed=True)
+    old = Plan(d)
+    assert old.step.state == "fp32" and old.step.grads_freed is True
+
+
+def test_prepare_refuses_what_it_cannot_make_before_anything_changes(plan):
+    model = _model().to(torch.bfloat16)
+    with pytest.raises(ValueError, match="Plan.prepare: parameter 0.weight is torch.bfloat16"):
+        plan.prepare(model, ampc.optim.AdamW)
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="moments is the plan's choice"):
+        plan.prepare(model, ampc.optim.AdamW, moments="fp32")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not ampc.memory.recomputed(model) and not ampc.memory.sliced_heads(model)
