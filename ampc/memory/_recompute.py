@@ -12,6 +12,10 @@ place (BatchNorm's running statistics and its counter) are put back after the re
 and a KV cache is turned off while the modules recompute (``config.use_cache`` of a
 transformers model, as its own gradient checkpointing does, said once); a cache that still
 reaches a recomputed module in training is refused by name before the module runs.
+
+A module that changes its input in place (an activation with ``inplace=True``) is refused:
+its recomputation would start from the values it overwrote (torch would stop the backward
+with a version-counter error that names no module).
 """
 from __future__ import annotations
 
@@ -195,6 +199,12 @@ def recompute(model: torch.nn.Module, modules: str | torch.nn.Module | Iterable)
         raise TypeError(f"ampc.memory.recompute: model is {type(model).__name__}, expected a torch.nn.Module")
     chosen, names = _find_modules("ampc.memory.recompute", model, modules, _ATTR,
                                   "recomputes already")
+    for m, n in zip(chosen, names):
+        if getattr(m, "inplace", False) is True:
+            raise ValueError(f"ampc.memory.recompute: {n!r} ({type(m).__name__}) works in place "
+                             "(inplace=True): its recomputation would start from the input it "
+                             "overwrote; leave it out (its output is its input: recomputing it "
+                             "saves nothing) or recompute the module around it")
     handle = Recompute(names, chosen, _cache_off(model))
     handle.wrap(_recomputed_forward)
     return handle
@@ -231,7 +241,16 @@ def _recomputed_forward(module, *args, **kwargs):
                 with torch.no_grad():
                     for b, a in zip(changed, after):
                         b.copy_(a)
+        # (under torch.compile a version read would break the graph: its own checks apply)
+        inputs = ([] if torch.compiler.is_compiling() else
+                  [(v, v._version) for v in values if isinstance(v, torch.Tensor)])
         out = inner(*values[:n], **dict(zip(keys, values[n:])))
+        if any(v._version != version for v, version in inputs):
+            raise RuntimeError(
+                f"ampc.memory.recompute: a {type(module).__name__} that recomputes changed its "
+                "input in place (an in-place op on it, such as an activation with inplace=True): "
+                "its recomputation would start from the changed values; make that op out of "
+                "place or recompute the module around it")
         changed.extend(b for b, v in zip(buffers, versions) if b._version != v)
         changed.extend(b for b in _running_stats(module) if all(b is not c for c in changed))
         return out

@@ -60,6 +60,15 @@ class MemoryReport:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def by_kind(self) -> dict[str, int]:
+        """The peak in five kinds, as a whole-step plan reads it: weights (buffers with
+        them), grads, state (the optimizer's), activations (saved), other (the batch and
+        the rest)."""
+        p = self.parts
+        return {"weights": p.get("weights", 0) + p.get("buffers", 0), "grads": p.get("grads", 0),
+                "state": p.get("optimizer state", 0), "activations": p.get("saved activations", 0),
+                "other": p.get("batch", 0) + p.get("other", 0)}
+
     def top(self, n: int = 10) -> list[tuple[str, int, int]]:
         """(module, bytes saved, bytes of them alive at the peak) of the ``n`` modules saving
         the most, the last row "(N others)" summing the rest."""

@@ -12,7 +12,6 @@ Without gradients (evaluation) the head is plain.
 """
 from __future__ import annotations
 
-import functools
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from ._head_loss import linear_cross_entropy
-from ._recompute import ModuleHandle, _find_modules
+from ._recompute import ModuleHandle, _find_modules, marked
 
 _WARNED = weakref.WeakSet()   # heads whose logits were made whole once (warned then)
 _ATTR = "_ampc_sliced_head"   # on a head: (its handle, the forward it had before, chunk_tokens)
@@ -44,7 +43,7 @@ class SlicedHead(ModuleHandle):
 
 def sliced_heads(model: torch.nn.Module) -> list[str]:
     """Names of the modules of ``model`` whose logits are deferred to the loss."""
-    return [n or "(model)" for n, m in model.named_modules() if _ATTR in m.__dict__]
+    return list(marked(model, _ATTR))
 
 
 def sliced_head(model: torch.nn.Module, modules: str | torch.nn.Module | Iterable, *,
@@ -70,14 +69,11 @@ def sliced_head(model: torch.nn.Module, modules: str | torch.nn.Module | Iterabl
                             "torch.nn.Linear; only a torch.nn.Linear head can defer its logits "
                             "(an fp8 Linear computes another way)")
     handle = SlicedHead(names, chosen)
-    for m in chosen:
-        m.__dict__[_ATTR] = (handle, m.__dict__.get("forward"), chunk_tokens)
-        m.__dict__["forward"] = functools.partial(_sliced_forward, m)
+    handle.wrap(_sliced_forward, chunk_tokens)
     return handle
 
 
 def _sliced_forward(module, hidden):
-    # bound by functools.partial, not a closure: a deepcopy of the model calls its own module
     if not torch.is_grad_enabled() or not isinstance(hidden, torch.Tensor):
         return F.linear(hidden, module.weight, module.bias)
     # the dtype the plain head computes in here (autocast, a policy scope): one row tells

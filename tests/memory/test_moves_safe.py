@@ -142,3 +142,35 @@ def test_batch_norm_statistics_are_updated_once():
     for (n, a), (_, b) in zip(plain.named_buffers(), moved.named_buffers()):
         assert a.equal(b), n
     assert moved[0][1].num_batches_tracked.item() == 3
+
+
+class _DoublesItsInput(nn.Module):
+    def forward(self, x):
+        x.mul_(2)                 # in place on the input it was given
+        return x * x
+
+
+def test_an_in_place_module_is_refused_by_name_before_it_changes():
+    # without the refusal torch stops the backward with a version-counter error naming no module
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"ampc.memory.recompute: '1' \(ReLU\) works in place"):
+        ampc.memory.recompute(model, "1")
+    assert ampc.memory.recomputed(model) == []
+    # a block with the in-place op inside, on its own intermediate, recomputes exactly
+    block = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8))
+    model = nn.Sequential(block, nn.Linear(8, 4))
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    plain(x).square().sum().backward()
+    ampc.memory.recompute(model, "0")
+    model(x).square().sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_a_module_changing_its_input_in_place_is_named_in_the_forward():
+    model = nn.Sequential(nn.Linear(8, 8), _DoublesItsInput(), nn.Linear(8, 8))
+    ampc.memory.recompute(model, "1")
+    with pytest.raises(RuntimeError, match="a _DoublesItsInput that recomputes changed its input "
+                                           "in place"):
+        model(torch.randn(4, 8))
