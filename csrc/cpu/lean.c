@@ -29,7 +29,7 @@ ampc_status ampc_adam_lean_cpu(const struct ampc_lean_lists *lists,
     if (!coef)
         return AMPC_ERR_NOMEM;
     ampc_dtype pt = lists->params.dtype;
-    struct lean_job job = { lists, coef, args->moments, AMPC_WEIGHT_PARAM, AMPC_WRITE_NEAREST };
+    struct lean_chunks job = { lists, coef, args->moments, AMPC_WEIGHT_PARAM, AMPC_WRITE_NEAREST };
     if (lists->masters.count)
         job.weight = AMPC_WEIGHT_MASTER;
     else if (lists->compensations.count)

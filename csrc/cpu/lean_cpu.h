@@ -10,7 +10,8 @@
 
 struct ampc_adam_coef;
 
-struct lean_job {
+/* What every chunk of the CPU step shares. */
+struct lean_chunks {
     const struct ampc_lean_lists *lists;
     const struct ampc_adam_coef *coef;      /* one per tensor */
     int moments;
@@ -19,8 +20,8 @@ struct lean_job {
 };
 
 /* One chunk of the step, per instruction set (lean_loops.h). */
-void ampc_lean_chunk_avx512(const struct lean_job *job, const struct ampc_span *s);
-void ampc_lean_chunk_avx2(const struct lean_job *job, const struct ampc_span *s);
-void ampc_lean_chunk_scalar(const struct lean_job *job, const struct ampc_span *s);
+void ampc_lean_chunk_avx512(const struct lean_chunks *job, const struct ampc_span *s);
+void ampc_lean_chunk_avx2(const struct lean_chunks *job, const struct ampc_span *s);
+void ampc_lean_chunk_scalar(const struct lean_chunks *job, const struct ampc_span *s);
 
 #endif /* AMPC_LEAN_CPU_H */

@@ -126,7 +126,7 @@ static void *at(const struct ampc_list *l, int64_t t, int64_t i, int64_t size)
 }
 
 /* One chunk, block by block. */
-INLINE void chunk_loop(const struct lean_job *job, const struct ampc_span *s,
+INLINE void chunk_loop(const struct lean_chunks *job, const struct ampc_span *s,
                        const int moments, const int weight, const int write,
                        const ampc_dtype pt, const ampc_dtype gt)
 {
@@ -191,7 +191,7 @@ INLINE void chunk_loop(const struct lean_job *job, const struct ampc_span *s,
     CASE(fn, AMPC_MOMENTS_Q8, AMPC_WEIGHT_MASTER, AMPC_WRITE_SR, AMPC_BF16, AMPC_BF16);         \
     CASE(fn, AMPC_MOMENTS_F32, AMPC_WEIGHT_PARAM, AMPC_WRITE_NEAREST, AMPC_F32, AMPC_F32)
 
-void LEAN_CHUNK(const struct lean_job *job, const struct ampc_span *s)
+void LEAN_CHUNK(const struct lean_chunks *job, const struct ampc_span *s)
 {
     ampc_dtype pt = job->lists->params.dtype, gt = job->lists->grads.dtype;
     switch (LAYOUT(job->moments, job->weight, job->write, pt, gt)) {

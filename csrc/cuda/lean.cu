@@ -36,7 +36,7 @@ template <int P>
 using lean_table = mt_table_of<LEAN_LISTS, P>;
 
 /* What every block of a call shares besides its table. */
-struct lean_call {
+struct lean_launch {
     struct ampc_adam_control control;
     struct ampc_lean_args args;
     ampc_dtype pd;
@@ -45,12 +45,12 @@ struct lean_call {
     int write;              /* AMPC_WRITE_NEAREST or _SR */
 };
 
-static_assert(MT_PARAMS_OTHER >= sizeof(struct lean_call),
+static_assert(MT_PARAMS_OTHER >= sizeof(struct lean_launch),
               "lean's kernel arguments do not fit beside its table");
 
 template <int P>
 __global__ void __launch_bounds__(AMPC_QBLOCK)
-lean_kernel(const __grid_constant__ lean_table<P> tab, const __grid_constant__ struct lean_call c)
+lean_kernel(const __grid_constant__ lean_table<P> tab, const __grid_constant__ struct lean_launch c)
 {
     __shared__ struct ampc_adam_coef coef;
     __shared__ uint32_t red_m[AMPC_QBLOCK];
@@ -117,7 +117,7 @@ lean_kernel(const __grid_constant__ lean_table<P> tab, const __grid_constant__ s
 
 template <int P>
 struct lean_ctx {
-    struct lean_call call;
+    struct lean_launch call;
     cudaStream_t stream;
 };
 

@@ -210,11 +210,14 @@ static inline struct ampc_list as_list(struct list *ls, ampc_dtype dt)
 /* A list of zero or one 1-element tensor of `dtype`: its data, or NULL. */
 void *option(struct call *c, struct list *ls, const char *name, int32_t dtype);
 
-/* lr (unless it lives on the device), betas, eps and weight_decay of an Adam op are in
- * range (ops_adam.c). */
+/* What the Adam ops check alike (adam_args.c). The params and grads: float lists of equal
+ * shapes, every argument described for errors first. */
+void take_params_grads(struct call *c, struct list *params, struct list *grads,
+                       struct ampc_list *p, struct ampc_list *g);
+/* One fp32 step count a param, as a kernel's list. */
+struct ampc_list take_steps(struct call *c, struct list *steps, struct list *params);
+/* lr (unless it lives on the device), betas, eps and weight_decay are in range. */
 void check_adam_args(struct call *c, const struct ampc_adam_args *a, int lr_on_device);
-/* One fp32 step count a param (ops_adam.c). */
-void check_steps(struct call *c, struct list *steps, struct list *params);
 
 /* The arguments every Adam op shares (ampc_ops.h's AMPC_ADAM_CONTROL, AMPC_ADAM_ROUNDING)
  * from its struct <op>_args `a` into a struct ampc_adam_control and ampc_adam_args,

@@ -3,7 +3,6 @@
  * step with the state of all params packed in one buffer): arguments checked, then the
  * Adam kernel run.
  */
-#include <math.h>
 #include <stdlib.h>
 
 #include "call.h"
@@ -35,45 +34,17 @@ static struct ampc_list f32_list(struct call *c, struct list *ls, const char *na
     return out;
 }
 
-void check_adam_args(struct call *c, const struct ampc_adam_args *a, int lr_on_device)
-{
-    if (!lr_on_device && !(a->lr >= 0 && isfinite(a->lr)))
-        fail(c, "lr must be a finite number >= 0, got %g", a->lr);
-    if (!(a->beta1 >= 0 && a->beta1 < 1))
-        fail(c, "beta1 must be in [0, 1), got %g", a->beta1);
-    if (!(a->beta2 >= 0 && a->beta2 < 1))
-        fail(c, "beta2 must be in [0, 1), got %g", a->beta2);
-    if (!(a->eps >= 0 && isfinite(a->eps)))
-        fail(c, "eps must be a finite number >= 0, got %g", a->eps);
-    if (!(a->weight_decay >= 0 && isfinite(a->weight_decay)))
-        fail(c, "weight_decay must be a finite number >= 0, got %g", a->weight_decay);
-}
-
-void check_steps(struct call *c, struct list *steps, struct list *params)
-{
-    if (steps->count != params->count)
-        fail(c, "steps must have as many tensors as params (%lld), got %lld",
-             (long long)params->count, (long long)steps->count);
-    for (int64_t i = 0; i < steps->count; i++)
-        check_scalar(c, &steps->t[i], aoti_torch_dtype_float32(), 0);
-}
-
 void ampc_op_adam_master(struct call *c, struct adam_master_args *a)
 {
-    describe_all(c);
     struct adam_job job;
     struct ampc_adam_lists *l = &job.lists;
-    l->params = float_list(c, a->params);
-    l->grads = float_list(c, a->grads);
-    check_same_shapes(c, a->grads, "grads", a->params, "params");
+    take_params_grads(c, a->params, a->grads, &l->params, &l->grads);
     l->masters = f32_list(c, a->masters, "masters", a->params, "params", 1);
     l->exp_avgs = f32_list(c, a->exp_avgs, "exp_avgs", a->params, "params", 0);
     l->exp_avg_sqs = f32_list(c, a->exp_avg_sqs, "exp_avg_sqs", a->params, "params", 0);
     l->max_exp_avg_sqs = f32_list(c, a->max_exp_avg_sqs, "max_exp_avg_sqs", a->params,
                                   "params", 1);
-    struct list *steps = a->steps;
-    l->steps = (struct ampc_list){ steps->ptr, steps->numel, steps->count, AMPC_F32 };
-    check_steps(c, steps, a->params);
+    l->steps = take_steps(c, a->steps, a->params);
     TAKE_ADAM_ARGS(c, &job.control, &job.args, a);
     check_overlap(c);
     run(c, adam_on_cpu, adam_on_cuda, &job);

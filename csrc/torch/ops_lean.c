@@ -7,13 +7,13 @@
 
 // ---- adam_lean (its schema: ampc_ops.h) ----
 
-struct lean_job {
+struct adam_lean_job {
     struct ampc_lean_lists lists;
     struct ampc_adam_control control;
     struct ampc_lean_args args;
 };
 
-ON_DEVICES(adam_lean, lean_job, &job->lists, &job->control, &job->args)
+ON_DEVICES(adam_lean, adam_lean_job, &job->lists, &job->control, &job->args)
 
 /* The kind of moments, from exp_avgs[0]'s dtype; both moment lists are checked to share it. */
 static int moments_kind(struct call *c, struct list *m, struct list *v)
@@ -35,12 +35,9 @@ static int moments_kind(struct call *c, struct list *m, struct list *v)
 
 void ampc_op_adam_lean(struct call *c, struct adam_lean_args *a)
 {
-    describe_all(c);
-    struct lean_job job;
+    struct adam_lean_job job;
     struct ampc_lean_lists *l = &job.lists;
-    l->params = float_list(c, a->params);
-    l->grads = float_list(c, a->grads);
-    check_same_shapes(c, a->grads, "grads", a->params, "params");
+    take_params_grads(c, a->params, a->grads, &l->params, &l->grads);
     l->masters = as_list(a->masters, AMPC_F32);
     if (a->masters->count) {
         check_dtype(c, a->masters, aoti_torch_dtype_float32(), "torch.float32");
@@ -71,8 +68,7 @@ void ampc_op_adam_lean(struct call *c, struct adam_lean_args *a)
         fail(c, "exp_avg_scales and exp_avg_sq_scales are for 8-bit (torch.uint8) moments "
              "only: give none with %s moments", dtype_name(a->exp_avgs->t[0].dtype));
     }
-    l->steps = as_list(a->steps, AMPC_F32);
-    check_steps(c, a->steps, a->params);
+    l->steps = take_steps(c, a->steps, a->params);
     TAKE_ADAM_ARGS(c, &job.control, &job.args.adam, a);
     check_overlap(c);
     run(c, adam_lean_on_cpu, adam_lean_on_cuda, &job);
