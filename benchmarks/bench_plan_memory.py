@@ -13,7 +13,7 @@ GPT-2-shaped model of bench_lean_memory.py (16.9M, width 512, 4 layers, vocab 8,
     python benchmarks/bench_plan_memory.py [--sizes 16x256,4x128] [--fractions 0.30,0.35] [--reps 5]
                                            [--width 512] [--layers 4] [--vocab 8192] [--no-compile]
 
---fractions: one per size, the budget as a fraction of torch.amp's peak. Peak: ampc.memory.report (live tensors
+--fractions: one per size, the budget as a fraction of torch.amp's peak. --reps 0: the peaks alone. Peak: ampc.memory.report (live tensors
 at the step's start plus the profiler's running maximum over a step, after a warm-up step that compiles).
 Time: the whole training step, reps interleaved across the arms (each timed rep after an untimed one), the
 ratio to torch.amp's step taken within each round, median and quartiles over the rounds; the 1-minute load
@@ -128,13 +128,23 @@ def run_size(args, batch, context, fraction):
     describe("ampc plan, no budget", default, s, amp_peak)
     arms["ampc plan, no budget"] = plan_arm(args, default)
     peaks = {name: peak(arm, one) for name, arm in arms.items()}
-    fns = {name: stepper(arm, one) for name, arm in arms.items()}
+    if not args.reps:           # peaks only (exact, not noisy): where a step takes long
+        print(f"\n{'arm':<30} {'peak MiB':>9} {'vs amp':>7}")
+        for name in arms:
+            print(f"{name:<30} {peaks[name] / MiB:9.1f} {peaks[name] / peaks['torch.amp']:6.2f}x")
+        return
+    timed = [n for n in arms if not (args.peak_only_compile and n.startswith("torch.compile"))]
+    fns = {name: stepper(arms[name], one) for name in timed}
     times = H.time_reps(fns, "cpu", reps=args.reps, warm=True)
     load = os.getloadavg()[0]
     print(f"\nstep time: {args.reps} interleaved reps; ratio to torch.amp's step within each round, median "
           f"[q1, q3]; 1-min load {load:.2f} on {os.cpu_count()} CPUs")
     print(f"{'arm':<30} {'peak MiB':>9} {'vs amp':>7} {'step ms':>9} {'vs amp [q1, q3]':>22}")
     for name in arms:
+        if name not in times:
+            print(f"{name:<30} {peaks[name] / MiB:9.1f} {peaks[name] / peaks['torch.amp']:6.2f}x "
+                  f"{'(not timed)':>9}")
+            continue
         ratios = [t / a for t, a in zip(times[name], times["torch.amp"])]
         q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
         print(f"{name:<30} {peaks[name] / MiB:9.1f} {peaks[name] / peaks['torch.amp']:6.2f}x "
@@ -149,8 +159,10 @@ def main():
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=5, help="0: the peaks only, no step timed")
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile arms")
+    p.add_argument("--peak-only-compile", action="store_true",
+                   help="the torch.compile arms' peaks only, their steps not timed")
     args = p.parse_args()
     print(H.machine("cpu"))
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]

@@ -186,10 +186,21 @@ def free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=None):
                                  f"{_step.QUALITY['lean']}")
     for h in heads_bytes:
         u = plan.unit(h)
-        if h in plan.step.sliced_head or not _sliceable(u.choice):
+        if h in plan.step.sliced_head:
             continue
-        if _candidates.saved(u.choice):           # the loss keeps its input whole
-            plan.set_choice(h, _candidates.get(u.choice).raise_to, Reason.PEAK)
+        # the loss keeps a sliced head's input whole (a code would only add a copy), and an
+        # fp8 Linear computes another way: such a head takes the fastest candidate measured
+        # that can be sliced (a bf16 head on a CPU without AVX-512 BF16 would cost more
+        # than the slice saves in time), kept only with the slice
+        up = u.choice
+        if not _sliceable(up, sliced=True):
+            can = [c for c, o in u.options.items() if _sliceable(c, sliced=True)
+                   and not o.get("error") and o.get("ms") and c not in u.rejected]
+            if not can:
+                continue
+            up = min(can, key=lambda c: u.options[c]["ms"])
+        if up != u.choice:
+            plan.set_choice(h, up, Reason.PEAK)
         if not attempt(f"sliced head {h}", {"sliced_head": plan.step.sliced_head + (h,)},
                        {"sliced_head": plan.step.sliced_head}):
             plan.set_choice(h, u.choice, u.reason)
@@ -256,6 +267,8 @@ class _Lowering:
         self.limits, self.totals = summed_errors(measured, self.choice, budget)
         self.recompute, self.saved = list(recompute), saved
         self.sliced, self.head_bytes = list(sliced(plan)), head_bytes or {}
+        # gradients freed in the backward: no choice may need the loss scaler's whole look
+        self.scaled_ok = not plan.step.grads_freed
 
     def _ms(self, n, c):
         return self.measured[n][c].get("ms") or 0.0
@@ -272,6 +285,8 @@ class _Lowering:
                 continue                      # saves nothing: the block keeps only its input
             for a in self.usable[n]:
                 if n in self.sliced and not _sliceable(a, sliced=True):
+                    continue
+                if not self.scaled_ok and _candidates.loss_scaled(a):
                     continue
 
                 saved = (self.measured[n][c].get("bytes") or 0) - (self.measured[n][a].get("bytes") or 0)
@@ -306,7 +321,7 @@ class _Lowering:
                 self.sliced.append(n)
                 c = self.choice[n]
                 if _candidates.saved(c):          # its input is kept whole for the loss
-                    self._move(n, _candidates.get(c).raise_to, changed)
+                    self._move(n, _up(self.measured[n], c), changed)
                 continue
             if a is None:
                 new_blocks.append(n)
@@ -314,7 +329,7 @@ class _Lowering:
                 # its modules' 8-bit codes would only add a copy: nothing inside is saved
                 for u, c in self.choice.items():
                     if _inside(u, n) and _candidates.saved(c):
-                        self._move(u, _candidates.get(c).raise_to, changed)
+                        self._move(u, _up(self.measured[u], c), changed)
                 continue
             self._move(n, a, changed)
         return changed, new_blocks, got
@@ -324,6 +339,20 @@ class _Lowering:
             self.totals[k] += (_err(self.measured[n][a], k) ** 2
                                - _err(self.measured[n][self.choice[n]], k) ** 2)
         self.choice[n] = changed[n] = a
+
+
+def _up(options, choice):
+    """The first candidate one step up from ``choice`` and on (``raise_to``) that keeps its
+    saved tensors as they are and was measured without error for the unit (``options``: its
+    figures by candidate); ``choice`` itself where none is."""
+    c = choice
+    while True:
+        if not _candidates.saved(c) and c in options and not options[c].get("error"):
+            return c
+        up = _candidates.get(c).raise_to
+        if up == c:
+            return choice
+        c = up
 
 
 def _sliceable(choice, sliced=False):
@@ -387,6 +416,10 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
         if predicted > 0:
             scale = min(1.0, max(0.05, (rep.peak - new.peak) / predicted))
         rep = new
+    if rep.peak > peak_bytes and not plan.step.grads_freed:
+        # a move left for the fastest plan may be open now (its fp16 modules lowered to
+        # bf16 or fp32 need no loss scaler): tried again
+        rep = free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=peak_bytes)
     plan.set_peak(_step.Peak(int(peak_bytes), fp32_peak, first, rep.peak, rounds,
                              by_kind=_step.by_kind(rep)))
 
@@ -439,12 +472,69 @@ def settle(plan, model, batches, loss_fn, optimizer, fitted):
     plan.data["notes"].append(what)
 
 
-def whole_step(plan, model, batches, loss_fn, optimizer):
+def whole_step(plan, model, batches, loss_fn, optimizer, measured, budget, room_ms):
     """Without a byte budget (the memory objective): the moves that cost about no time
-    (:func:`free_moves`) taken where the step's peak falls, and the peak measured, by kind."""
+    (:func:`free_moves`) taken where the step's peak falls, then blocks recomputed in the
+    ``room_ms`` a step the time ceiling leaves (:func:`recompute_in_room`), and the peak
+    measured, by kind."""
     batch = batches[0]
     fp32_peak = step_peak(model, _all_fp32(plan), batch, loss_fn, optimizer).peak
     rep = step_peak(model, plan, batch, loss_fn, optimizer)
     first = rep.peak
     rep = free_moves(plan, model, batch, loss_fn, optimizer, rep)
+    rep = recompute_in_room(plan, model, batch, loss_fn, optimizer, measured, budget, rep,
+                            max(room_ms, 0.0))
     plan.set_peak(_step.Peak(None, fp32_peak, first, rep.peak, by_kind=_step.by_kind(rep)))
+
+
+def room(plan, ceiling):
+    """Milliseconds a step may still add under the memory objective's ceiling on a step's
+    slowdown (``ceiling`` x the sum of each unit's fastest measured time), by the units'
+    figures; infinite without a ceiling."""
+    if ceiling is None:
+        return math.inf
+    fastest = sum(min((o["ms"] for o in u.options.values() if o.get("ms")), default=0.0)
+                  for u in plan.every_unit)
+    now = sum(u.figures().get("ms") or 0.0 for u in plan.every_unit)
+    return ceiling * fastest - now
+
+
+def recompute_in_room(plan, model, batch, loss_fn, optimizer, measured, budget, rep, room_ms):
+    """Blocks recomputed, most bytes saved for the least time first, while their predicted
+    time (a third of their units' forward + backward) fits ``room_ms``; the step measured and
+    the blocks kept only where its peak falls (``plan.step.why["recompute"]`` says which)."""
+    names = blocks(model, [u.module for u in plan])
+    low = _Lowering(plan, {n: [c] for n, c in plan.decisions.items()}, measured, budget,
+                    recomputed(plan), _block_saved(rep, names))
+    before = ({u.module: u for u in plan.every_unit}, recomputed(plan), sliced(plan),
+              plan.step.why)
+    changed, spent, taken = {}, 0.0, []
+    for cost_per_byte, minus_saved, b, a in low.moves():
+        cost = cost_per_byte * -minus_saved
+        if a is not None or spent + cost > room_ms:
+            continue
+        spent += cost
+        taken.append(b)
+        low.recompute.append(b)
+        for u, c in low.choice.items():          # codes inside a recomputed block: dropped
+            if _inside(u, b) and _candidates.saved(c):
+                low._move(u, _up(measured[u], c), changed)
+    if not taken:
+        plan.set_step(why={**plan.step.why, "recompute": (
+            f"left: no block's recomputation fits the {room_ms:.1f} ms a step the ceiling "
+            "leaves" if names else "left: no block of two units or more to recompute")})
+        return rep
+    for n, c in changed.items():
+        plan.set_choice(n, c, Reason.PEAK)
+    plan.set_step(recompute=low.recompute)
+    new = step_peak(model, plan, batch, loss_fn, optimizer)
+    if new.peak < rep.peak:
+        plan.set_step(why={**plan.step.why, "recompute": (
+            f"taken: {len(taken)} block(s), about {spent:.1f} ms a step of the {room_ms:.1f} "
+            f"the ceiling leaves; the step's peak {rep.peak / MiB:.1f} -> {new.peak / MiB:.1f} MiB")})
+        return new
+    _undo(plan, before)
+    plan.set_step(why={**plan.step.why, "recompute": (
+        f"left: {len(taken)} block(s) recomputed did not lower the step's peak "
+        f"({new.peak / MiB:.1f} MiB)")})
+    return rep

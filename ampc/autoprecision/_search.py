@@ -332,7 +332,8 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     # a candidate this slow is not measured further: under the ceiling, past it with room
     # for noise (fp32 always fits the budget, so a candidate over ceiling x fp32's time is
     # ruled out whatever the others measure)
-    slow = SLOW if goal.by_speed else ceiling and CEILING_SLACK * ceiling
+    # (with a byte budget the first plan is the fastest, as the time objective's: the same)
+    slow = SLOW if goal.by_speed or peak_bytes is not None else ceiling and CEILING_SLACK * ceiling
     loss_fn = loss_fn or default_loss
     params = list(model.parameters())
     device = device or (params[0].device.type if params else "cpu")
@@ -379,7 +380,8 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     if peak_bytes is not None:
         _peak.settle(plan, model, whole, loss_fn, optimizer, fitted)
     elif not goal.by_speed:
-        _peak.whole_step(plan, model, whole, loss_fn, optimizer)
+        _peak.whole_step(plan, model, whole, loss_fn, optimizer, measured, budget,
+                         _peak.room(plan, ceiling))
     plan.data["predicted"] = {
         "fp32_ms": sum(u.options["fp32"]["ms"] or 0.0 for u in plan.every_unit),
         "plan_ms": sum(u.figures()["ms"] or 0.0 for u in plan.every_unit)}
@@ -414,9 +416,10 @@ def _units_and_options(model, types, candidates, objective, device, ceiling, bud
     notes saying which were not tried. The time objective tries no candidate whose matmul
     runs SLOW times fp32's here; under the memory objective's ceiling (a unit's candidate
     that much slower is ruled out anyway) the matmul and conv units do not try it, the rest
-    are measured (a norm's time is mostly not a matmul's). Under a byte ``budget`` the
-    matmul and conv units do not try fp16 where its matmul is that slow and bf16's is not:
-    it keeps the bytes bf16 keeps (and measuring it on such a CPU took most of a search)."""
+    are measured (a norm's time is mostly not a matmul's). Under a byte ``budget`` the same:
+    the first plan is the fastest, and a matmul that slow saves its bytes at a higher price
+    than the 8-bit codes or a recomputed block (measuring it on such a CPU took most of a
+    search)."""
     found = _units.find_units(model, tuple(types) if types else None)
     if not found:
         raise ValueError("ampc.autoprecision.search: the model has no module of the types "
@@ -424,9 +427,6 @@ def _units_and_options(model, types, candidates, objective, device, ceiling, bud
                          "name yours with units=")
     everywhere = _objectives.get(objective).by_speed
     skipped = probe(candidates, device) if everywhere or ceiling is not None or budget else {}
-    if budget:      # (the memory objective's: no ceiling then)
-        skipped = {c: why for c, why in skipped.items()
-                   if c == "fp16" and "bf16" in candidates and "bf16" not in skipped}
     where = "" if everywhere else " on the matmul and conv modules"
     notes = [f"{c} not tried{where}: {why}" for c, why in skipped.items()]
 

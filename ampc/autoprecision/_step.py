@@ -95,8 +95,6 @@ class Step:
 
 RECORD_KEYS = ("state", "grads_freed", "recompute", "sliced_head", "step_why")
 
-KINDS = ("weights", "grads", "state", "activations", "other")
-
 
 @dataclass(frozen=True)
 class Peak:
@@ -127,12 +125,8 @@ class Peak:
 
 
 def by_kind(report) -> dict[str, int]:
-    """A step's peak by the plan's kinds, from ``ampc.memory.report``'s parts."""
-    parts = report.parts
-    return {"weights": parts.get("weights", 0) + parts.get("buffers", 0),
-            "grads": parts.get("grads", 0), "state": parts.get("optimizer state", 0),
-            "activations": parts.get("saved activations", 0),
-            "other": parts.get("batch", 0) + parts.get("other", 0)}
+    """A step's peak by the plan's kinds (``ampc.memory.report``'s ``by_kind``)."""
+    return report.by_kind()
 
 
 def make(step: Step, model: torch.nn.Module, optimizer: Callable, **kwargs: Any):

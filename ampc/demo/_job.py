@@ -138,8 +138,9 @@ def search_memory_plan(job, train, log):
     found = job.batches(train, job.seed + 2)
     batches = [tuple(t.to(job.device) for t in found(k)) for k in range(SEARCH_BATCHES)]
     model = model_maker(job.size)().to(job.device)
-    amp_peak = memory.report(model, torch_adamw(model.parameters(), LR), batches[0],
-                             autocast=job.dtype).peak
+    amp = memory.report(model, torch_adamw(model.parameters(), LR), batches[0],
+                        autocast=job.dtype)
+    amp_peak = amp.peak
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")     # a budget not met is said from the plan's notes
         plan = autoprecision.search(
@@ -148,7 +149,10 @@ def search_memory_plan(job, train, log):
             optimizer=lambda params: torch_adamw(params, LR))
     search_s = time.perf_counter() - t0
     describe_memory_plan(plan, amp_peak, MEMORY_BUDGET, search_s, log)
-    return plan, search_s
+    # the two steps' peaks by kind, for the picture
+    by_kind = {f"torch.amp {job.dname}": amp.by_kind(),
+               f"ampc memory {job.dname}": dict(plan.peak.by_kind)}
+    return plan, search_s, by_kind
 
 
 def train_runs(job, plans, train, val, log):
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
 
     job, n_params = size_job(args, speeds, train, t_start + args.budget, log)
     plan, search_s = search_plan(job, train, speeds["low"] / speeds["fp32"], log)
-    memory_plan, memory_search_s = search_memory_plan(job, train, log)
+    memory_plan, memory_search_s, by_kind = search_memory_plan(job, train, log)
     report, train_s = train_runs(job, (plan, memory_plan), train, val, log)
     rows, payback, layer_report = report_results(job, report, train, plan, search_s, train_s, log)
     text = sample_text(job, report, log)
@@ -242,7 +246,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
             "table": rows, "compare": report.as_dict(), "layers": layer_report.as_dict(),
             "plan": plan.as_dict(), "search_s": search_s,
             "memory_plan": memory_plan.as_dict(), "memory_search_s": memory_search_s,
-            "search_payback_steps": payback, "sample": text}
+            "search_payback_steps": payback, "sample": text, "peak_by_kind": by_kind}
     write_all(args.out, log.lines, data, report, layer_report,
               {"plan": plan, "memory_plan": memory_plan}, log)
     log(f"done in {time.perf_counter() - t_start:.0f} s")

@@ -120,7 +120,8 @@ def write_all(out, lines, data, report, layer_report, plans, log):
     ``plans`` ({NAME: plan}), and where they went."""
     throughput = {row["setup"]: row["tokens_per_s"] for row in data["table"]}
     paths = write_outputs(out, "demo", "\n".join(lines), data,
-                          lambda plt, path: report.plot(plt, path, throughput))
+                          lambda plt, path: report.plot(plt, path, throughput,
+                                                        data.get("peak_by_kind")))
     layer_paths = layer_report.save(out)
     written = []
     for name, plan in plans.items():
@@ -130,7 +131,7 @@ def write_all(out, lines, data, report, layer_report, plans, log):
     log()
     if paths["png"]:
         log(f"picture: {os.path.abspath(paths['png'])} (loss curves, gap to fp32, "
-            "grad-norm ratio, throughput)")
+            "grad-norm ratio, throughput, a step's peak by kind)")
     else:
         log(NO_MATPLOTLIB)
     log(f"wrote {paths['txt']}, {paths['json']}, {layer_paths['txt']}, {layer_paths['json']}, "

@@ -15,6 +15,12 @@ from ._text import VOCAB
 
 VAL_BATCHES = 4
 MIN_STEPS, FLOOR_STEPS = 150, 20      # a larger size must fit MIN_STEPS; never under FLOOR_STEPS
+# the smallest size sized automatically: below it activations are too small for the memory
+# moves to show and 16-bit compute loses to fp32's on every CPU, so a machine busy while it
+# is measured trains this one for fewer steps rather than a smaller model. Not where 16-bit
+# matmuls run over SLOW_16 times fp32's (a CPU without AVX-512 BF16): there the 16-bit arms'
+# steps are so slow that only a smaller model trains enough steps in the time
+FLOOR_SIZE, SLOW_16 = "small", 4.0
 MAX_STEPS = {"cpu": 400, "cuda": 1000}
 SAFETY = 1.1          # probes are short: plan for slightly slower steps
 AFTER_S = 15.0        # evaluation, the layer report, the picture and the sample
@@ -87,13 +93,15 @@ def prober(train, device, dtype, lr):
 
 
 def choose(args, speeds, probe, seconds_left, log):
-    """(size, steps): the largest size of which at least MIN_STEPS steps of all runs fit
-    the time left, and how many steps of it fit (at least FLOOR_STEPS, at most MAX_STEPS).
+    """(size, steps): the largest size from FLOOR_SIZE up (see SLOW_16) of which at least MIN_STEPS steps
+    of all runs fit the time left, and how many steps of it fit (at least FLOOR_STEPS, at
+    most MAX_STEPS).
     ``probe(size)`` gives (seconds of one step of all runs together, seconds the search
     will take, torch.amp's speed against fp32's)."""
     if args.size != "auto" and args.steps:
         return args.size, args.steps
-    sizes = [args.size] if args.size != "auto" else list(SIZES)
+    floor = FLOOR_SIZE if speeds["low"] * SLOW_16 >= speeds["fp32"] else next(iter(SIZES))
+    sizes = [args.size] if args.size != "auto" else list(SIZES)[list(SIZES).index(floor):]
     chosen = None
     for size in sizes:
         # a lower bound from the matmul speeds alone: do not even probe a size that cannot fit

@@ -233,11 +233,18 @@ class Comparison:
         return write_outputs(out_dir, stem, self.table(), self.as_dict(),
                              lambda plt, path: self.plot(plt, path, throughput))
 
-    def plot(self, plt: Any, path: str, throughput: dict[str, float] | None = None) -> None:
+    def plot(self, plt: Any, path: str, throughput: dict[str, float] | None = None,
+             memory: dict[str, dict[str, int]] | None = None) -> None:
+        """The loss curves, the gap to fp32, the grad-norm ratio and the loss scale; with
+        ``throughput`` ({setup: tokens/s}) a bar of it, and with ``memory`` ({setup: {kind:
+        bytes}}, such as ``ampc.memory.report(...).by_kind()``) a step's peak by kind."""
         if throughput:
             fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
-            (loss_ax, gap_ax, speed_ax), (ratio_ax, scale_ax, spare) = axes
-            spare.axis("off")
+            (loss_ax, gap_ax, speed_ax), (ratio_ax, memory_ax, scale_ax) = axes
+            if memory:
+                _plot_memory(memory_ax, memory)
+            else:
+                memory_ax.axis("off")
         else:
             fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
             (loss_ax, gap_ax), (ratio_ax, scale_ax) = axes
@@ -276,12 +283,32 @@ class Comparison:
         if scale_ax.lines:
             scale_ax.set_yscale("log")
             scale_ax.legend(fontsize=7)
+        elif throughput:
+            scale_ax.set_title("")      # bf16: no loss scale to draw
+            scale_ax.axis("off")
         else:
             scale_ax.text(0.5, 0.5, "no loss scaling (bf16)", ha="center",
                           transform=scale_ax.transAxes)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
+
+
+def _plot_memory(ax, memory):
+    """Stacked bars of each setup's step peak by kind, MiB."""
+    names = list(memory)
+    kinds = list(dict.fromkeys(k for parts in memory.values() for k in parts))
+    left = [0.0] * len(names)
+    for i, kind in enumerate(kinds):
+        mib = [memory[n].get(kind, 0) / 2 ** 20 for n in names]
+        ax.barh(names, mib, left=left, color=f"C{i}", label=kind)
+        left = [a + b for a, b in zip(left, mib)]
+    for y, total in enumerate(left):
+        ax.text(total, y, f" {total:,.1f}", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set(title="a training step's peak by kind, MiB", xlim=(0, 1.18 * max(left)))
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(alpha=0.3, axis="x")
 
 
 def _seeds_to_decide(gap, half, n, most=32):

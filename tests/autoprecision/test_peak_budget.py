@@ -295,21 +295,43 @@ def test_the_heads_logits_are_sliced_when_the_budget_needs_them(least):
         Plan(bad)
 
 
-def test_under_a_budget_a_slow_fp16_is_not_tried_on_matmul_units(monkeypatch):
-    # fp16 keeps the bytes bf16 keeps: where its matmul is slow here and bf16's is not, a
-    # byte budget has no use for it on the matmul units (the norms still measure it)
+def test_under_a_budget_a_slow_candidate_is_not_tried_on_matmul_units(monkeypatch):
+    # the first plan is the fastest: a matmul that slow saves its bytes at a higher price
+    # than the 8-bit codes or a recomputed block (the norms still measure it)
     import ampc.autoprecision._search as search_mod
-    slow = {"fp16": "its 512x512 matmul takes 5x fp32's time", "fp8": "6x"}
+    slow = {"fp16": "its 512x512 matmul takes 5x fp32's time", "bf16": "13x"}
     monkeypatch.setattr(search_mod, "probe", lambda candidates, device: dict(slow))
-    plan = search(_model(), _batches(), candidates=("fp32", "bf16", "fp16", "bf16+8b"),
+    plan = search(_model(), _batches(), candidates=("fp32", "bf16", "fp16", "fp32+8b"),
                   objective="memory", peak_bytes=10**12, repeats=1)
     gemm = [u for u in plan.units if u.kind == "gemm"]
-    assert gemm and all("fp16" not in u.options for u in gemm)
-    assert any(n.startswith("fp16 not tried on the matmul and conv modules") for n in
-               plan.data["notes"])
-    assert not any(n.startswith("fp8 not tried") for n in plan.data["notes"])
-    # where bf16's matmul is slow too, fp16 is not dominated: it is tried
-    slow["bf16"] = "7x"
-    plan = search(_model(), _batches(), candidates=("fp32", "bf16", "fp16", "bf16+8b"),
+    assert gemm and all(set(u.options) == {"fp32", "fp32+8b"} for u in gemm)
+    for c in ("fp16", "bf16"):
+        assert any(n.startswith(f"{c} not tried on the matmul and conv modules") for n in
+                   plan.data["notes"])
+    # without them slow, all are tried
+    slow.clear()
+    plan = search(_model(), _batches(), candidates=("fp32", "bf16", "fp16", "fp32+8b"),
                   objective="memory", peak_bytes=10**12, repeats=1)
-    assert all("fp16" in u.options for u in plan.units if u.kind == "gemm")
+    assert all(set(u.options) == {"fp32", "bf16", "fp16", "fp32+8b"}
+               for u in plan.units if u.kind == "gemm")
+
+
+def _no_budget(**kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return search(_model(), _batches(), candidates=CANDIDATES, objective="memory",
+                      repeats=1, **kw)
+
+
+def test_without_a_budget_blocks_are_recomputed_in_the_time_the_ceiling_leaves():
+    # no ceiling: every block recomputed, the step measured lower than with the free moves alone
+    free = _no_budget(max_slowdown=1.0)          # no time to spare: nothing recomputed
+    assert free.step.recompute == ()
+    assert free.step.why["recompute"].startswith("left: no block's recomputation fits the 0.0 ms")
+    unbound = _no_budget(max_slowdown=None)
+    assert unbound.step.recompute == ("1", "2", "3"), unbound.step.why
+    assert unbound.step.why["recompute"].startswith("taken: 3 block(s)")
+    assert unbound.peak.budget is None and unbound.peak.bytes < free.peak.bytes
+    # nothing inside a recomputed block keeps a code (it would only add a copy)
+    assert not any(u.choice.endswith("+8b") for u in unbound if u.module[:2] in ("1.", "2.", "3."))
+    assert _measured(unbound) == unbound.peak.bytes

@@ -157,7 +157,17 @@ def test_choose_takes_the_largest_size_that_fits():
     per_small = _sizing.SAFETY * 0.4
     assert size == "small" and steps == int((100 - _sizing.AFTER_S - 2.0) / per_small
                                             - _sizing.VAL_BATCHES / 3)
-    assert probed == ["micro", "tiny", "small", "medium"]
+    assert probed == ["small", "medium"]        # from the floor up: micro and tiny not sized
+    # a busy machine: small's steps slow, still small (for fewer steps), never a smaller size
+    per_step["small"] = 1.0
+    probed.clear()
+    size, steps = _sizing.choose(Args, speeds, probe, lambda: 100.0, lambda line: None)
+    assert size == "small" and probed == ["small"] and _sizing.FLOOR_STEPS <= steps < 150
+    # where 16-bit matmuls are many times slower than fp32's, no floor: the smaller sizes
+    probed.clear()
+    size, _ = _sizing.choose(Args, {"fp32": 1e9, "low": 1e7}, probe, lambda: 100.0,
+                             lambda line: None)
+    assert probed[0] == "micro" and size == "tiny"
     Args.size, Args.steps = "tiny", 25
     assert _sizing.choose(Args, speeds, probe, lambda: 100.0, lambda line: None) == ("tiny", 25)
     Args.size, Args.steps = "large", 0                # too slow: the floor of steps, said so
