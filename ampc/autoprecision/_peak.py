@@ -325,14 +325,18 @@ class _Lowering:
                 continue
             if a is None:
                 new_blocks.append(n)
-                self.recompute.append(n)
-                # its modules' 8-bit codes would only add a copy: nothing inside is saved
-                for u, c in self.choice.items():
-                    if _inside(u, n) and _candidates.saved(c):
-                        self._move(u, _up(self.measured[u], c), changed)
+                self.recompute_block(n, changed)
                 continue
             self._move(n, a, changed)
         return changed, new_blocks, got
+
+    def recompute_block(self, b, changed):
+        """Block ``b`` recomputed; its modules' 8-bit codes dropped (into ``changed``):
+        nothing inside is saved, a code would only add a copy."""
+        self.recompute.append(b)
+        for u, c in self.choice.items():
+            if _inside(u, b) and _candidates.saved(c):
+                self._move(u, _up(self.measured[u], c), changed)
 
     def _move(self, n, a, changed):
         for k in self.limits:
@@ -385,8 +389,7 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
     while rep.peak > peak_bytes and rounds < ROUNDS:
         lowering = _Lowering(plan, usable, measured, budget, recomputed(plan),
                              _block_saved(rep, names), banned, head_bytes)
-        before = ({u.module: u for u in plan.every_unit}, recomputed(plan), sliced(plan),
-                  plan.step.why)
+        before = _snapshot(plan)
         changed, new_blocks, predicted = lowering.take((rep.peak - peak_bytes) / scale, most)
         if not lowering.taken:
             break
@@ -421,12 +424,18 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
         # bf16 or fp32 need no loss scaler): tried again
         rep = free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=peak_bytes)
     plan.set_peak(_step.Peak(int(peak_bytes), fp32_peak, first, rep.peak, rounds,
-                             by_kind=_step.by_kind(rep)))
+                             by_kind=rep.by_kind()))
+
+
+def _snapshot(plan):
+    """What :func:`_undo` puts back: each unit, the blocks, the heads sliced and why."""
+    return ({u.module: u for u in plan.every_unit}, recomputed(plan), sliced(plan),
+            plan.step.why)
 
 
 def _undo(plan, before):
-    """The plan as it was before a round: each unit's choice and reason, the blocks, the
-    heads sliced and why."""
+    """The plan as it was at :func:`_snapshot`: each unit's choice and reason, the blocks,
+    the heads sliced and why."""
     units, rc, heads_before, why = before
     for n, u in units.items():
         if plan.unit(n) != u:
@@ -448,7 +457,7 @@ def settle(plan, model, batches, loss_fn, optimizer, fitted):
     d = plan.peak
     if plan.decisions != fitted:
         rep = step_peak(model, plan, batches[0], loss_fn, optimizer)
-        d = replace(d, bytes=rep.peak, by_kind=_step.by_kind(rep))
+        d = replace(d, bytes=rep.peak, by_kind=rep.by_kind())
     d = replace(d, met=d.bytes <= d.budget)
     plan.set_peak(d)
     rc, step = recomputed(plan), plan.step
@@ -484,7 +493,7 @@ def whole_step(plan, model, batches, loss_fn, optimizer, measured, budget, room_
     rep = free_moves(plan, model, batch, loss_fn, optimizer, rep)
     rep = recompute_in_room(plan, model, batch, loss_fn, optimizer, measured, budget, rep,
                             max(room_ms, 0.0))
-    plan.set_peak(_step.Peak(None, fp32_peak, first, rep.peak, by_kind=_step.by_kind(rep)))
+    plan.set_peak(_step.Peak(None, fp32_peak, first, rep.peak, by_kind=rep.by_kind()))
 
 
 def room(plan, ceiling):
@@ -506,8 +515,7 @@ def recompute_in_room(plan, model, batch, loss_fn, optimizer, measured, budget, 
     names = blocks(model, [u.module for u in plan])
     low = _Lowering(plan, {n: [c] for n, c in plan.decisions.items()}, measured, budget,
                     recomputed(plan), _block_saved(rep, names))
-    before = ({u.module: u for u in plan.every_unit}, recomputed(plan), sliced(plan),
-              plan.step.why)
+    before = _snapshot(plan)
     changed, spent, taken = {}, 0.0, []
     for cost_per_byte, minus_saved, b, a in low.moves():
         cost = cost_per_byte * -minus_saved
@@ -515,10 +523,7 @@ def recompute_in_room(plan, model, batch, loss_fn, optimizer, measured, budget, 
             continue
         spent += cost
         taken.append(b)
-        low.recompute.append(b)
-        for u, c in low.choice.items():          # codes inside a recomputed block: dropped
-            if _inside(u, b) and _candidates.saved(c):
-                low._move(u, _up(measured[u], c), changed)
+        low.recompute_block(b, changed)
     if not taken:
         plan.set_step(why={**plan.step.why, "recompute": (
             f"left: no block's recomputation fits the {room_ms:.1f} ms a step the ceiling "

@@ -286,11 +286,12 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
             time are taken while the step is over (each gradient freed in the backward, the
             lean state, the head's logits sliced: ``plan.step``), and its modules lowered (to
             fewer bytes, the most bytes for the least time first, or blocks recomputed) and
-            measured again until the step fits (at most 4 rounds). ``plan.peak`` has the
+            measured again until the step fits (at most 8 rounds). ``plan.peak`` has the
             figures, by kind; the notes say whether the budget was met (and a warning when it
             was not: the error budget wins). ``plan.prepare(model, ampc.optim.AdamW, lr=...)``
             makes the model and optimizer so. Without it, the memory objective takes the
-            whole-step moves that lower the step's peak, and measures it.
+            whole-step moves that lower the step's peak, recomputes blocks in the time its
+            ceiling leaves, and measures the step.
         examples: how many leading examples of each batch the modules and the whole plan
             are measured on: "auto" (default), a quarter of them (at least 4) where an fp32
             step of a whole batch would take over a second, and only where time decides

@@ -124,11 +124,6 @@ class Peak:
         return dataclasses.asdict(self) | {"by_kind": dict(self.by_kind)}
 
 
-def by_kind(report) -> dict[str, int]:
-    """A step's peak by the plan's kinds (``ampc.memory.report``'s ``by_kind``)."""
-    return report.by_kind()
-
-
 def make(step: Step, model: torch.nn.Module, optimizer: Callable, **kwargs: Any):
     """(model, optimizer) with ``step``'s state and gradient release: the model as it is
     with ``optimizer(params, **kwargs)`` for "fp32", else ``ampc.prepare`` with the state's

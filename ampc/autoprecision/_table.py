@@ -61,13 +61,8 @@ def reasons(plan, u) -> dict[str, tuple[str, str]]:
             continue
         if u.reason in _HELD:
             out[c] = _HELD[u.reason]
-        elif plan.peak is not None and u.module.startswith(tuple(b + "." for b in plan.step.recompute)):
-            out[c] = ("recomputed", "its block is recomputed in the backward: it saves nothing")
-        elif plan.peak is not None and plan.peak.met is not False:
-            out[c] = ("not needed", "the step's peak fit the byte budget without it")
         elif plan.peak is not None:
-            out[c] = ("not taken", "the budget's lowering did not take it: tried, it did not "
-                                   "lower the step's peak, or the lowering's rounds ran out")
+            out[c] = _peak_reason(plan, u)
         elif (_objectives.get(plan.data["objective"]).by_speed and r.get("ms") and mine.get("ms")
               and clearly_faster(mine["ms"], r["ms"])):
             out[c] = ("slower", f"slower: {r['ms']:.2f} ms against {mine['ms']:.2f} at "
@@ -76,6 +71,16 @@ def reasons(plan, u) -> dict[str, tuple[str, str]]:
             out[c] = ("over budget", "over the summed budget: the units' errors together "
                                      "were over it, and raising this one bought the most")
     return out
+
+
+def _peak_reason(plan, u):
+    """Why a unit of a plan whose step's peak was measured did not take fewer bytes."""
+    if u.module.startswith(tuple(b + "." for b in plan.step.recompute)):
+        return ("recomputed", "its block is recomputed in the backward: it saves nothing")
+    if plan.peak.met is not False:
+        return ("not needed", "the step's peak fit the byte budget without it")
+    return ("not taken", "the budget's lowering did not take it: tried, it did not lower the "
+                         "step's peak, or the lowering's rounds ran out")
 
 
 def _grouped(why):

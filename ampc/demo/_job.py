@@ -151,7 +151,7 @@ def search_memory_plan(job, train, log):
     describe_memory_plan(plan, amp_peak, MEMORY_BUDGET, search_s, log)
     # the two steps' peaks by kind, for the picture
     by_kind = {f"torch.amp {job.dname}": amp.by_kind(),
-               f"ampc memory {job.dname}": dict(plan.peak.by_kind)}
+               f"ampc memory {plan.dtype}": dict(plan.peak.by_kind)}   # as the table names it
     return plan, search_s, by_kind
 
 

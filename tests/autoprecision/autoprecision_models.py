@@ -70,3 +70,18 @@ class Block(nn.Module):
 
     def forward(self, x):
         return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def train_plan(plan, model, opt, batches):
+    """Losses of a training step on each batch with ``plan``'s region and loss, as a user's
+    loop runs them (model and opt from ``plan.prepare``)."""
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        with plan.autocast():
+            out = model(x)
+        loss = plan.loss(None)(out, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

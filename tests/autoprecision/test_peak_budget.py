@@ -12,7 +12,7 @@ from ampc.autoprecision import Plan, search
 from ampc.autoprecision._peak import _Under
 from ampc.autoprecision._step import Step
 from ampc.autoprecision._units import Reason
-from autoprecision_models import Block
+from autoprecision_models import Block, train_plan
 
 CANDIDATES = ("fp32", "bf16", "fp32+8b", "bf16+8b")
 
@@ -218,16 +218,7 @@ def test_the_moves_save_the_most_bytes_for_the_least_time_within_the_errors():
 def _train(plan, steps=3):
     """Losses of a few AdamW steps of a fresh model with ``plan`` applied."""
     model, opt = plan.prepare(_model(), _optimizer(plan), lr=1e-2)
-    losses = []
-    for x, y in _batches(steps):
-        opt.zero_grad()
-        with plan.autocast():
-            out = model(x)
-        loss = plan.loss(None)(out, y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return train_plan(plan, model, opt, _batches(steps))
 
 
 def test_a_saved_plan_with_blocks_recomputed_trains_on_as_the_plan_it_was(least):

@@ -11,7 +11,7 @@ from torch import nn
 import ampc
 from ampc.autoprecision import Plan, search
 from ampc.autoprecision._step import Peak, Step
-from autoprecision_models import Block
+from autoprecision_models import Block, train_plan as _train
 
 
 def _model():
@@ -31,19 +31,6 @@ def plan():
     with pytest.warns(UserWarning, match="NOT met"):
         return search(_model(), _batches(), candidates=("fp32", "bf16", "bf16+8b"),
                       objective="memory", peak_bytes=1, repeats=1)
-
-
-def _train(plan, model, opt, batches):
-    losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        with plan.autocast():
-            out = model(x)
-        loss = plan.loss(None)(out, y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 def test_prepare_makes_what_the_plan_chose(plan):
@@ -95,7 +82,9 @@ def test_the_memory_objective_without_a_budget_takes_the_free_moves():
     assert plan.peak is not None and plan.peak.budget is None
     # the module choices may stay fp32 where 16-bit compute is slow; the whole-step moves
     # lower the peak whatever they are
-    assert plan.peak.bytes < plan.peak.fastest <= plan.peak.fp32
+    # (the fastest plan's own peak may be over fp32's: a loss unit chosen bf16, which the
+    # ceiling allows where the timing is noisy, keeps a bf16 copy of the logits)
+    assert plan.peak.bytes < min(plan.peak.fastest, plan.peak.fp32)
     assert plan.peak.by_kind["grads"] == 0
     assert plan.step.state == "lean"
     assert set(plan.step.why) >= {"grads freed", "state"}
