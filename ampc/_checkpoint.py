@@ -11,6 +11,7 @@ checkpoint's frame and its ``recompute_fn``; reentrant checkpointing runs the fu
 no_grad inside ``CheckpointFunction.forward``, whose ``ctx.run_function`` it calls again in
 backward. Both are torch internals: tests/amp/test_autocast_checkpoint.py fails if they move.
 """
+import contextlib
 import functools
 import sys
 
@@ -72,3 +73,13 @@ def carry_into_checkpoint(wrap):
     """Inside a checkpointed forward, replaces its recomputation ``fn`` with ``wrap(fn)``
     (once per checkpoint); does nothing elsewhere."""
     wrap_recompute(wrap, "_ampc")
+
+
+region_now = None    # set by ampc.autocast: this thread's region as it is now, to enter again
+
+
+def current_region():
+    """A context manager that enters this thread's ampc region (its scopes, torch's autocast
+    state) as it is now, for a recomputation that runs outside it; a no-op before ampc.autocast
+    is loaded."""
+    return contextlib.nullcontext() if region_now is None else region_now()

@@ -35,6 +35,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import policy as _policy
+from .. import _checkpoint
 from .._checkpoint import carry_into_checkpoint
 from ._composites import call_lifted
 from . import _overflow
@@ -228,29 +229,54 @@ def _under_region(fn):
 
 
 class _Recompute:
-    """The mode on and scope ``outer`` restored, for a checkpoint's recomputation."""
+    """Scope ``scope`` restored and the mode on, for a checkpoint's recomputation; with
+    ``torch_state`` torch's autocast state too ((enabled, dtype) per device), and with
+    ``open`` False no ampc region (the forward ran outside one)."""
 
-    def __init__(self, outer):
-        self.outer = outer
+    def __init__(self, scope, torch_state=None, open=True):
+        self.scope, self.torch_state, self.open = scope, torch_state, open
 
     def __enter__(self):
         self.prev = _ptls.scope
-        _ptls.scope = self.outer
+        _ptls.scope = self.scope
+        self.prev_torch = None if self.torch_state is None else _torch_state()
+        if self.torch_state is not None:
+            _set_torch_state(self.torch_state)
         # backward called inside a region runs with the mode off, the region still open
-        self.pushed = not _mode_on()
+        self.pushed = self.open and not _mode_on()
         if self.pushed:
             _push()
-        _st.depth += 1
+        _st.depth += self.open
         _refresh(_st)
 
     def __exit__(self, *exc):
-        _st.depth -= 1
+        _st.depth -= self.open
         if self.pushed:
             _pop()
-        _region_closed(_st)
+        if self.open:
+            _region_closed(_st)
+        if self.prev_torch is not None:
+            _set_torch_state(self.prev_torch)
         _ptls.scope = self.prev
         _refresh(_st)
         return False
+
+
+def _region_now():
+    """This thread's region as it is now (scope, torch's autocast state, open or not), to be
+    entered again by a recomputation: a recomputed module's forward ran inside its own
+    module scope and its parents', whose hooks do not run again in the backward."""
+    return _Recompute(_ptls.scope, _torch_state(), _st.depth > 0)
+
+
+def _torch_state():
+    return tuple((_enabled(d), _get_dtype(d)) for d in _DEVICES)
+
+
+def _set_torch_state(state):
+    for d, (on, dtype) in zip(_DEVICES, state):
+        torch.set_autocast_enabled(d, on)
+        torch.set_autocast_dtype(d, dtype)
 
 
 def _mode_on():
@@ -285,7 +311,7 @@ def _region_closed(st):
 # ---- scopes and module scopes: torch's state follows their dtype and enabled ----
 
 def _scope_entered(merged, parent):
-    saved = tuple((_enabled(d), _get_dtype(d)) for d in _DEVICES)
+    saved = _torch_state()
     merged.base = base = parent.base if parent is not None and parent.base is not None else saved
     for d, (on, dtype) in zip(_DEVICES, base):
         if on:
@@ -299,9 +325,7 @@ def _scope_left(token):
     saved, pushed = token
     if pushed:
         _pop()
-    for d, (on, dtype) in zip(_DEVICES, saved):
-        torch.set_autocast_enabled(d, on)
-        torch.set_autocast_dtype(d, dtype)
+    _set_torch_state(saved)
     _refresh(_st)
 
 
@@ -316,6 +340,7 @@ def _cast_module_inputs(args, kwargs, dtype):
 _policy._cast_inputs_hook = _cast_module_inputs
 _policy._scope_entered = _scope_entered
 _policy._scope_left = _scope_left
+_checkpoint.region_now = _region_now
 
 # ---- the public API ----
 

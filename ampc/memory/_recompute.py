@@ -28,6 +28,7 @@ from fnmatch import fnmatchcase
 import torch
 import torch.utils.checkpoint
 
+from .._checkpoint import current_region
 from ._saved import note_held
 
 _ATTR = "_ampc_recompute"   # on a wrapped module: (its handle, the forward it had before)
@@ -228,21 +229,27 @@ def _recomputed_forward(module, *args, **kwargs):
     buffers = list(module.buffers())
     versions = [b._version for b in buffers]
     changed = []        # the buffers the first run changed in place (running statistics)
+    compiling = torch.compiler.is_compiling()   # (the compiler recomputes from its graph)
+    region = None if compiling else current_region()  # the scopes whose hooks ran once
+    ran = []
 
     # keyword values go in as positional ones: torch's checkpoint finds the devices whose
     # random state it replays in its positional arguments only
     def run(*values):
         n = len(values) - len(keys)
-        if changed:                      # the recomputation: leave them as the first run did
+        if ran:                          # the recomputation: as the first run, buffers left
             after = [b.detach().clone() for b in changed]
             try:       # (torch's checkpoint may stop a recomputation early by raising)
-                return inner(*values[:n], **dict(zip(keys, values[n:])))
+                with region:
+                    return inner(*values[:n], **dict(zip(keys, values[n:])))
             finally:
                 with torch.no_grad():
                     for b, a in zip(changed, after):
                         b.copy_(a)
+        if not compiling:
+            ran.append(True)
         # (under torch.compile a version read would break the graph: its own checks apply)
-        inputs = ([] if torch.compiler.is_compiling() else
+        inputs = ([] if compiling else
                   [(v, v._version) for v in values if isinstance(v, torch.Tensor)])
         out = inner(*values[:n], **dict(zip(keys, values[n:])))
         if any(v._version != version for v, version in inputs):

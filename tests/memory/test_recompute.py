@@ -153,3 +153,38 @@ def test_a_copy_of_the_model_recomputes_its_own_modules():
     assert all(p.grad is None for p in model.parameters())       # the original was not run
     assert [b.calls for b in twin.blocks] == [2, 2, 2] and mem.recomputed(twin) == mem.recomputed(model)
     assert mem.recomputed(pickle.loads(pickle.dumps(model))) == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+@pytest.mark.parametrize("rest", [None, torch.float32])
+@pytest.mark.parametrize("backward_inside", [False, True])
+def test_a_recomputed_block_runs_again_under_its_scopes_and_region(rest, backward_inside):
+    # the recomputation ran outside the scopes the forward ran in (the region's, the block's
+    # own, entered by a hook that does not run again); torch's checkpoint restores its
+    # autocast state, but not a float32 one on the CPU: the children's 16-bit scopes
+    # recomputed in fp32 and torch stopped the backward (CheckpointError: recomputed
+    # float32 where float16 was saved), on a T5 plan with the rest in fp32
+    import ampc
+
+    def run(recompute):
+        model = make()
+        ampc.policy.module_scope(model.blocks[0], dtype=torch.float16,
+                                 cast_outputs=torch.float32)
+        ampc.policy.module_scope(model.blocks[1].up, dtype=torch.float16,
+                                 cast_outputs=torch.float32)
+        ampc.policy.module_scope(model.blocks[2], dtype=torch.float32)
+        ampc.policy.module_scope(model.blocks[2].down, dtype=torch.bfloat16)
+        if recompute:
+            mem.recompute(model, "blocks.*")
+        x, y = batch()
+        torch.manual_seed(3)
+        with ampc.autocast("cpu", dtype=torch.bfloat16), ampc.policy.scope(dtype=rest):
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    want, got = run(False), run(True)
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
