@@ -379,7 +379,9 @@ class Plan:
         gradient freed in the backward where it chose so, then :meth:`apply` (each module's
         precision, saved activations, blocks recomputed, heads sliced). ``optimizer``: a
         class or callable taking the params and ``kwargs`` (default ``ampc.optim.AdamW``;
-        one of ampc's where the state is not "fp32" or gradients are freed). The loop is the
+        one of ampc's where the state is not "fp32" or gradients are freed), or such an
+        optimizer made already over the model's parameters, before its first step (a
+        framework's: its layout is set as the plan says). The loop is the
         usual one, inside :meth:`autocast`, with :meth:`loss`. ``model`` is changed in place;
         the optimizer's step count and state start fresh."""
         model, opt = self.prepare_state(model, optimizer, **kwargs)

@@ -127,7 +127,7 @@ class Peak:
 def make(step: Step, model: torch.nn.Module, optimizer: Callable, **kwargs: Any):
     """(model, optimizer) with ``step``'s state and gradient release: the model as it is
     with ``optimizer(params, **kwargs)`` for "fp32", else ``ampc.prepare`` with the state's
-    options (bf16 weights). An option in ``kwargs`` that contradicts the step's is refused
+    options (bf16 weights); ``optimizer`` may be one made already, before its first step. An option in ``kwargs`` that contradicts the step's is refused
     before anything changes."""
     from ..optim._lean import PRESETS
     options, *_ = STATES[step.state]
@@ -141,12 +141,34 @@ def make(step: Step, model: torch.nn.Module, optimizer: Callable, **kwargs: Any)
                          f"choice (state {step.state!r}, grads_freed {step.grads_freed}); leave "
                          "it out of the optimizer's arguments")
     kwargs = {k: v for k, v in kwargs.items() if k not in chosen}
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return model, _made(step, model, optimizer, options, kwargs)
     if step.grads_freed:
         kwargs["step_in_backward"] = True
     if options is None:
         return model, optimizer(model.parameters(), **kwargs)
     import ampc
     return ampc.prepare(model, optimizer, torch.bfloat16, **options, **kwargs)
+
+
+def _made(step, model, opt, options, kwargs):
+    """An optimizer made elsewhere (a framework made it from the user's code) turned into
+    the one the plan chose: its state's layout and gradient release set, before its first
+    step, then ``ampc.prepare`` for bf16 weights."""
+    import ampc
+    if kwargs:
+        raise TypeError("ampc.autoprecision.Plan.prepare: an optimizer already made takes no "
+                        f"arguments; got {', '.join(sorted(kwargs))}")
+    if options is None and not step.grads_freed:
+        return opt
+    if not isinstance(opt, ampc.optim.Adam):
+        raise TypeError(f"ampc.autoprecision.Plan.prepare: the plan's state is {step.state!r}"
+                        f"{' with gradients freed' if step.grads_freed else ''}, which needs an "
+                        f"ampc.optim optimizer; got {type(opt).__name__}")
+    opt.relayout(step_in_backward=step.grads_freed, **(options or {}))
+    if options is None:
+        return opt
+    return ampc.prepare(model, opt, torch.bfloat16)[1]
 
 
 def prepare_state(plan, model, optimizer=None, **kwargs):

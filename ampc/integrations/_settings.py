@@ -4,8 +4,10 @@ every framework, and the forward's region they describe."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,10 +33,16 @@ class Settings:
     compress: tuple[str, ...] = ()     # modules whose saved activations are kept in 8 bits
     recompute: tuple[str, ...] = ()    # modules recomputed in the backward
     sliced_head: tuple[str, ...] = ()  # heads whose logits the loss makes a slice at a time
+    plan: ampc.autoprecision.Plan | None = None    # chooses all of the above instead
 
     @contextlib.contextmanager
     def region(self) -> Iterator[None]:
-        """ampc.autocast, inside it ampc.policy.scope(ops=policy) and ampc.fp8.autocast if asked."""
+        """ampc.autocast, inside it ampc.policy.scope(ops=policy) and ampc.fp8.autocast if asked;
+        with a plan, the plan's region."""
+        if self.plan is not None:
+            with self.plan.autocast():
+                yield
+            return
         with contextlib.ExitStack() as stack:
             stack.enter_context(ampc.autocast(self.device, dtype=self.dtype,
                                               cache_enabled=self.cache_enabled))
@@ -75,6 +83,32 @@ class Settings:
                             "or ampc.optim.AdamW")
         ampc.prepare(model, optimizer, self.dtype)
 
+    def set_up_plan(self, name: str, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None) -> None:
+        """The plan on the module of ``model`` it was searched on (``model`` itself or the
+        outermost module inside it holding every module the plan names): with ``optimizer``
+        (made by the framework over the model's parameters, before its first step) the
+        weights and the optimizer's state as the plan chose, then each module's precision,
+        saved activations, recompute and sliced heads (``Plan.prepare``)."""
+        target = plan_target(name, self.plan, model)
+        if optimizer is not None:
+            self.plan.prepare_state(target, optimizer)
+        self.plan.apply(target)
+
+
+def plan_target(name: str, plan: ampc.autoprecision.Plan, model: nn.Module) -> nn.Module:
+    """The module of ``model`` (itself first, then the outermost inside) whose names are the
+    plan's: a framework wraps the searched model (a LightningModule holding it)."""
+    wanted = [u.module for u in plan]
+    for m in model.modules():
+        names = dict(m.named_modules())
+        if all(w in names for w in wanted):
+            return m
+    names = dict(model.named_modules())
+    missing = next(w for w in wanted if w not in names)
+    raise ValueError(f"{name}: the plan names module {missing!r}, which neither the model "
+                     f"({type(model).__name__}) nor any module inside it has")
+
 
 def check(name: str, device: str, dtype: torch.dtype, *, scaler: ampc.GradScaler | None = None,
           dynamic: bool = True, init_scale: float = 2.0 ** 16,
@@ -83,12 +117,31 @@ def check(name: str, device: str, dtype: torch.dtype, *, scaler: ampc.GradScaler
           cache_enabled: bool | None = None, master_weights: bool = False,
           compress: str | Sequence[str] | None = None,
           recompute: str | Sequence[str] | None = None,
-          sliced_head: str | Sequence[str] | None = None) -> Settings:
+          sliced_head: str | Sequence[str] | None = None,
+          plan: ampc.autoprecision.Plan | str | os.PathLike | None = None) -> Settings:
     """The integration ``name``'s settings, checked before anything is changed; fp16 gets a new
-    ``ampc.GradScaler(device, init_scale=init_scale, dynamic=dynamic)`` unless given one."""
+    ``ampc.GradScaler(device, init_scale=init_scale, dynamic=dynamic)`` unless given one. A
+    ``plan`` (or the path of its file) chooses the dtype (``dtype`` None, or the plan's),
+    the precision of each module, master weights and the optimizer's state, and the memory
+    moves: given with any of those it is refused."""
+    if plan is not None:
+        plan = _plan(name, plan)
+        chosen = {"policy": policy, "fp8": fp8, "cache_enabled": cache_enabled,
+                  "master_weights": master_weights, "compress": compress,
+                  "recompute": recompute, "sliced_head": sliced_head}
+        clash = [k for k, v in chosen.items() if v not in (None, False)]
+        if clash:
+            raise ValueError(f"{name}: the plan chooses {', '.join(clash)}; pass the plan alone")
+        region = torch.float16 if plan.dtype == "fp16" else torch.bfloat16
+        if dtype is not None and plan.dtype != "fp32" and dtype != region:
+            raise ValueError(f"{name}: the plan trains in a {plan.dtype} region; dtype is {dtype} "
+                             "(leave it unset)")
+        dtype = region
+        if scaler is None and plan.needs_scaler():
+            scaler = ampc.GradScaler(device, init_scale=init_scale, dynamic=dynamic)
     if dtype not in _LOW:
         raise ValueError(f"{name}: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
-    if scaler is not None and dtype != torch.float16:
+    if scaler is not None and dtype != torch.float16 and not (plan is not None and plan.needs_scaler()):
         raise ValueError(f"{name}: bfloat16 needs no loss scaling; got scaler={scaler!r}")
     if scaler is not None and not isinstance(scaler, ampc.GradScaler):
         raise TypeError(f"{name}: scaler must be an ampc.GradScaler, got {type(scaler).__name__}")
@@ -98,7 +151,16 @@ def check(name: str, device: str, dtype: torch.dtype, *, scaler: ampc.GradScaler
                     tuple(fp8_modules), cache_enabled, bool(master_weights),
                     module_names(name, "compress", compress),
                     module_names(name, "recompute", recompute),
-                    module_names(name, "sliced_head", sliced_head))
+                    module_names(name, "sliced_head", sliced_head), plan)
+
+
+def _plan(name: str, plan: Any) -> ampc.autoprecision.Plan:
+    if isinstance(plan, (str, os.PathLike)):
+        return ampc.autoprecision.Plan.load(os.fspath(plan))
+    if not isinstance(plan, ampc.autoprecision.Plan):
+        raise TypeError(f"{name}: plan must be an ampc.autoprecision.Plan or the path of its "
+                        f"file, got {type(plan).__name__}")
+    return plan
 
 
 def module_names(name: str, arg: str, value: str | Sequence[str] | None) -> tuple[str, ...]:

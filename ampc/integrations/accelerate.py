@@ -66,7 +66,8 @@ def use_ampc(accelerator: Accelerator, *, dtype: torch.dtype | None = None,
              fp8_modules: tuple[type[nn.Module], ...] = (nn.Linear,),
              cache_enabled: bool | None = None, compress: str | list[str] | None = None,
              recompute: str | list[str] | None = None,
-             sliced_head: str | list[str] | None = None) -> Accelerator:
+             sliced_head: str | list[str] | None = None,
+             plan: ampc.autoprecision.Plan | str | None = None) -> Accelerator:
     """Makes ``accelerator`` train with ampc's autocast and scaler; call it before
     ``prepare()``. Returns the accelerator.
 
@@ -89,6 +90,14 @@ def use_ampc(accelerator: Accelerator, *, dtype: torch.dtype | None = None,
         sliced_head (str or list): Linear heads of each prepared model whose logits
             ``F.cross_entropy`` makes a slice of tokens at a time (``ampc.memory.sliced_head``).
             All three are set when the model is prepared.
+        plan (ampc.autoprecision.Plan or path): a plan from ``ampc.autoprecision.search``
+            (or its file) chooses the region (the accelerator's ``mixed_precision`` its dtype
+            or ``"no"``), each module's precision and memory moves, and the weights' and the
+            optimizer's state: ``prepare(model, optimizer)`` does what ``plan.prepare`` does
+            on the module the plan was searched on (the model or the outermost module inside
+            it with the plan's module names), the optimizer one made over the model's
+            parameters (an ``ampc.optim`` one unless the plan keeps fp32 state). Given with
+            any of the arguments it chooses: refused.
     """
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"{_NAME}: accelerator must be an accelerate.Accelerator, "
@@ -104,7 +113,7 @@ def use_ampc(accelerator: Accelerator, *, dtype: torch.dtype | None = None,
                                   f"accelerators; got {accelerator.distributed_type}")
     if dtype is None:
         dtype = _DTYPES.get(accelerator.mixed_precision)
-        if dtype is None:
+        if dtype is None and plan is None:
             raise ValueError(f"{_NAME}: the accelerator's mixed_precision is "
                              f"{accelerator.mixed_precision!r}; make it with 'bf16' or 'fp16', "
                              "or pass dtype")
@@ -112,8 +121,9 @@ def use_ampc(accelerator: Accelerator, *, dtype: torch.dtype | None = None,
                               policy=policy, fp8=fp8, fp8_modules=fp8_modules,
                               cache_enabled=cache_enabled, master_weights=master_weights,
                               compress=compress, recompute=recompute,
-                              sliced_head=sliced_head)
+                              sliced_head=sliced_head, plan=plan)
     accelerator._ampc_models = weakref.WeakSet()     # the models whose forward is in ampc's region
+    accelerator._ampc_planned = weakref.WeakSet()    # the models a plan was set up on
     # Accelerate's public attributes: backward, the optimizers' step, save_state/load_state
     # and the Trainer's checkpoints use this scaler; no torch.autocast around the forward
     accelerator.scaler = accelerator._ampc.scaler
@@ -150,7 +160,22 @@ class _AmpcAccelerator:
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         if self._ampc.master_weights:
             self._make_master_weights(args)
+        if self._ampc.plan is not None:
+            self._set_up_plan(args)
         return super().prepare(*args, device_placement=device_placement)
+
+    def _set_up_plan(self, args):
+        models = [a for a in args if isinstance(a, nn.Module) and a not in self._ampc_planned]
+        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+        for model in models:
+            ids = {id(p) for p in model.parameters()}
+            owned = [o for o in optimizers
+                     if any(id(p) in ids for g in o.param_groups for p in g["params"])]
+            if len(owned) > 1:
+                raise ValueError(f"{_NAME}(plan=...): the plan sets up one optimizer per model; "
+                                 f"prepare() was given {len(owned)} for one model")
+            self._ampc.set_up_plan(f"{_NAME}(plan=...)", model, owned[0] if owned else None)
+            self._ampc_planned.add(model)
 
     def _make_master_weights(self, args):
         # a model prepared by an earlier prepare() is only in Accelerate's private list
@@ -173,7 +198,11 @@ class _AmpcAccelerator:
         if model in self._ampc_models:
             return super().prepare_model(model, device_placement, evaluation_mode)
         settings = self._ampc
-        settings.convert(model)
+        if settings.plan is None:
+            settings.convert(model)
+        elif model not in self._ampc_planned:      # prepared alone: the modules' part only
+            settings.set_up_plan(f"{_NAME}(plan=...)", model)
+            self._ampc_planned.add(model)
         model = super().prepare_model(model, device_placement, evaluation_mode)
         # as Accelerate wraps torch.autocast around the forward: unwrap_model() undoes it
         # through _original_forward, Accelerate's name for the forward before its wrapper

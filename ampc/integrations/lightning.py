@@ -65,12 +65,16 @@ class _Ampc:
     """What both plugins add to the framework's ``MixedPrecision``: ampc's checked settings
     (the scaler is an ``ampc.GradScaler``) and the FP8 layers."""
 
-    def __init__(self, name: str, precision: str, device: str | None, **settings: Any) -> None:
-        if precision not in _DTYPES:
+    def __init__(self, name: str, precision: str | None, device: str | None,
+                 **settings: Any) -> None:
+        if precision is None and settings.get("plan") is None:
+            precision = "bf16-mixed"
+        if precision is not None and precision not in _DTYPES:
             raise ValueError(f"{name}: precision must be '16-mixed' or 'bf16-mixed', "
                              f"got {precision!r}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.settings: Settings = check(name, device, _DTYPES[precision], **settings)
+        self.settings: Settings = check(name, device, _DTYPES.get(precision), **settings)
+        precision = next(k for k, v in _DTYPES.items() if v == self.settings.dtype)
         super().__init__(precision, device, self.settings.scaler)
 
     dtype = _setting("dtype")
@@ -81,7 +85,10 @@ class _Ampc:
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         # as Lightning's TransformerEngine plugin swaps its layers: before the optimizers
-        # exist, so they see the FP8 layers' parameters (the same tensors)
+        # exist, so they see the FP8 layers' parameters (the same tensors). A plan waits for
+        # the optimizer (connect): its weights are cast before its modules are placed
+        if self.settings.plan is not None:
+            return module
         return self.settings.convert(module)
 
 
@@ -91,7 +98,8 @@ class AmpcPrecision(_Ampc, _MixedPrecision):
     scaler in the checkpoint) with ampc's autocast and scaler.
 
     Args:
-        precision (str): ``"bf16-mixed"`` (default) or ``"16-mixed"``.
+        precision (str): ``"bf16-mixed"`` (default) or ``"16-mixed"``; with a plan, the
+            plan's region (default).
         device (str): the autocast device, ``"cuda"`` or ``"cpu"``. Default: ``"cuda"`` when
             CUDA is available, else ``"cpu"``.
         scaler (ampc.GradScaler, optional): the scaler for ``"16-mixed"``. Default: a new
@@ -119,6 +127,14 @@ class AmpcPrecision(_Ampc, _MixedPrecision):
             Default: None.
         sliced_head (str or list): Linear heads whose logits ``F.cross_entropy`` makes a slice
             of tokens at a time, never whole (``ampc.memory.sliced_head``). Default: None.
+        plan (ampc.autoprecision.Plan or path): a plan from ``ampc.autoprecision.search``
+            (or its file) chooses all of the above instead: the region (``precision`` left
+            unset), each module's precision and memory moves, and the weights' and the
+            optimizer's state. When Lightning hands over the one optimizer
+            ``configure_optimizers`` made (an ``ampc.optim`` one unless the plan keeps fp32
+            state), the plugin does what ``plan.prepare`` does on the module the plan was
+            searched on (the LightningModule or the outermost module inside it with the
+            plan's module names). Given with any of the arguments it chooses: refused.
 
     An ampc optimizer made with ``step_in_backward=True`` steps each parameter in the
     backward: ``accumulate_grad_batches`` works (the accumulated micro-batches' backwards keep
@@ -132,18 +148,20 @@ class AmpcPrecision(_Ampc, _MixedPrecision):
     as with any optimizer that unscales in its own step.
     """
 
-    def __init__(self, precision: str = "bf16-mixed", device: str | None = None, *,
+    def __init__(self, precision: str | None = None, device: str | None = None, *,
                  scaler: ampc.GradScaler | None = None, dynamic: bool = True,
                  init_scale: float = 2.0 ** 16, master_weights: bool = False,
                  policy: dict[str, str] | None = None, fp8: bool | Recipe | None = None,
                  fp8_modules: tuple[type[nn.Module], ...] = (nn.Linear,),
                  cache_enabled: bool = False, compress: str | list[str] | None = None,
                  recompute: str | list[str] | None = None,
-                 sliced_head: str | list[str] | None = None) -> None:
+                 sliced_head: str | list[str] | None = None,
+                 plan: ampc.autoprecision.Plan | str | None = None) -> None:
         super().__init__("AmpcPrecision", precision, device, scaler=scaler, dynamic=dynamic,
                          init_scale=init_scale, policy=policy, fp8=fp8, fp8_modules=fp8_modules,
                          cache_enabled=cache_enabled, master_weights=master_weights,
-                         compress=compress, recompute=recompute, sliced_head=sliced_head)
+                         compress=compress, recompute=recompute, sliced_head=sliced_head,
+                         plan=plan)
         self._module: nn.Module | None = None
         self._stepping = False          # inside optimizer_step (not a micro-batch accumulated)
 
@@ -176,6 +194,11 @@ class AmpcPrecision(_Ampc, _MixedPrecision):
     def connect(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
                 lr_schedulers: list[Any]) -> tuple[nn.Module, list[torch.optim.Optimizer],
                                                    list[Any]]:
+        if self.settings.plan is not None:
+            if len(optimizers) != 1:
+                raise ValueError(f"AmpcPrecision(plan=...): the plan sets up one optimizer; "
+                                 f"configure_optimizers made {len(optimizers)}")
+            self.settings.set_up_plan("AmpcPrecision(plan=...)", model, _unwrap(optimizers[0]))
         trainer = getattr(self._module, "_trainer", None)
         if trainer is not None and trainer.gradient_clip_val and \
                 self._module.automatic_optimization:

@@ -151,6 +151,34 @@ class Adam(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
 
+    def relayout(self, *, step_in_backward: bool = False, **layout: Any) -> None:
+        """Gives an optimizer made elsewhere (a framework's ``configure_optimizers``), before
+        its first step, the state layout its constructor would have made from ``layout``
+        (``state``, ``master_weights``, ``moments``, ``moments_min_numel``,
+        ``stochastic_rounding``, ``kahan_summation``) and, with ``step_in_backward``, the
+        step in the backward. Refused, before anything changes, when the optimizer has
+        state, or a group chose a layout option of its own that differs."""
+        who = f"{name(self)}.relayout"
+        if any(self.state[p] for g in self.param_groups for p in g["params"]):
+            raise ValueError(f"{who}: the optimizer has state already; relayout it before its "
+                             "first step")
+        probe = [torch.zeros(1, requires_grad=True)]
+        plain, wanted = type(self)(probe).defaults, type(self)(probe, **layout).defaults
+        keys = _convert.LAYOUT_OPTIONS
+        for index, group in enumerate(self.param_groups):
+            own = [k for k in keys if group[k] != plain[k] and group[k] != wanted[k]]
+            if own:
+                raise ValueError(f"{who}: param group {index} has {own[0]}="
+                                 f"{group[own[0]]!r}, the layout asks {wanted[own[0]]!r}")
+            _lean.check_options(who, {**group, **{k: wanted[k] for k in keys}}, index)
+        for group in self.param_groups:
+            group.update({k: wanted[k] for k in keys})
+        if step_in_backward and not self.step_in_backward:
+            hooks = InBackward(self)
+            for index in range(len(self.param_groups)):
+                hooks.add_group(index)
+            self._ampc_in_backward = hooks
+
     @staticmethod
     def _strategy(group):
         """The step a group takes: the lean one, or the packed master-weight one."""

@@ -120,3 +120,37 @@ def test_prepare_refuses_what_it_cannot_make_before_anything_changes(plan):
         plan.prepare(model, ampc.optim.AdamW, moments="fp32")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not ampc.memory.recomputed(model) and not ampc.memory.sliced_heads(model)
+
+
+@pytest.mark.parametrize("state", ["fp32", "master", "lean", "kahan8"])
+@pytest.mark.parametrize("grads_freed", [False, True])
+def test_an_optimizer_made_already_trains_as_the_one_prepare_makes(plan, state, grads_freed):
+    # a framework makes the optimizer from the user's code; the plan then sets its layout
+    p = copy.deepcopy(plan)
+    p.set_step(state=state, grads_freed=grads_freed)
+    runs = []
+    for made in (False, True):
+        model = _model()
+        given = ampc.optim.AdamW(model.parameters(), lr=1e-3) if made else ampc.optim.AdamW
+        model, opt = p.prepare(model, given, **({} if made else {"lr": 1e-3}))
+        assert opt.step_in_backward == grads_freed
+        runs.append(_train(p, model, opt, _batches(3, seed=2)) + [
+            [t.clone() for t in model.parameters()]])
+    assert runs[0][:-1] == runs[1][:-1]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][-1], runs[1][-1]))
+
+
+def test_an_optimizer_made_already_is_refused_when_it_cannot_take_the_plan(plan):
+    model = _model()
+    opt = ampc.optim.AdamW(model.parameters(), lr=1e-3, moments="bf16")
+    with pytest.raises(ValueError, match=r"AdamW.relayout: param group 0 has moments='bf16', "
+                                         r"the layout asks '8bit'"):
+        plan.prepare(model, opt)
+    assert model[0].weight.dtype == torch.float32 and not opt.step_in_backward
+    with pytest.raises(TypeError, match=r"an optimizer already made takes no arguments; got lr"):
+        plan.prepare(model, ampc.optim.AdamW(model.parameters()), lr=1e-3)
+    opt = ampc.optim.AdamW(model.parameters())
+    model(torch.randn(2, 32)).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match=r"AdamW.relayout: the optimizer has state already"):
+        plan.prepare(model, opt)

@@ -30,7 +30,7 @@ BLOCKS = _blocks()
 
 
 def test_the_page_has_its_blocks():
-    assert len(BLOCKS) == 5
+    assert len(BLOCKS) == 6
 
 
 @pytest.mark.parametrize("code", BLOCKS)
