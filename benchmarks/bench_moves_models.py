@@ -8,7 +8,8 @@ in train mode as it comes (dropout and stochastic depth on where the model has t
 of the plain and the moved copy starts from the same seed, so they draw alike; recompute replays
 it). The moves, on the model's blocks: ``ampc.memory.compress(model, blocks, "8bit")``,
 ``compress(..., "bf16")``, ``ampc.memory.recompute(model, blocks)``, and
-``ampc.memory.sliced_head(model, "lm_head")`` on the causal LMs. Per model and move:
+``ampc.memory.sliced_head(model, "lm_head")`` on the causal LMs; ``--moves jitter`` is the
+control (no move; every weight changed by 1e-5 of itself). Per model and move:
 
 - grad err: ||g_move - g_plain|| / ||g_plain|| of all the gradients as one vector, on one batch,
   fp32 throughout; per param: the same per parameter (max and median over the parameters whose
@@ -173,6 +174,8 @@ MODELS = {
                "MBConv + SE, block and grid attention, relative position bias"),
 }
 MOVES = ("8bit", "bf16", "recompute", "sliced_head")
+# "jitter" (not run by default): how far 20 steps of the model drift from a change that small,
+# the yardstick of the 20-step gap where the plain run is chaotic (tiny batches, batch norm)
 
 
 def call(model, inputs):
@@ -186,6 +189,12 @@ def loss_of(out, target):
 
 
 def apply(model, move, blocks, head):
+    if move == "jitter":       # the control: no move, the weights changed by 1e-5 of themselves
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + 1e-5 * torch.randn(p.shape, generator=g))
+        return None
     if move == "recompute":
         return ampc.memory.recompute(model, blocks)
     if move == "sliced_head":
