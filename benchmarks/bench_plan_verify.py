@@ -3,7 +3,9 @@ fp32's seeds agree? search() then Plan.verify() on five models.
 
     python benchmarks/bench_plan_verify.py [--models resnet18,bncnn,bert,gpt2,gpt2text] [--steps N]
         [--seeds 3] [--objectives memory,time] [--candidates fp32,bf16] [--lr LR] [--monitor] [--quick]
-        [--out FILE] [--json]
+        [--peak 0.5] [--setups torch.amp] [--out FILE] [--json]
+    python benchmarks/bench_plan_verify.py --models llama,vit,convnext --peak 0.5 --setups ''
+        (three models no test uses, at batches where activations dominate, under a byte budget)
 
 Models and their tasks (synthetic and learnable; fresh batches every step, nothing to memorize; 40% of
 the classifiers' labels replaced at random, so that the loss falls to a floor well above zero, where
@@ -21,6 +23,15 @@ relative loss gaps stay meaningful and a calibrated model, not an overconfident 
             to 4 from a random start, 15% of the tokens replaced at random; lr 3e-3
   gpt2text  the same GPT2LMHeadModel on real text: the demo's (ampc.demo) characters of Python's standard
             library and its vocabulary of 98, batch 16 of 64 characters (the demo's batch_maker); lr 2e-3
+  llama     transformers' LlamaForCausalLM from a fresh config (2 layers, width 128, 4 heads, 2 KV heads,
+            vocab 256) on the gpt2 task at 128 tokens; lr 3e-3
+  vit       torchvision's VisionTransformer (32x32 images, patches of 4, 4 layers, width 128) on the
+            image task at 32x32; lr 1e-3
+  convnext  torchvision's ConvNeXt (three stages of two blocks, widths 32-128) on the image task at
+            32x32; lr 1e-3
+With --peak F the search has a byte budget of F times the fp32 step's peak (torch's AdamW, measured by
+ampc.memory.report) and measures the step with ampc's AdamW; the summary gives the state chosen, the
+plan's peak over fp32's and whether the budget was met.
 For each model and objective: ``search`` (the objective's own default candidates, the memory objective's
 with saved activations in 8 bits, unless --candidates says; repeats 1) on two batches the training does
 not see, then ``plan.verify``: fp32 from each of --seeds seeds (its run-to-run spread),
@@ -36,6 +47,7 @@ fp32's seeds over the second half of the run, had it stopped at a quarter, half 
 steps (a wider measure than validate's spread); the times. The raw output (plans, validate's tables) goes to --out.
 """
 import contextlib
+import copy
 import functools
 import io
 import json
@@ -43,6 +55,7 @@ import os
 import statistics
 import threading
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -135,13 +148,13 @@ def gpt2(vocab=VOCAB, seq=SEQ):
     return transformers.GPT2LMHeadModel(cfg)
 
 
-def stride_task():
+def stride_task(seq=SEQ):
     """make_batch(step) of the LM task: start + k * stride (mod VOCAB), 15% of tokens random."""
     def make_batch(step):
         g = torch.Generator().manual_seed(1000 + step)
         start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
         stride = torch.randint(1, 5, (BATCH, 1), generator=g)
-        ids = (start + stride * torch.arange(SEQ + 1)) % VOCAB
+        ids = (start + stride * torch.arange(seq + 1)) % VOCAB
         ids = torch.where(torch.rand(ids.shape, generator=g) < 0.15,
                           torch.randint(0, VOCAB, ids.shape, generator=g), ids)
         return ids[:, :-1], ids[:, 1:]
@@ -169,14 +182,43 @@ def gpt2_units():
     return (Conv1D, nn.Linear, nn.LayerNorm)    # GPT-2's projections are Conv1D (an addmm)
 
 
+LONG = 128      # the Llama's sequence: activations dominate its step
+
+
+def llama():
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=LONG, bos_token_id=0, eos_token_id=0,
+                                   pad_token_id=0, use_cache=False)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def vit():
+    from torchvision.models.vision_transformer import VisionTransformer
+    return VisionTransformer(image_size=32, patch_size=4, num_layers=4, num_heads=4, hidden_dim=128,
+                             mlp_dim=256, num_classes=CLASSES)
+
+
+def convnext():
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+    return ConvNeXt([CNBlockConfig(32, 64, 2), CNBlockConfig(64, 128, 2), CNBlockConfig(128, None, 2)],
+                    num_classes=CLASSES)
+
+
 # name: (make_model, make_batch, units (None: search's default), lr, steps, quick steps)
 IMAGES = pattern_task(16, 3.0)
+IMAGES_32 = pattern_task(32, 3.0)
 MODELS = {
     "resnet18": (resnet18, IMAGES, lambda: None, 1e-3, 1600, 16),
     "bncnn": (bn_cnn, IMAGES, lambda: None, 3e-3, 2000, 24),
     "bert": (bert, topic_task(), lambda: None, 1e-3, 800, 24),
     "gpt2": (gpt2, stride_task(), gpt2_units, 3e-3, 800, 24),
     "gpt2text": (gpt2text, lambda step: text_batches()(step), gpt2_units, 2e-3, 800, 24),
+    # where activations dominate the step (for --peak): models no test uses
+    "llama": (llama, stride_task(LONG), lambda: None, 3e-3, 300, 24),
+    "vit": (vit, IMAGES_32, lambda: None, 1e-3, 300, 24),
+    "convnext": (convnext, IMAGES_32, lambda: None, 1e-3, 300, 24),
 }
 
 
@@ -230,17 +272,29 @@ def monitored(report):
     return f"{spikes} spikes, {raised} raised over {len(runs)} runs"
 
 
-def one(name, objective, steps, seeds, candidates, out, monitor=None, lr=None):
-    """search then verify on one model; the summary rows, the raw tables printed to ``out``."""
+def fp32_peak(model, batch):
+    """The peak of one fp32 step with torch's AdamW (ampc.memory.report), bytes."""
+    work = copy.deepcopy(model)
+    return ampc.memory.report(work, torch.optim.AdamW(work.parameters()), batch).peak
+
+
+def one(name, objective, steps, seeds, candidates, out, monitor=None, lr=None, peak=None,
+        setups=("torch.amp",)):
+    """search then verify on one model; the summary rows, the raw tables printed to ``out``.
+    ``peak``: a byte budget for the step, that fraction of fp32's (``peak_bytes``)."""
     make_model, make_batch, units, own_lr, _, _ = MODELS[name]
     lr = lr or own_lr
     torch.manual_seed(0)
     model = make_model()
     batches = [make_batch(10_000 + k) for k in range(2)]       # not among the training batches
+    fp32 = fp32_peak(model, batches[0]) if peak else None
     with LoadWatch() as load:
         t0 = time.perf_counter()
-        plan = search(model, batches, candidates=candidates, objective=objective, repeats=1,
-                      units=units())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")           # a budget not met is in the table
+            plan = search(model, batches, candidates=candidates, objective=objective, repeats=1,
+                          units=units(), peak_bytes=int(peak * fp32) if peak else None,
+                          optimizer=ampc.optim.AdamW if peak else torch.optim.AdamW)
         search_s = time.perf_counter() - t0
         out(f"\n== {name}, objective {objective}, candidates {', '.join(plan.data['candidates'])}: "
             f"{steps} steps, fp32 seeds {list(range(seeds))}, lr {lr:g}, "
@@ -248,7 +302,7 @@ def one(name, objective, steps, seeds, candidates, out, monitor=None, lr=None):
         out(plan.table())               # before the long part: what is being trained
         t0 = time.perf_counter()
         report = plan.verify(make_model, make_batch, steps, seeds=tuple(range(seeds)), lr=lr,
-                             progress=False, monitor=monitor)
+                             progress=False, monitor=monitor, setups=setups)
         verify_s = time.perf_counter() - t0
     out(report.table())
     m = plan.data["measured"]
@@ -263,6 +317,8 @@ def one(name, objective, steps, seeds, candidates, out, monitor=None, lr=None):
         rows.append({
             "model": name, "objective": objective, "setup": r["setup"],
             "modules": ", ".join(f"{n} {c}" for c, n in sorted(counts.items())),
+            **({"state": plan.step.state, "peak x fp32": plan.peak.bytes / fp32,
+                "met": plan.peak.met} if peak else {}),
             "grad err": m["grad_err"], "grad noise": m.get("grad_noise"),
             "fp32 loss first-last": f"{statistics.mean(base[:10]):.3f}-{smooth(base, report.window)[-1]:.3f}",
             "fp32 spread %": 100 * report.spread, **{k: 100 * v for k, v in early.items()},
@@ -283,6 +339,11 @@ def main():
     p.add_argument("--candidates", default=None,
                    help="search candidates, comma-separated (default: the objective's own)")
     p.add_argument("--quick", action="store_true", help="a smoke check: few steps, 2 seeds")
+    p.add_argument("--peak", type=float, default=None,
+                   help="a byte budget for the step's peak, this fraction of fp32's (peak_bytes; "
+                        "the step measured with ampc's AdamW)")
+    p.add_argument("--setups", default="torch.amp",
+                   help="validate setups beside fp32 and the plan, comma-separated ('' for none)")
     p.add_argument("--lr", type=float, default=None, help="AdamW's rate (default: each model's own)")
     p.add_argument("--monitor", action="store_true",
                    help="train the plan's runs with its Monitor on (default arguments): its spikes "
@@ -306,7 +367,8 @@ def main():
         for objective in args.objectives.split(","):
             rows += one(name, objective, steps, seeds,
                         args.candidates and args.candidates.split(","), out,
-                        {} if args.monitor else None, args.lr)
+                        {} if args.monitor else None, args.lr, args.peak,
+                        tuple(x for x in args.setups.split(",") if x))
     notes = [f"verdict: validate's, from the gap to fp32 of the same seed over the last quarter (95% "
              f"interval over the seeds) against fp32's spread (over {100 * MAX_SPREAD:g}%: too wide to judge); "
              "gap %: the final gap to fp32 seed 0; gap/range: to the fp32 seeds' mean, in units of their "
