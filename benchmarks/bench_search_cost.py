@@ -28,7 +28,7 @@ PHASES = ((search_mod.failures, "first_run", "fp32 pass (failure and zero-gradie
           (measure_mod, "warm_if_silent", "warm-up (when some unit is silent)"),
           (measure_mod, "measure", "units measured"),
           (search_mod, "_first_plan", "solver"),
-          (search_mod, "_check_whole", "whole-plan check"))
+          (search_mod, "check_whole", "whole-plan check"))
 
 
 def timed(spent):

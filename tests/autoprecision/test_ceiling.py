@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ampc.autoprecision import _measure, _search, _solve, search
+from ampc.autoprecision import _measure, _search, _solve, _whole, search
 from ampc.autoprecision._solve import Budget, solve
 
 
@@ -60,13 +60,13 @@ def _unit_times(monkeypatch, ms):
 
 def _step_times(monkeypatch, ms):
     """A whole step takes 10 ms in fp32, ``ms(plan)`` under a plan's region."""
-    real_step = _search.whole_step
+    real_step = _whole.whole_step
 
     def whole_step(model, batch, loss_fn, region, device):
         loss, grads, _ = real_step(model, batch, loss_fn, region, device)
         plan = getattr(region, "__self__", None)
         return loss, grads, 1e-3 * (10.0 if plan is None else ms(plan))
-    monkeypatch.setattr(_search, "whole_step", whole_step)
+    monkeypatch.setattr(_whole, "whole_step", whole_step)
 
 
 def memory_search(**kw):

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from ampc.autoprecision import _measure, _search, _solve, search
+from ampc.autoprecision import _measure, _search, _solve, _whole, search
+from ampc.autoprecision._units import Reason
 from ampc.autoprecision._solve import order
 
 
@@ -83,7 +84,7 @@ def _search_with_jitter(monkeypatch, jitter, seed):
     fp32 and at bf16 takes 1 ms, the whole model 10 ms whatever its plan, each time times
     a random factor in [1 - jitter, 1 + jitter] (seeded)."""
     rng = random.Random(seed)
-    real_run, real_step = _measure.run_at, _search.whole_step
+    real_run, real_step = _measure.run_at, _whole.whole_step
 
     def run_at(*args):
         y, dx, dw, _ = real_run(*args)
@@ -93,7 +94,7 @@ def _search_with_jitter(monkeypatch, jitter, seed):
         loss, grads, _ = real_step(*args)
         return loss, grads, 1e-2 * rng.uniform(1 - jitter, 1 + jitter)
     monkeypatch.setattr(_measure, "run_at", run_at)
-    monkeypatch.setattr(_search, "whole_step", whole_step)
+    monkeypatch.setattr(_whole, "whole_step", whole_step)
     monkeypatch.setattr(_search, "probe", lambda candidates, device: {})
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
@@ -117,7 +118,7 @@ def test_without_the_margin_noise_flips_choices(monkeypatch):
     # the control: with no margin (the faster time always wins) the same noise decides
     strict = lambda ms, than, margin=None: ms < than        # noqa: E731
     monkeypatch.setattr(_solve, "clearly_faster", strict)
-    monkeypatch.setattr(_search, "clearly_faster", strict)
+    monkeypatch.setattr(_whole, "clearly_faster", strict)
     plans = {str(_search_with_jitter(monkeypatch, 0.4 * _solve.MARGIN, seed)) for seed in range(6)}
     assert len(plans) > 1, plans
 
@@ -186,14 +187,14 @@ def _search_under_late_load(monkeypatch):
     machine gets twice as slow for everything after fp32's reference was timed (its
     first five whole steps: a warm-up and two runs over the two batches)."""
     calls = {"n": 0}
-    real_step = _search.whole_step
+    real_step = _whole.whole_step
 
     def whole_step(model, batch, loss_fn, region, device):
         loss, grads, _ = real_step(model, batch, loss_fn, region, device)
         calls["n"] += 1
         load = 1.0 if calls["n"] <= 5 else 2.0
-        return loss, grads, load * (1e-2 if region is _search._null else 8e-3)
-    monkeypatch.setattr(_search, "whole_step", whole_step)
+        return loss, grads, load * (1e-2 if region is _whole.null else 8e-3)
+    monkeypatch.setattr(_whole, "whole_step", whole_step)
     monkeypatch.setattr(_search, "probe", lambda candidates, device: {})
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
@@ -215,16 +216,16 @@ def test_plan_against_fp32_timed_turn_about(monkeypatch):
 def test_timed_apart_the_late_load_flips_the_plan(monkeypatch):
     # the control: fp32's time taken from its reference (before the load came) against the
     # plan's under load: 10 ms against 16, and the whole plan goes to fp32
-    real_race = _search.race
+    real_race = _whole.race
 
     def apart(entrants, batches, device, rounds=3):
         if set(entrants) != {"fp32", "plan"}:
             return real_race(entrants, batches, device, rounds)
         model, region, fn = entrants["plan"]()
         return {"fp32": 1e3 * 1e-2,
-                "plan": 1e3 * min(_search.whole_step(model, b, fn, region, "cpu")[2]
+                "plan": 1e3 * min(_whole.whole_step(model, b, fn, region, "cpu")[2]
                                   for b in batches)}
-    monkeypatch.setattr(_search, "race", apart)
+    monkeypatch.setattr(_whole, "race", apart)
     plan = _search_under_late_load(monkeypatch)
     assert plan.dtype == "fp32"
     assert any("every module kept in fp32" in n for n in plan.data["notes"])
@@ -237,14 +238,14 @@ class Burst:
 
     def __init__(self, monkeypatch, ms):
         self.on, self.ms = False, ms
-        real_step = _search.whole_step
+        real_step = _whole.whole_step
 
         def whole_step(model, batch, loss_fn, region, device):
             loss, grads, _ = real_step(model, batch, loss_fn, region, device)
             plan = getattr(region, "__self__", None)
             base = 10.0 if plan is None else self.ms(plan)
             return loss, grads, 1e-3 * base * (2.0 if self.on else 1.0)
-        monkeypatch.setattr(_search, "whole_step", whole_step)
+        monkeypatch.setattr(_whole, "whole_step", whole_step)
 
     def during(self, fn, *args):
         self.on = True
@@ -255,8 +256,8 @@ class Burst:
 
 
 def _decision_setup():
-    """A model, batches, its per-unit plan (search without the whole-model check), the
-    measurements, fp32's reference and a working copy: what the whole-model decisions take."""
+    """A model's per-unit plan (search without the whole-model check) and the whole-model
+    check over it (fp32's reference measured, a working copy): what the decisions take."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
     g = torch.Generator().manual_seed(0)
@@ -265,30 +266,26 @@ def _decision_setup():
     plan = search(model, batches, candidates=("fp32", "bf16"), objective="memory",
                   max_slowdown=None, repeats=1, check=False, loss_unit=False)
     measured = {u.module: u.options for u in plan}
-    ref_model, ref = _search._fp32_reference(model, batches, _search.default_loss, "cpu")
-    return plan, measured, batches, ref_model, ref, _search.WorkingCopy(model)
+    return plan, _whole.Check(model, batches, _search.default_loss, plan, measured,
+                              _solve.Budget(), "cpu")
 
 
 def test_the_ops_outside_the_units_are_decided_turn_about(monkeypatch):
     # the plan's step takes 8 ms with the ops outside the units at the region dtype, 7.6 ms
     # with them in fp32: not clearly faster, so the region dtype stays. A burst of load
     # while the plan was first checked (16 ms) must not make fp32 look 2x faster
-    plan, measured, batches, ref_model, ref, work = _decision_setup()
+    plan, check = _decision_setup()
     assert plan.dtype == "bf16"
     burst = Burst(monkeypatch, lambda p: 7.6 if p.data.get("rest") == "fp32" else 8.0)
-    result = burst.during(_search.check_plan, work, batches, _search.default_loss, plan, ref,
-                          "cpu")
+    result = burst.during(check.run)
     assert result["plan_ms"] == pytest.approx(16.0)
-    result, fp32_ms = _search._fastest(work, batches, _search.default_loss, plan, ref,
-                                       ref_model, "cpu", result, _solve.Budget(), [])
+    result, fp32_ms = check.fastest(result)
     assert plan.rest == "bf16" and plan.data["rest"] == "bf16"
     assert result["plan_ms"] == pytest.approx(8.0) and fp32_ms == pytest.approx(10.0)
     # and where fp32 outside the units is clearly faster (6 ms), it is taken
-    plan, measured, batches, ref_model, ref, work = _decision_setup()
+    plan, check = _decision_setup()
     burst.ms = lambda p: 6.0 if p.data.get("rest") == "fp32" else 8.0
-    result = _search.check_plan(work, batches, _search.default_loss, plan, ref, "cpu")
-    _search._fastest(work, batches, _search.default_loss, plan, ref, ref_model, "cpu", result,
-                     _solve.Budget(), [])
+    check.fastest(check.run())
     assert plan.rest == "fp32"
 
 
@@ -296,21 +293,18 @@ def test_the_least_precise_plan_is_raced_against_the_modules_own(monkeypatch):
     # the modules one by one chose fp32 (say); at every module's least precise candidate
     # the whole model takes 8 ms, the modules' own choice 7.6 ms: not clearly faster, so
     # the least precise plan (less memory) is taken, though a burst of load hit its check
-    plan, measured, batches, ref_model, ref, work = _decision_setup()
-    plan.set_choices(dict.fromkeys(plan.choices, "fp32"), _search.Reason.SOLVED)
+    plan, check = _decision_setup()
+    plan.set_choices(dict.fromkeys(plan.choices, "fp32"), Reason.SOLVED)
     burst = Burst(monkeypatch, lambda p: 8.0 if p.dtype == "bf16" else 7.6)
-    result = _search.check_plan(work, batches, _search.default_loss, plan, ref, "cpu")
-    real_check = _search.check_plan
-    monkeypatch.setattr(_search, "check_plan", lambda *a: burst.during(real_check, *a))
-    notes = []
-    result = _search._whole_low(work, batches, _search.default_loss, plan, ref, "cpu", result,
-                                measured, _solve.Budget(), notes)
+    result = check.run()
+    real_run = check.run
+    monkeypatch.setattr(check, "run", lambda: burst.during(real_run))
+    result = check.whole_low(result)
     assert set(plan.choices.values()) == {"bf16"}
     assert result["plan_ms"] == pytest.approx(8.0)
-    assert any("timed turn about" in n for n in notes)
+    assert any("timed turn about" in n for n in plan.data["notes"])
     # where the modules' own choice is clearly faster (6 ms), it stays
-    plan.set_choices(dict.fromkeys(plan.choices, "fp32"), _search.Reason.SOLVED)
+    plan.set_choices(dict.fromkeys(plan.choices, "fp32"), Reason.SOLVED)
     burst.ms = lambda p: 8.0 if p.dtype == "bf16" else 6.0
-    _search._whole_low(work, batches, _search.default_loss, plan, ref, "cpu", result, measured,
-                       _solve.Budget(), [])
+    check.whole_low(result)
     assert set(plan.choices.values()) == {"fp32"}
