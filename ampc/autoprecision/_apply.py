@@ -79,10 +79,21 @@ def autocast(plan) -> contextlib.ExitStack:
         stack.enter_context(ampc.autocast(plan.device, dtype=_candidates.get(plan.dtype).dtype))
         if plan.rest == "fp32":     # the modules' own scopes set their precision inside
             stack.enter_context(ampc.policy.scope(dtype=torch.float32))
+    elif _weights_low(plan):
+        # every module computes in fp32 though the state keeps the weights in bf16: without
+        # a region they would run in bf16 (the weights' dtype), not what was measured, and
+        # slow where bf16 matmuls are (a CPU without AVX-512 BF16)
+        stack.enter_context(ampc.autocast(plan.device, dtype=torch.bfloat16))
+        stack.enter_context(ampc.policy.scope(dtype=torch.float32))
     if plan._uses_any(_candidates.fp8_linear):
         stack.enter_context(ampc.fp8.autocast(recipe=_units.fp8_recipe(plan.data.get("fp8_recipe")),
                                               modules=()))
     return stack
+
+
+def _weights_low(plan) -> bool:
+    """Whether the plan's state keeps the weights in bf16 (every state but fp32's)."""
+    return plan.step.state != "fp32"
 
 
 def python(plan) -> str:
@@ -121,6 +132,12 @@ def python(plan) -> str:
                   "    if fp8_filter(module, fqn):",
                   "        ampc.fp8.convert(module)"]
     step, loss = _loss_lines(plan, dev)
+    if region == "fp32" and _weights_low(plan):
+        ctx = (f'ampc.autocast("{dev}", dtype=torch.bfloat16), '
+               'ampc.policy.scope(dtype=torch.float32)')
+        lines += ["", f"# each step (every module computes in fp32 on the {plan.step.state} "
+                  f"state's bf16 weights): with {ctx}: {step}"] + loss
+        return "\n".join(lines)
     if region == "fp32":          # no autocast region at all
         lines += ["", f"# each step (every module computes in fp32: nothing to set): {step}"] + loss
         return "\n".join(lines)

@@ -78,6 +78,13 @@ def full_precision(name: str) -> bool:
     return REGISTRY[name].dtype == torch.float32
 
 
+def in_fp32(name: str) -> str:
+    """The candidate computing in fp32 that keeps the unit's saved tensors as ``name`` does."""
+    keep = REGISTRY[name].saved
+    return next(n for n, c in REGISTRY.items()
+                if c.dtype == torch.float32 and c.saved == keep and not c.fp8_linear)
+
+
 def region_dtype(choices) -> str:
     """The autocast region a plan of these choices runs in: the lower dtype its choices
     use, bf16 where any runs in bf16 (bf16 and fp16 regions do not nest), else fp16,

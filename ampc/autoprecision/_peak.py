@@ -114,7 +114,7 @@ def optimizer_for(optimizer, step):
     return lambda params, **options: cls(params, **{**base, **options})
 
 
-def _can_free(optimizer, plan):
+def can_free(optimizer, plan):
     """Why the step cannot free each gradient in the backward, or None when it can: that
     takes ampc's Adam/AdamW (``step_in_backward``), which fp16's loss scaler and several
     ranks rule out."""
@@ -167,7 +167,7 @@ def free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=None):
         plan.set_step(**undo)
         why[name] = f"left: the step's peak did not fall ({new.peak / MiB:.1f} MiB)"
 
-    cannot = _can_free(optimizer, plan)
+    cannot = can_free(optimizer, plan)
     if cannot:
         why["grads freed"] = f"left: {cannot}"
     elif not plan.step.grads_freed:
@@ -450,13 +450,16 @@ def _all_fp32(plan):
     return fp32
 
 
-def settle(plan, model, batches, loss_fn, optimizer, fitted):
+def settle(plan, model, batches, loss_fn, optimizer, fitted, report=None):
     """Whether the budget was met, said in the notes (and a warning when it was not); the
-    step is measured again where the whole-plan check changed the choices ``fit`` left
-    (``fitted``): a back-off raises units, and bytes with them."""
+    step's peak is ``report``'s (the whole-plan check measured it), else measured again where
+    the check changed the choices ``fit`` left (``fitted``): a back-off raises units, and
+    bytes with them."""
     d = plan.peak
-    if plan.decisions != fitted:
+    rep = report
+    if rep is None and plan.decisions != fitted:
         rep = step_peak(model, plan, batches[0], loss_fn, optimizer)
+    if rep is not None:
         d = replace(d, bytes=rep.peak, by_kind=rep.by_kind())
     d = replace(d, met=d.bytes <= d.budget)
     plan.set_peak(d)

@@ -205,11 +205,16 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
         _peak.fit(plan, model, whole, loss_fn, measured, rejected, budget, peak_bytes,
                   optimizer)
         fitted = plan.decisions
+    report = None
     if check:
-        check_whole(model, batches, loss_fn, plan, measured, budget, objective, device,
-                    max_backoffs)
+        # under a byte budget the whole step's forms are raced with their peaks measured
+        peak_of = None if peak_bytes is None else (
+            lambda: _peak.step_peak(model, plan, whole[0], loss_fn, optimizer))
+        report = check_whole(model, batches, loss_fn, plan, measured, budget, objective, device,
+                             max_backoffs, peak_of=peak_of,
+                             can_free=lambda: _peak.can_free(optimizer, plan) is None)
     if peak_bytes is not None:
-        _peak.settle(plan, model, whole, loss_fn, optimizer, fitted)
+        _peak.settle(plan, model, whole, loss_fn, optimizer, fitted, report)
     elif not goal.by_speed:
         _peak.whole_step(plan, model, whole, loss_fn, optimizer, measured, budget,
                          _peak.room(plan, ceiling))

@@ -345,10 +345,79 @@ class Check:
                           wgrad_worst=None)
         return result, fp32_ms
 
+    def fastest_under_bytes(self, result, peak_of, can_free=None):
+        """A byte budget's plan is lowered from the fastest plan by the units' own times, yet
+        its whole step can run far slower than its parts (16-bit ops outside the units where
+        16-bit matmuls are slow, casts between the units). So its forms of higher precision
+        are measured too: the ops outside the units in fp32, then every unit in fp32 keeping
+        its saved tensors' code (the step's moves kept, and the gradients freed where
+        ``can_free()`` says the plan now can: no fp16 module's loss scaler). A form whose
+        step's peak (from ``peak_of()``, a memory report) fits the budget, or the plan's own
+        peak where that was over it, and that runs clearly faster (timed turn about) is
+        taken: it only raises precision, so its errors are measured again and fall. Returns
+        (result, the report of the plan's step as it stands)."""
+        plan = self.plan
+        units = {u.module: u for u in plan.every_unit}
+        rest, freed, why = plan.data.get("rest"), plan.step.grads_freed, plan.step.why
+        up = {n: _candidates.in_fp32(u.choice) for n, u in units.items()}
+        forms = {"as chosen": (None, rest)}
+        if plan.rest != "fp32":
+            forms["the ops outside the modules in fp32"] = (None, "fp32")
+        if any(up[n] != u.choice for n, u in units.items()):
+            forms["every module in fp32"] = (up, "fp32")
 
-def check_whole(model, batches, loss_fn, plan, measured, budget, objective, device, max_backoffs):
-    """The whole plan measured against fp32, backed off until it fits (else all fp32), and
-    for the time objective its fastest form; the figures go to ``plan.data["measured"]``."""
+        def put(name):
+            choices, r = forms[name]
+            for n, u in units.items():
+                c = u.choice if choices is None else choices[n]
+                if plan.unit(n).choice != c:
+                    plan.set_choice(n, c, u.reason if c == u.choice else Reason.WHOLE_MODEL)
+            plan.data["rest"] = r
+            if r is None:
+                del plan.data["rest"]
+            plan.set_step(grads_freed=freed, why=why)
+            if not freed and choices is not None and can_free is not None and can_free():
+                plan.set_step(grads_freed=True, why={
+                    **why, "grads freed": f"taken with {name}: no fp16 module left"})
+        mine = peak_of()
+        if len(forms) == 1 or result.get("failed"):
+            return result, mine
+        limit = max(plan.peak.budget, mine.peak)
+        fits, peaks = {"as chosen": mine}, {}
+        for name in list(forms)[1:]:
+            put(name)
+            rep = peak_of()
+            peaks[name] = rep.peak
+            if rep.peak <= limit:
+                fits[name] = rep
+        put("as chosen")
+        if len(fits) == 1:
+            self.notes.append("under the byte budget the plan's forms of higher precision were "
+                              "over it: " + ", ".join(f"{n} {b / 2**20:.1f} MiB"
+                                                      for n, b in peaks.items()))
+            return result, mine
+        ms = self.race({n: self.plan_entrant(lambda p, n=n: put(n)) for n in fits})
+        best = min(fits, key=ms.get)
+        if best == "as chosen" or not clearly_faster(ms[best], ms["as chosen"]):
+            best = None
+        put(best or "as chosen")
+        self.notes.append(
+            "under the byte budget the whole step measured " + ", ".join(
+                f"{ms[n]:.1f} ms {n}" + ("" if n == "as chosen" else
+                                         f" ({fits[n].peak / 2**20:.1f} MiB)") for n in fits)
+            + f" (timed turn about): {best or 'the plan as chosen'} taken")
+        if best is None:
+            return dict(result, plan_ms=ms["as chosen"]), mine
+        return dict(self.run(), plan_ms=ms[best]), fits[best]
+
+
+def check_whole(model, batches, loss_fn, plan, measured, budget, objective, device, max_backoffs,
+                peak_of=None, can_free=None):
+    """The whole plan measured against fp32, backed off until it fits (else all fp32); for
+    the time objective its fastest form, under a byte budget the fastest of its forms that
+    fit (``peak_of``: the step's memory report; ``can_free``: whether the plan can free its
+    gradients). The figures go to ``plan.data["measured"]``; returns the step's memory
+    report under a byte budget, else None."""
     check = Check(model, batches, loss_fn, plan, measured, budget, device)
     notes, ceiling = check.notes, plan.data.get("ceiling")
     goal = _objectives.get(objective)
@@ -368,6 +437,9 @@ def check_whole(model, batches, loss_fn, plan, measured, budget, objective, devi
                       plan_ms=fp32_ms)
     if goal.by_speed and plan.dtype != "fp32":
         result, fp32_ms = check.fastest(result)
+    report = None
+    if peak_of is not None:
+        result, report = check.fastest_under_bytes(result, peak_of, can_free)
     if ceiling is not None and plan.dtype != "fp32" and result["plan_ms"] > ceiling * fp32_ms:
         result, fp32_ms = check.under_ceiling(result, ceiling)
     note = wgrad_note(result, plan, measured, budget)
@@ -378,6 +450,7 @@ def check_whole(model, batches, loss_fn, plan, measured, budget, objective, devi
     result.pop("involved", None)
     result["fp32_ms"] = fp32_ms
     plan.data["measured"] = result
+    return report
 
 
 def solve_with_loss(measured, budget, objective, ceiling=None):

@@ -326,3 +326,56 @@ def test_without_a_budget_blocks_are_recomputed_in_the_time_the_ceiling_leaves()
     # nothing inside a recomputed block keeps a code (it would only add a copy)
     assert not any(u.choice.endswith("+8b") for u in unbound if u.module[:2] in ("1.", "2.", "3."))
     assert _measured(unbound) == unbound.peak.bytes
+
+
+def _bf16_first(monkeypatch, fastest):
+    """bf16 measures fastest on every unit (so the first plan is bf16), and the whole-step
+    race finds ``fastest`` the fastest of the forms it is given; returns the forms raced."""
+    from ampc.autoprecision import _measure, _whole
+    import ampc.autoprecision._search as search_mod
+    monkeypatch.setattr(search_mod, "probe", lambda candidates, device: {})
+    real_run = _measure.run_at
+
+    def run_at(module, choice, *args):
+        y, dx, dw, _ = real_run(module, choice, *args)
+        return y, dx, dw, 1e-3 * (1.0 if choice.startswith("bf16") else 2.0)
+    monkeypatch.setattr(_measure, "run_at", run_at)
+    raced = []
+
+    def race(entrants, batches, device, rounds=3):
+        raced.append(list(entrants))
+        for setup in entrants.values():
+            setup()
+        return {n: 1.0 if n == fastest else 10.0 for n in entrants}
+    monkeypatch.setattr(_whole, "race", race)
+    return raced
+
+
+def test_under_a_budget_a_form_in_fp32_that_fits_and_runs_faster_is_taken(monkeypatch):
+    # the units one by one chose bf16; the whole step in bf16 measured slower than with every
+    # module in fp32 (as on a CPU whose bf16 matmuls are slow), which fits the budget
+    raced = _bf16_first(monkeypatch, "every module in fp32")
+    plan = _search(10**12)
+    assert raced == [["as chosen", "the ops outside the modules in fp32", "every module in fp32"]]
+    assert plan.dtype == "fp32" and set(plan.decisions.values()) <= {"fp32", "fp32+8b"}
+    assert any(n.endswith("every module in fp32 taken") for n in plan.data["notes"])
+    assert plan.data["measured"]["loss_err"] < 1e-6
+    # the peak the plan records is the step of the form taken, as a fresh model measures it
+    assert abs(plan.peak.bytes - _measured(plan)) <= 0.02 * plan.peak.bytes
+
+
+def test_under_a_budget_the_plan_as_chosen_is_kept_when_no_form_is_clearly_faster(monkeypatch):
+    _bf16_first(monkeypatch, "as chosen")
+    plan = _search(10**12)
+    assert plan.dtype == "bf16" and plan.rest == "bf16"
+    assert any(n.endswith("the plan as chosen taken") for n in plan.data["notes"])
+
+
+def test_under_a_budget_a_form_over_it_is_not_raced(monkeypatch):
+    raced = _bf16_first(monkeypatch, "as chosen")
+    bf16_peak = _search(10**12).peak.bytes
+    raced.clear()
+    plan = _search(bf16_peak)
+    # every module in fp32 needs more than the bf16 plan's peak: measured, never raced
+    assert all("every module in fp32" not in r for r in raced)
+    assert plan.dtype == "bf16" and plan.peak.met

@@ -10,7 +10,6 @@ from torch import nn
 
 import ampc
 from ampc.autoprecision import Plan, search
-from ampc.autoprecision._step import Peak, Step
 from autoprecision_models import Block, train_plan as _train
 
 
@@ -154,3 +153,32 @@ def test_an_optimizer_made_already_is_refused_when_it_cannot_take_the_plan(plan)
     opt.step()
     with pytest.raises(ValueError, match=r"AdamW.relayout: the optimizer has state already"):
         plan.prepare(model, opt)
+
+
+def test_a_plan_of_fp32_modules_computes_in_fp32_on_the_states_bf16_weights():
+    """The lean state keeps the weights in bf16; a plan whose modules all chose fp32 runs
+    them in fp32 all the same (the region casts up), not in the weights' bf16."""
+    with pytest.warns(UserWarning, match="NOT met"):
+        plan = search(_model(), _batches(), candidates=("fp32",), objective="memory",
+                      peak_bytes=1, repeats=1)
+    assert plan.dtype == "fp32" and plan.step.state == "lean"
+    model, opt = plan.prepare(_model(), ampc.optim.AdamW, lr=1e-3)
+    assert model[0].weight.dtype == torch.bfloat16
+    out_dtypes = []
+    for m in model.modules():
+        if type(m) is nn.Linear and m is not model[-1]:     # the head is sliced in the loss
+            m.register_forward_hook(lambda mod, args, out: out_dtypes.append(out.dtype))
+    # the reference: fp32 computing on the same weights (bf16 values, held in fp32)
+    ref = _model()
+    held = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            p.copy_(held[n].float())
+    x, y = _batches(1, seed=3)[0]
+    with plan.autocast():
+        out = model(x)
+    loss = plan.loss(torch.nn.functional.cross_entropy)(out, y)
+    want = torch.nn.functional.cross_entropy(ref(x), y)
+    assert out_dtypes and set(out_dtypes) == {torch.float32}
+    assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
+    assert "torch.bfloat16), ampc.policy.scope(dtype=torch.float32)" in plan.python()
