@@ -159,7 +159,12 @@ def free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=None):
             why.setdefault(name, "not needed: the step was under the budget")
             return
         plan.set_step(**change)
-        new = step_peak(model, plan, batch, loss_fn, optimizer)
+        try:
+            new = step_peak(model, plan, batch, loss_fn, optimizer)
+        except Exception as e:     # noqa: BLE001 (a move the model cannot take is left)
+            plan.set_step(**undo)
+            why[name] = f"left: the step raised {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            return
         if new.peak < rep.peak:
             why[name] = f"taken: the step's peak {rep.peak / MiB:.1f} -> {new.peak / MiB:.1f} MiB"
             rep = new

@@ -202,6 +202,10 @@ def test_a_custom_function_without_custom_fwd_backs_off_and_is_named():
     assert "custom autograd.Function Matmul (applied in the model)" in notes
     assert "custom_fwd(device_type='cpu', cast_inputs=torch.float32)" in notes
     assert plan.data["backoffs"] and set(plan.choices.values()) == {"fp32"}
+    # the lean state's bf16 weights meet the function's fp32 input (no cast list reaches
+    # it): that move is left, saying why, not a crash
+    assert plan.step.state == "fp32"
+    assert plan.step.why["state"].startswith("left: the step raised RuntimeError")
     with pytest.raises(RuntimeError, match=r"ampc.validate.compare: torch.amp bf16 failed at "
                                            r"step 0: .*Matmul \(applied in the model\)"):
         ampc.validate.compare(WithFunction, make_batch, steps=2, seeds=(0,), progress=False)
