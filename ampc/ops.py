@@ -22,6 +22,7 @@ __all__ = ["cast", "cast_", "unscale_check", "check_norm", "update_scale", "adam
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TENSOR = repeat(torch.Tensor)
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))     # tensor types with no dispatch of their own
 
 
 def _check_list(op, name, tensors):
@@ -35,9 +36,12 @@ def _check_list(op, name, tensors):
 
 def _check_list_fast(op, name, tensors):
     """_check_list with the per-tensor loop in C; the one that names the culprit runs only
-    on failure (and when torch.compile traces, which follows the plain loop)."""
-    if (torch.compiler.is_compiling() or not isinstance(tensors, (list, tuple))
-            or not all(map(isinstance, tensors, _TENSOR))):
+    on failure (and when torch.compile traces, which follows the plain loop). Plain tensors
+    are told by their type first: isinstance() on a Tensor costs 4x more (torch's
+    metaclass checks it in Python)."""
+    if torch.compiler.is_compiling() or not isinstance(tensors, (list, tuple)):
+        _check_list(op, name, tensors)
+    elif not _PLAIN.issuperset(map(type, tensors)) and not all(map(isinstance, tensors, _TENSOR)):
         _check_list(op, name, tensors)
 
 
@@ -620,8 +624,62 @@ def _guard_autograd(name):
             bump([args[i] for i in singles])
         return overload.redispatch(keyset & below, *args)
 
+    every_list = [i for i, _, is_list, _ in tensors if is_list]
+    every_single = [i for i, _, is_list, _ in tensors if not is_list]
+
+    def call_returning(*args):
+        # The dispatcher's way converts every list to C++ and back to Python for this
+        # guard, then to C++ again: on a list of 1,000 tensors that is most of a call's
+        # host time. Where nothing but the backend would run below the guard anyway (plain
+        # tensors, no mode, no tracing, no profiler), the guard's work is done here and
+        # the call goes straight to the backend's kernel.
+        keys = _direct_keys(args, every_list, every_single)
+        return overload(*args) if keys is None else kernel(keys, *args)
+
     _lib.impl(name, kernel, "ADInplaceOrView", with_keyset=True)
-    _OVERLOADS[name] = overload
+    _OVERLOADS[name] = call_returning
+
+
+_INCLUDED = torch._C._dispatch_tls_local_include_set()     # outside any mode or guard
+_K = torch._C.DispatchKey
+_MUST_RUN = (_K.ADInplaceOrView, _K.AutogradCPU, _K.AutogradCUDA)
+_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
+_profiling = torch._C._autograd._profiler_enabled
+_tracing = torch._C._get_tracing_state
+_transforms = torch._C._functorch.peek_interpreter_stack
+
+
+def _direct_keys(args, lists, singles):
+    """The backend's key set (what the guard passes on) when the call may skip the
+    dispatcher's way, else None: every tensor of a plain type (no subclass dispatch), on
+    the CPU or CUDA, and nothing active that the dispatcher would run on the way (a
+    dispatch or function mode, a functorch transform, the JIT tracer, the profiler's
+    record of the op, inference mode, a thread-local key guard, torch.compile)."""
+    if torch.compiler.is_compiling():       # first: dynamo traces what follows it
+        return None
+    first = None
+    for i in lists:
+        ts = args[i]
+        if not _PLAIN.issuperset(map(type, ts)):
+            return None
+        if first is None and ts:
+            first = ts[0]
+    if not _PLAIN.issuperset(type(args[i]) for i in singles):
+        return None
+    if first is None:
+        if not singles:
+            return None
+        first = args[singles[0]]
+    keys = _KERNEL_KEYS.get(first.device.type)
+    if (keys is None or _modes() or _function_modes() or _profiling()
+            or _tracing() is not None or _transforms() is not None
+            or torch._C._dispatch_tls_local_include_set() != _INCLUDED):
+        return None
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    if any(map(excluded.has, _MUST_RUN)):
+        return None
+    return keys
 
 
 # Every op the C library registered (its list is csrc/api/ampc_ops.h) gets the guard and
@@ -636,7 +694,7 @@ for _name in _OPS:
 
 
 def _run(name, *args):
-    """torch.ops.ampc.<name>(*args), through the guard."""
+    """torch.ops.ampc.<name>(*args), through the guard (straight to it where it may)."""
     return _OVERLOADS[name](*args)
 
 

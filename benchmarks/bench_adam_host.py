@@ -12,6 +12,12 @@ Params of 16 elements (CPU), so the kernels' own work is a small part:
 - ops.unscale_check and ops.cast on the grads (kernels included: 16 elements each);
 - GradScaler.unscale_ + update on the optimizer's grads.
 Printed per case: the median microseconds of one call and per param.
+
+With --vs-torch: the master-weight step's host cost against torch's, side by side:
+ampc.optim.AdamW on one-element bf16 params with fp32 masters against
+torch.optim.AdamW(fused=True) on one-element fp32 params (real steps, no found_inf),
+interleaved rounds of --steps steps each; printed: the median and quartiles of each
+one's microseconds a step and of the ratio torch / ampc, round by round.
 """
 import statistics
 import time
@@ -84,12 +90,58 @@ def cases(n):
     ]
 
 
+def quartiles(xs):
+    q = statistics.quantiles(xs, n=4)
+    return f"{q[1]:.2f} [{q[0]:.2f}, {q[2]:.2f}]"
+
+
+def vs_torch(n, rounds, steps):
+    def params(dtype):
+        ps = [torch.nn.Parameter(torch.randn(1, dtype=dtype)) for _ in range(n)]
+        for q in ps:
+            q.grad = torch.randn_like(q)
+        return ps
+
+    ours = ampc.optim.AdamW(params(torch.bfloat16), lr=1e-3)
+    theirs = torch.optim.AdamW(params(torch.float32), lr=1e-3, fused=True)
+
+    def per_step_us(fn):
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        return (time.perf_counter() - t) / steps * 1e6
+
+    for _ in range(3):                  # state made, caches warm
+        ours.step()
+        theirs.step()
+    a, b = [], []
+    for r in range(rounds):             # interleaved, the order alternating
+        if r % 2:
+            b.append(per_step_us(theirs.step))
+            a.append(per_step_us(ours.step))
+        else:
+            a.append(per_step_us(ours.step))
+            b.append(per_step_us(theirs.step))
+    ratio = [y / x for x, y in zip(a, b)]
+    return [{"case": f"AdamW step, {n} one-element params", "ampc us (bf16 + masters)": quartiles(a),
+             "torch fused us (fp32)": quartiles(b), "torch / ampc": quartiles(ratio),
+             "min ratio": f"{min(ratio):.2f}"}]
+
+
 def main():
     p = H.common_args(__doc__)
     p.add_argument("--params", type=int, default=1000)
+    p.add_argument("--vs-torch", action="store_true",
+                   help="only the master-weight step against torch's fused AdamW, side by side")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (--vs-torch)")
+    p.add_argument("--steps", type=int, default=50, help="steps a round (--vs-torch)")
     p.set_defaults(reps=200)
     args = H.parse(p)
     hdr = H.machine("cpu")
+    if args.vs_torch:
+        H.report(hdr, vs_torch(args.params, args.rounds, args.steps), args.json,
+                 [f"median [quartiles] of {args.rounds} interleaved rounds of {args.steps} steps"])
+        return
     rows = []
     for name, fn in cases(args.params):
         us = median_us(fn, args.reps)

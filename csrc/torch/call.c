@@ -102,6 +102,13 @@ static void describe(struct call *c, struct tensor *t)
     char b[64];
     char d1[32];
     char d2[32];
+    int32_t layout = 0;
+    /* a sparse or other non-strided tensor reaches here when ampc's Python calls the
+     * backend's kernel straight (ops.py), not through the dispatcher, which refuses it */
+    shim(c, aoti_torch_get_layout(t->h, &layout), "get_layout");
+    if (layout != aoti_torch_layout_strided())
+        fail(c, "%s must be a dense (strided) tensor, got layout %d",
+             tensor_name(t, a, sizeof(a)), (int)layout);
     shim(c, aoti_torch_get_dtype(t->h, &t->dtype), "get_dtype");
     shim(c, aoti_torch_get_device_type(t->h, &t->device_type), "get_device_type");
     shim(c, aoti_torch_get_device_index(t->h, &t->device_index), "get_device_index");

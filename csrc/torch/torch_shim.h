@@ -60,6 +60,7 @@ AOTITorchError aoti_torch_get_sizes(AtenTensorHandle tensor, int64_t **ret_sizes
 AOTITorchError aoti_torch_get_dtype(AtenTensorHandle tensor, int32_t *ret_dtype);
 AOTITorchError aoti_torch_get_device_type(AtenTensorHandle tensor, int32_t *ret_device_type);
 AOTITorchError aoti_torch_get_device_index(AtenTensorHandle tensor, int32_t *ret_device_index);
+AOTITorchError aoti_torch_get_layout(AtenTensorHandle tensor, int32_t *ret_layout);
 AOTITorchError aoti_torch_is_contiguous(AtenTensorHandle tensor, bool *ret_is_contiguous);
 AOTITorchError torch_get_mutable_data_ptr(AtenTensorHandle tensor, void **ret_data_ptr);
 AOTITorchError aoti_torch_empty_strided(int64_t ndim, const int64_t *sizes_ptr,
@@ -79,6 +80,7 @@ int32_t aoti_torch_dtype_uint8(void);
 int32_t aoti_torch_dtype_float8_e4m3fn(void);
 int32_t aoti_torch_dtype_float8_e5m2(void);
 int32_t aoti_torch_device_type_cpu(void);
+int32_t aoti_torch_layout_strided(void);
 int32_t aoti_torch_device_type_cuda(void);
 
 // ---- CPU threads (torch's intra-op pool, sized by torch.get_num_threads()) ----
