@@ -18,6 +18,10 @@
  * 0.5, not maximizing: no select left per element); any other layout runs the same body
  * with the kinds read at run time. Every operation is exact or rounded on its own, so
  * every instruction set and layout gives the same bits.
+ *
+ * An instruction set may bring loops of its own for the lean preset's layout (lean_avx2.c
+ * does): LEAN_STEP_PRESET steps a run of elements 8 at a time and LEAN_ENCODE_BOTH codes
+ * both moments 8 at a time, each returning where it stopped; the loops here do the rest.
  */
 #include <string.h>
 
@@ -63,6 +67,12 @@ INLINE void step_loop(const struct lean_block *b, const struct ampc_adam_coef *c
     const float fv = moments == AMPC_MOMENTS_Q8 ? ampc_q8v_factor(*b->v_scale) : 0.0f;
     float *const mb = buf->m, *const sb = buf->s, *const wb = buf->w;
     uint32_t mx = *mmax, vx = *vmax;
+#ifdef LEAN_STEP_PRESET
+    /* the lean preset's layout, 8 lanes at a time, in a loop written out by hand */
+    if (moments == AMPC_MOMENTS_Q8 && weight == AMPC_WEIGHT_PARAM && write == AMPC_WRITE_SR &&
+        pt == AMPC_BF16 && gt == AMPC_BF16 && plain)
+        lo = LEAN_STEP_PRESET(&at, &cc, kk.w, base, lo, hi, fm, fv, mb, sb, &mx, &vx);
+#endif
 #pragma omp simd reduction(max : mx, vx)
     for (int64_t i = lo; i < hi; i++) {
         float m, v, w;
@@ -102,21 +112,28 @@ INLINE void encode_loop(const struct lean_block *b, struct lean_bufs *buf, int64
     const float mmax = ampc_bits_f32(mbits), smax = sqrtf(ampc_bits_f32(vbits));
     *b->m_scale = mmax;
     *b->v_scale = smax;
+    int64_t done = 0;
+#ifdef LEAN_ENCODE_BOTH
+    if (!ampc_q8_codes_zero(mmax) && !ampc_q8_codes_zero(smax))
+        done = LEAN_ENCODE_BOTH(qm, qv, buf->m, buf->s, n, mmax, smax);
+    if (done == n)
+        return;
+#endif
     if (ampc_q8_codes_zero(mmax)) {
         memset(qm, 0, (size_t)n);
     } else {
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++)
+        for (int64_t i = done; i < n; i++)
             cb[i] = ampc_q8m_code(mb[i], mmax);
-        pack_codes(qm, cb, n);
+        pack_codes(qm + done, cb + done, n - done);
     }
     if (ampc_q8_codes_zero(smax)) {
         memset(qv, 0, (size_t)n);
     } else {
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++)
+        for (int64_t i = done; i < n; i++)
             cb[i] = ampc_q8v_code(sb[i], smax);
-        pack_codes(qv, cb, n);
+        pack_codes(qv + done, cb + done, n - done);
     }
 }
 

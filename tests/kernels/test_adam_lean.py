@@ -413,8 +413,13 @@ f32, f16, bf16, u8 = torch.float32, torch.float16, torch.bfloat16, torch.uint8
 h = hashlib.sha256()
 # every layout the CPU loops compile with constant kinds, and others that take the loop with
 # kinds read at run time (fp16 params, fp32 grads, Adam's L2, maximize, a small beta1)
-SHAPES = {"adamw": (bf16, dict(weight_decay=0.1)),
-          "others": (f32, dict(weight_decay=0.1, decoupled=False, maximize=True, beta1=0.3))}
+# (AVX2 writes the lean preset's loop by hand, and skips the scale and clip multiplies when
+# both are 1: "unscaled" takes that branch)
+SCALED = dict(inv_scale=torch.full((1,), 0.37), clip_coef=torch.full((1,), 0.9))
+SHAPES = {"adamw": (bf16, dict(weight_decay=0.1, **SCALED)),
+          "unscaled": (bf16, dict(weight_decay=0.1)),
+          "others": (f32, dict(weight_decay=0.1, decoupled=False, maximize=True, beta1=0.3,
+                               **SCALED))}
 for shape, (gdt, kw) in SHAPES.items():
   for kind in ("f32", "bf16", "q8"):
     for weights in ("fp32", "master", "sr", "kahan", "rne", "master_sr", "f16_master", "f16_sr"):
@@ -436,8 +441,7 @@ for shape, (gdt, kw) in SHAPES.items():
             ampc.ops.adam_lean(params, grads, m, v, steps, lr=1e-2, masters=masters,
                                compensations=comps, exp_avg_scales=sc[0],
                                exp_avg_sq_scales=sc[1], stochastic="sr" in weights, seed=5,
-                               inv_scale=torch.full((1,), 0.37),
-                               clip_coef=torch.full((1,), 0.9), **kw)
+                               **kw)
         for t in params + m + v + (masters or []) + (comps or []) + (sc[0] or []) + \
                 (sc[1] or []) + steps:
             h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
