@@ -71,29 +71,52 @@ def sliced(plan) -> list[str]:
     return list(plan.step.sliced_head)
 
 
-def autocast(plan) -> contextlib.ExitStack:
-    """The region to train in: ampc.autocast at the region dtype, with an FP8 region
-    (only the plan's fp8 modules) when there are any."""
-    stack = contextlib.ExitStack()
+def step_contexts(plan) -> list:
+    """The contexts a step runs in, as (what, dtype) pairs in the order they are entered:
+    ("autocast", dtype) for ampc.autocast, ("scope", torch.float32) for the policy scope
+    that keeps the ops outside the units in fp32, ("fp8", None) for the FP8 region of the
+    plan's fp8 modules."""
     if plan.dtype != "fp32":
-        stack.enter_context(ampc.autocast(plan.device, dtype=_candidates.get(plan.dtype).dtype))
+        out = [("autocast", _candidates.get(plan.dtype).dtype)]
         if plan.rest == "fp32":     # the modules' own scopes set their precision inside
-            stack.enter_context(ampc.policy.scope(dtype=torch.float32))
-    elif _weights_low(plan):
+            out.append(("scope", torch.float32))
+    elif plan.step.state != "fp32":
         # every module computes in fp32 though the state keeps the weights in bf16: without
         # a region they would run in bf16 (the weights' dtype), not what was measured, and
         # slow where bf16 matmuls are (a CPU without AVX-512 BF16)
-        stack.enter_context(ampc.autocast(plan.device, dtype=torch.bfloat16))
-        stack.enter_context(ampc.policy.scope(dtype=torch.float32))
+        out = [("autocast", torch.bfloat16), ("scope", torch.float32)]
+    else:
+        out = []
     if plan._uses_any(_candidates.fp8_linear):
-        stack.enter_context(ampc.fp8.autocast(recipe=_units.fp8_recipe(plan.data.get("fp8_recipe")),
-                                              modules=()))
+        out.append(("fp8", None))
+    return out
+
+
+def autocast(plan) -> contextlib.ExitStack:
+    """The region to train in (:func:`step_contexts`), entered."""
+    stack = contextlib.ExitStack()
+    for what, dtype in step_contexts(plan):
+        if what == "autocast":
+            stack.enter_context(ampc.autocast(plan.device, dtype=dtype))
+        elif what == "scope":
+            stack.enter_context(ampc.policy.scope(dtype=dtype))
+        else:
+            stack.enter_context(ampc.fp8.autocast(
+                recipe=_units.fp8_recipe(plan.data.get("fp8_recipe")), modules=()))
     return stack
 
 
-def _weights_low(plan) -> bool:
-    """Whether the plan's state keeps the weights in bf16 (every state but fp32's)."""
-    return plan.step.state != "fp32"
+def _region_python(plan) -> str:
+    """:func:`step_contexts` as the ``with`` line's contexts."""
+    said = []
+    for what, dtype in step_contexts(plan):
+        if what == "autocast":
+            said.append(f'ampc.autocast("{plan.device}", dtype={_torch_dtype(dtype)})')
+        elif what == "scope":
+            said.append(f"ampc.policy.scope(dtype={_torch_dtype(dtype)})")
+        else:
+            said.append("ampc.fp8.autocast(recipe=ampc.fp8.DelayedScaling(), modules=())")
+    return ", ".join(said)
 
 
 def python(plan) -> str:
@@ -132,21 +155,15 @@ def python(plan) -> str:
                   "    if fp8_filter(module, fqn):",
                   "        ampc.fp8.convert(module)"]
     step, loss = _loss_lines(plan, dev)
-    if region == "fp32" and _weights_low(plan):
-        ctx = (f'ampc.autocast("{dev}", dtype=torch.bfloat16), '
-               'ampc.policy.scope(dtype=torch.float32)')
-        lines += ["", f"# each step (every module computes in fp32 on the {plan.step.state} "
-                  f"state's bf16 weights): with {ctx}: {step}"] + loss
-        return "\n".join(lines)
-    if region == "fp32":          # no autocast region at all
+    ctx = _region_python(plan)
+    if not ctx:
         lines += ["", f"# each step (every module computes in fp32: nothing to set): {step}"] + loss
         return "\n".join(lines)
-    ctx = f'ampc.autocast("{dev}", dtype={_torch_dtype(_candidates.get(region).dtype)})'
-    if plan.rest == "fp32":
-        ctx += ", ampc.policy.scope(dtype=torch.float32)"
-    if fp8:
-        ctx += ", ampc.fp8.autocast(recipe=ampc.fp8.DelayedScaling(), modules=())"
-    lines += ["", f"# each step: with {ctx}: {step}"] + loss
+    if region == "fp32" and plan.step.state != "fp32":
+        lines += ["", f"# each step (every module computes in fp32 on the {plan.step.state} "
+                  f"state's bf16 weights): with {ctx}: {step}"] + loss
+    else:
+        lines += ["", f"# each step: with {ctx}: {step}"] + loss
     if plan.needs_scaler():
         lines.append(f'# fp16 choices need loss scaling: scaler = ampc.GradScaler("{dev}")')
     return "\n".join(lines)

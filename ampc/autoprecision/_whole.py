@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from dataclasses import dataclass
 import math
 import time
 
@@ -14,6 +15,7 @@ import torch
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 from . import _candidates, _loss, _objectives
+from ._peak import MiB
 from ._plan import Plan
 from ._solve import MARGIN, Budget, Over, clearly_faster, order, raise_one, solve
 from ._units import Reason
@@ -96,6 +98,14 @@ def fp32_reference(model, batches, loss_fn, device):
     ref = [whole_step(ref_model, b, loss_fn, null, device) for b in batches]
     return ref_model, [(loss, g, min(t, whole_step(ref_model, b, loss_fn, null, device)[2]))
                        for (loss, g, t), b in zip(ref, batches)]
+
+
+@dataclass(frozen=True)
+class Form:
+    """A form of a plan under a byte budget: each unit's choice (None: as chosen) and the
+    ops outside the units (``plan.data["rest"]``; None: the region's)."""
+    choices: dict | None
+    rest: str | None
 
 
 class Check:
@@ -355,33 +365,34 @@ class Check:
         step's peak (from ``peak_of()``, a memory report) fits the budget, or where the plan
         was over it, the plan's own peak and MARGIN more, and that runs clearly faster (timed
         turn about) is taken: it only raises precision, so its errors are measured again and fall. Returns
-        (result, the report of the plan's step as it stands)."""
+        (result, the report of the plan's step as it stands, or None where nothing was
+        measured: no form but the plan's own)."""
         plan = self.plan
         units = {u.module: u for u in plan.every_unit}
         rest, freed, why = plan.data.get("rest"), plan.step.grads_freed, plan.step.why
         up = {n: _candidates.in_fp32(u.choice) for n, u in units.items()}
-        forms = {"as chosen": (None, rest)}
+        forms = {"as chosen": Form(None, rest)}
         if plan.rest != "fp32":
-            forms["the ops outside the modules in fp32"] = (None, "fp32")
+            forms["the ops outside the modules in fp32"] = Form(None, "fp32")
         if any(up[n] != u.choice for n, u in units.items()):
-            forms["every module in fp32"] = (up, "fp32")
+            forms["every module in fp32"] = Form(up, "fp32")
+        if len(forms) == 1 or result.get("failed"):
+            return result, None
 
         def put(name):
-            choices, r = forms[name]
+            form = forms[name]
             for n, u in units.items():
-                c = u.choice if choices is None else choices[n]
+                c = u.choice if form.choices is None else form.choices[n]
                 if plan.unit(n).choice != c:
                     plan.set_choice(n, c, u.reason if c == u.choice else Reason.WHOLE_MODEL)
-            plan.data["rest"] = r
-            if r is None:
+            plan.data["rest"] = form.rest
+            if form.rest is None:
                 del plan.data["rest"]
             plan.set_step(grads_freed=freed, why=why)
-            if not freed and choices is not None and can_free is not None and can_free():
+            if not freed and form.choices is not None and can_free is not None and can_free():
                 plan.set_step(grads_freed=True, why={
                     **why, "grads freed": f"taken with {name}: no fp16 module left"})
         mine = peak_of()
-        if len(forms) == 1 or result.get("failed"):
-            return result, mine
         # over the budget anyway, a form may cost a little more than the plan (MARGIN) for
         # the time it saves
         budget = plan.peak.budget
@@ -399,7 +410,7 @@ class Check:
         put("as chosen")
         if len(fits) == 1:
             self.notes.append("under the byte budget the plan's forms of higher precision were "
-                              "over it: " + ", ".join(f"{n} {b / 2**20:.1f} MiB"
+                              "over it: " + ", ".join(f"{n} {b / MiB:.1f} MiB"
                                                       for n, b in peaks.items()))
             return result, mine
         ms = self.race({n: self.plan_entrant(lambda p, n=n: put(n)) for n in fits})
@@ -410,7 +421,7 @@ class Check:
         self.notes.append(
             "under the byte budget the whole step measured " + ", ".join(
                 f"{ms[n]:.1f} ms {n}" + ("" if n == "as chosen" else
-                                         f" ({fits[n].peak / 2**20:.1f} MiB)") for n in fits)
+                                         f" ({fits[n].peak / MiB:.1f} MiB)") for n in fits)
             + f" (timed turn about): {best or 'the plan as chosen'} taken")
         if best is None:
             return dict(result, plan_ms=ms["as chosen"]), mine
@@ -447,7 +458,10 @@ def check_whole(model, batches, loss_fn, plan, measured, budget, objective, devi
     if peak_of is not None:
         result, report = check.fastest_under_bytes(result, peak_of, can_free)
     if ceiling is not None and plan.dtype != "fp32" and result["plan_ms"] > ceiling * fp32_ms:
+        before = plan.decisions
         result, fp32_ms = check.under_ceiling(result, ceiling)
+        if plan.decisions != before:
+            report = None       # measured before the ceiling raised modules
     note = wgrad_note(result, plan, measured, budget)
     if note:
         notes.append(note)

@@ -31,6 +31,14 @@ import torch.utils.checkpoint
 from .._checkpoint import current_region
 from ._saved import note_held
 
+# torch's checkpoint re-enters the CPU autocast state of the forward before the region does;
+# under ampc's fp32 scope that state holds fp32, which torch.amp.autocast refuses with a
+# warning (and disables itself) on every recomputation. The region entered right after sets
+# the state that was measured, so the warning says nothing true: it is hidden, from that
+# module only.
+warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported",
+                        category=UserWarning, module=r"torch\.utils\.checkpoint")
+
 _ATTR = "_ampc_recompute"   # on a wrapped module: (its handle, the forward it had before)
 
 

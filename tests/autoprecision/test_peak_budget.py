@@ -379,3 +379,22 @@ def test_under_a_budget_a_form_over_it_is_not_raced(monkeypatch):
     # every module in fp32 needs more than the bf16 plan's peak: measured, never raced
     assert all("every module in fp32" not in r for r in raced)
     assert plan.dtype == "bf16" and plan.peak.met
+
+
+@pytest.mark.parametrize("margin", [10.0, -1.0])
+def test_over_the_budget_anyway_a_form_may_take_up_to_the_margin_more_bytes(monkeypatch, margin):
+    # no plan meets a budget of one byte: a form of higher precision is then raced when its
+    # peak is within MARGIN of the plan's own (a huge margin: every form; below zero: none)
+    from ampc.autoprecision import _whole
+    raced = _bf16_first(monkeypatch, "every module in fp32")
+    monkeypatch.setattr(_whole, "MARGIN", margin)
+    with pytest.warns(UserWarning, match="NOT met"):
+        plan = _search(1)
+    if margin > 0:
+        assert raced == [["as chosen", "the ops outside the modules in fp32", "every module in fp32"]]
+        assert plan.dtype == "fp32"
+        assert any(n.endswith("every module in fp32 taken") for n in plan.data["notes"])
+    else:
+        assert raced == [] and plan.dtype == "bf16"
+        assert any("forms of higher precision were over it" in n for n in plan.data["notes"])
+    assert not plan.peak.met
