@@ -10,8 +10,11 @@ from torch import nn
 from ._text import VOCAB, decode, encode
 
 # width, layers, heads, context, batch. "small" is wide rather than deep: on a CPU with
-# AVX-512 BF16 a 16-bit step pays from about width 192 (at 128 it is slower than fp32's)
-SIZES = {"micro": (32, 2, 2, 32, 8), "tiny": (64, 2, 2, 64, 8), "small": (256, 2, 4, 64, 16),
+# AVX-512 BF16 a 16-bit step pays from about width 192 (at 128 it is slower than fp32's).
+# "micro" and "tiny" (where 16-bit matmuls are slow) are narrow and deep instead: there the
+# activations outweigh the weights and all but one block can be recomputed, so the memory
+# moves show (with two blocks, recomputing one halved nothing)
+SIZES = {"micro": (32, 6, 2, 64, 8), "tiny": (64, 6, 4, 64, 8), "small": (256, 2, 4, 64, 16),
          "medium": (256, 4, 4, 128, 32), "large": (384, 6, 6, 256, 32)}
 
 
