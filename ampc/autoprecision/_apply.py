@@ -158,7 +158,7 @@ def python(plan) -> str:
     ctx = _region_python(plan)
     if not ctx:
         lines += ["", f"# each step (every module computes in fp32: nothing to set): {step}"] + loss
-        return "\n".join(lines)
+        return "\n".join(lines + _micro_lines(plan))
     if region == "fp32" and plan.step.state != "fp32":
         lines += ["", f"# each step (every module computes in fp32 on the {plan.step.state} "
                   f"state's bf16 weights): with {ctx}: {step}"] + loss
@@ -166,7 +166,18 @@ def python(plan) -> str:
         lines += ["", f"# each step: with {ctx}: {step}"] + loss
     if plan.needs_scaler():
         lines.append(f'# fp16 choices need loss scaling: scaler = ampc.GradScaler("{dev}")')
-    return "\n".join(lines)
+    return "\n".join(lines + _micro_lines(plan))
+
+
+def _micro_lines(plan):
+    """The lines that say how a step runs a batch the plan splits into micro-batches."""
+    k = plan.step.micro_batches
+    if k == 1:
+        return []
+    return [f"# the batch in {k} micro-batches, their gradients summed: opt.zero_grad(); "
+            "plan.backward(model, opt, (x, y), loss_fn); opt.step()",
+            f"# (by hand: ampc.memory.micro_batches((x, y), {k}) gives each piece and its share "
+            "of the loss; the pieces but the last inside opt.accumulating())"]
 
 
 def _loss_lines(plan, dev):

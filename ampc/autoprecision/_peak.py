@@ -26,10 +26,12 @@ from torch import nn
 from . import _candidates, _step
 from ._apply import recomputed, sliced
 from .._numerics.model import call_model, logits_of
+from ..memory._micro_batches import batch_size, why_not
 from ._solve import _err, summed_errors
 from ._units import Reason
 
 ROUNDS = 8
+MAX_MICRO = 16      # the most micro-batches a batch is split into
 MiB = float(1 << 20)
 FN = "ampc.autoprecision.search"
 
@@ -87,7 +89,8 @@ def step_peak(model, plan, batch, loss_fn, optimizer):
     with torch.random.fork_rng(devices=[]):
         # warmup=0: the optimizer's state from a step on zero gradients, not a whole
         # training step (the same bytes; half the time of each measurement)
-        return report(_Under(work, plan.autocast), opt, batch, plan.loss(loss_fn), warmup=0)
+        return report(_Under(work, plan.autocast), opt, batch, plan.loss(loss_fn), warmup=0,
+                      micro_batches=plan.step.micro_batches)
 
 
 def _ampc_adam(optimizer):
@@ -428,8 +431,47 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
         # a move left for the fastest plan may be open now (its fp16 modules lowered to
         # bf16 or fp32 need no loss scaler): tried again
         rep = free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=peak_bytes)
+    if rep.peak > peak_bytes:
+        rep = split_batch(plan, model, batch, loss_fn, optimizer, rep, peak_bytes)
     plan.set_peak(_step.Peak(int(peak_bytes), fp32_peak, first, rep.peak, rounds,
                              by_kind=rep.by_kind()))
+
+
+def split_batch(plan, model, batch, loss_fn, optimizer, rep, stop):
+    """Where nothing else fits: the batch as 2, 4, ... micro-batches (at most MAX_MICRO, and
+    no more than its examples), their gradients summed (the same update, at the time of
+    smaller matmuls), each measured and kept while the peak falls, until it is under
+    ``stop``. ``plan.step.why`` says why it was taken or left. Returns the step's report."""
+    name, why = "micro-batches", dict(plan.step.why)
+    k, first = plan.step.micro_batches, rep.peak
+    cannot = why_not(model)
+    try:
+        most = min(batch_size(batch, FN), MAX_MICRO)
+    except (TypeError, ValueError) as e:        # no tensor with a batch dimension to cut
+        cannot, most = str(e).split(": ", 1)[-1], 1
+    if cannot:
+        why[name] = f"left: {cannot}"
+    while not cannot and rep.peak > stop and 2 * k <= most:
+        plan.set_step(micro_batches=2 * k)
+        try:
+            new = step_peak(model, plan, batch, loss_fn, optimizer)
+        except Exception as e:     # noqa: BLE001 (a batch the model cannot take split is left)
+            plan.set_step(micro_batches=k)
+            why[name] = f"left: the step raised {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            break
+        if new.peak >= rep.peak:
+            plan.set_step(micro_batches=k)
+            why[name] = f"left at {k}: {2 * k} did not lower the peak ({new.peak / MiB:.1f} MiB)"
+            break
+        k, rep = 2 * k, new
+    if k > 1:
+        why[name] = (f"taken: {k}, the step's peak {first / MiB:.1f} -> {rep.peak / MiB:.1f} MiB "
+                     "(their gradients summed: the same update; plan.backward runs them)")
+    elif name not in why:
+        why[name] = "left: the batch holds one example" if most < 2 else \
+            "left: two did not lower the peak"
+    plan.set_step(why=why)
+    return rep
 
 
 def _snapshot(plan):
@@ -476,6 +518,8 @@ def settle(plan, model, batches, loss_fn, optimizer, fitted, report=None):
             + (f", the head's logits sliced ({', '.join(sliced(plan))})" if sliced(plan) else "")
             + (f", the {step.state} state" if step.state != "fp32" else "")
             + (", the gradients freed in the backward" if step.grads_freed else "")
+            + (f", the batch in {step.micro_batches} micro-batches (plan.backward runs them)"
+               if step.micro_batches > 1 else "")
             + "); plan.prepare(model, ampc.optim.AdamW, ...) makes all of it")
     if not d.met:
         why = ("the whole-plan check raised modules back to hold the error budget"

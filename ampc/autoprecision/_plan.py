@@ -22,7 +22,8 @@ from . import _apply, _candidates, _loss, _objectives, _step, _table
 from ._apply import Applied
 from ._solve import Budget
 from ._units import Reason
-from .._numerics.model import default_loss
+from .._numerics.model import call_model, default_loss
+from ..memory._micro_batches import backward as micro_backward
 from ..validate import compare
 
 if TYPE_CHECKING:
@@ -399,6 +400,24 @@ class Plan:
         """The region to train in: ampc.autocast at the region dtype, with an FP8 region
         (only the plan's fp8 modules) when there are any."""
         return _apply.autocast(self)
+
+    def backward(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 batch: tuple, loss_fn: Callable | None = None,
+                 scaler: ampc.GradScaler | None = None) -> torch.Tensor:
+        """A training step's forward and backward on ``batch`` (``(inputs, target)``) as the
+        plan says: inside :meth:`autocast`, the loss by :meth:`loss`, the batch in
+        ``step.micro_batches`` micro-batches with their gradients summed (the pieces but the
+        last inside ``optimizer.accumulating()``; ``ampc.memory.micro_batches``), each loss
+        scaled by ``scaler`` where given. Returns the batch's loss (detached); the step is
+        the caller's: ``opt.zero_grad()``, ``plan.backward(model, opt, batch, loss_fn)``,
+        ``opt.step()``."""
+        loss = self.loss(loss_fn)
+
+        def loss_of(piece):
+            with self.autocast():
+                out = call_model(model, piece[0])
+            return loss(out, piece[1])
+        return micro_backward(optimizer, batch, self._step.micro_batches, loss_of, scaler)
 
     def scaler(self, **kwargs: Any) -> ampc.GradScaler | None:
         """An ampc.GradScaler when a module runs fp16, else None."""

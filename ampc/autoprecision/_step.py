@@ -55,6 +55,8 @@ class Step:
         recompute: blocks recomputed in the backward (``ampc.memory.recompute``).
         sliced_head: heads whose logits the loss takes a slice at a time
             (``ampc.memory.sliced_head``).
+        micro_batches: the batch run as this many micro-batches, their gradients summed
+            (the same update; ``Plan.backward`` runs them), where nothing else fits.
         why: {move: why it was taken or left}, in a few words each.
     """
     state: str = "fp32"
@@ -62,6 +64,7 @@ class Step:
     recompute: tuple[str, ...] = ()
     sliced_head: tuple[str, ...] = ()
     why: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    micro_batches: int = 1
 
     def __post_init__(self):
         if self.state not in STATES:
@@ -70,6 +73,9 @@ class Step:
             raise _bad(f"grads_freed must be True or False, got {self.grads_freed!r}")
         object.__setattr__(self, "recompute", _names("recompute", self.recompute))
         object.__setattr__(self, "sliced_head", _names("sliced_head", self.sliced_head))
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) \
+                or self.micro_batches < 1:
+            raise _bad(f"micro_batches must be an int >= 1, got {self.micro_batches!r}")
         if not (isinstance(self.why, Mapping) and all(isinstance(v, str) for v in self.why.values())):
             raise _bad(f"step_why must map moves to reasons, got {self.why!r}")
 
@@ -80,20 +86,21 @@ class Step:
         old = data.get("peak") if isinstance(data.get("peak"), Mapping) else {}
         return cls(data.get("state", "fp32"), data.get("grads_freed", old.get("grads_freed", False)),
                    data.get("recompute") or (), data.get("sliced_head") or (),
-                   dict(data.get("step_why") or {}))
+                   dict(data.get("step_why") or {}), data.get("micro_batches", 1))
 
     def record(self) -> dict[str, Any]:
         return {"state": self.state, "grads_freed": self.grads_freed,
                 "recompute": list(self.recompute), "sliced_head": list(self.sliced_head),
-                "step_why": dict(self.why)}
+                "step_why": dict(self.why), "micro_batches": self.micro_batches}
 
     def bytes_per_param(self) -> float:
-        """Weights, optimizer state and gradients a parameter (none with grads_freed)."""
+        """Weights, optimizer state and gradients a parameter (none with grads_freed, unless
+        micro-batches keep them from one to the next)."""
         _, weights, state, grad = STATES[self.state]
-        return weights + state + (0.0 if self.grads_freed else grad)
+        return weights + state + (0.0 if self.grads_freed and self.micro_batches == 1 else grad)
 
 
-RECORD_KEYS = ("state", "grads_freed", "recompute", "sliced_head", "step_why")
+RECORD_KEYS = ("state", "grads_freed", "recompute", "sliced_head", "step_why", "micro_batches")
 
 
 @dataclass(frozen=True)

@@ -180,8 +180,11 @@ def state_line(plan):
     step = plan.step
     _, w, st, g = STATES[step.state]
     line = (f"state {step.state}: weights {w:g} + optimizer state {st:g} + grads "
-            + ("0 (freed in the backward)" if step.grads_freed else f"{g:g}")
-            + f" = {step.bytes_per_param():.2f} B a parameter")
+            + ("0 (freed in the backward)" if step.grads_freed and step.micro_batches == 1
+               else f"{g:g}")
+            + f" = {step.bytes_per_param():.2f} B a parameter"
+            + (f"; the batch in {step.micro_batches} micro-batches (plan.backward runs them)"
+               if step.micro_batches > 1 else ""))
     if step.why:
         line += "; " + "; ".join(f"{k}: {v}" for k, v in step.why.items())
     return line

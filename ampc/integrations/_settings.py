@@ -132,6 +132,13 @@ def check(name: str, device: str, dtype: torch.dtype, *, scaler: ampc.GradScaler
         clash = [k for k, v in chosen.items() if v not in (None, False)]
         if clash:
             raise ValueError(f"{name}: the plan chooses {', '.join(clash)}; pass the plan alone")
+        k = plan.step.micro_batches
+        if k > 1:
+            raise ValueError(
+                f"{name}: the plan runs each batch as {k} micro-batches, which the framework's "
+                f"loop does not do: give it batches {k} times smaller with its gradient "
+                f"accumulation over {k} (Lightning: accumulate_grad_batches={k}; Accelerate: "
+                f"gradient_accumulation_steps={k})")
         region = torch.float16 if plan.dtype == "fp16" else torch.bfloat16
         if dtype is not None and plan.dtype != "fp32" and dtype != region:
             raise ValueError(f"{name}: the plan trains in a {plan.dtype} region; dtype is {dtype} "

@@ -4,6 +4,7 @@
 peak is made of (weights, grads, optimizer state, saved activations by module);
 ``recompute(model, modules)`` makes modules recompute in the backward;
 ``compress(model, modules, "8bit")`` makes them keep what they save in 8 bits (or bf16);
+``micro_batches(batch, k)`` splits a batch into k whose gradients add up to its own;
 ``linear_cross_entropy(hidden, weight, target)`` is the head and the loss without the whole
 logits, and ``sliced_head(model, "lm_head")`` makes a model's head and its loss so, unchanged. ``python -m
 ampc.memory`` reports on a GPT-2-shaped model. ``ampc.memory.peak`` is the peak of live tensors
@@ -11,11 +12,12 @@ over any stretch of code, on the CPU too. See docs/memory.md.
 """
 from ._compress import Compress, compress, compressed
 from ._head_loss import linear_cross_entropy
+from ._micro_batches import micro_batches
 from ._recompute import Recompute, recompute, recomputed
 from ._sliced_head import DeferredLogits, SlicedHead, sliced_head, sliced_heads
 from ._report import MemoryReport, report
 from . import peak
 
 __all__ = ["Compress", "DeferredLogits", "MemoryReport", "Recompute", "SlicedHead", "compress",
-           "compressed", "linear_cross_entropy", "peak", "recompute", "recomputed", "report",
+           "compressed", "linear_cross_entropy", "micro_batches", "peak", "recompute", "recomputed", "report",
            "sliced_head", "sliced_heads"]

@@ -21,6 +21,7 @@ from .._numerics.model import call_model, default_loss
 from .._walk import tensors
 from ..lean_state import state_bytes
 from ._compress import compressed
+from ._micro_batches import backward as micro_backward, batch_size, micro_batches as split_batch
 from ._recompute import recomputed
 from ._saved import SavedTracker, storage_key
 from .peak import _events, _lifetimes, start_profiler, stop_profiler
@@ -140,7 +141,7 @@ class MemoryReport:
 _COLORS = ("#4c72b0", "#8172b2", "#55a868", "#937860", "#c44e52", "#dd8452", "#bbbbbb")
 
 
-def _check(model, optimizer, batch, loss_fn, autocast, warmup, top):
+def _check(model, optimizer, batch, loss_fn, autocast, warmup, top, micro):
     where = "ampc.memory.report"
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{where}: model is {type(model).__name__}, expected a torch.nn.Module")
@@ -152,9 +153,12 @@ def _check(model, optimizer, batch, loss_fn, autocast, warmup, top):
         raise TypeError(f"{where}: loss_fn is {type(loss_fn).__name__}, expected a callable or None")
     if autocast not in (None, torch.bfloat16, torch.float16):
         raise ValueError(f"{where}: autocast is {autocast!r}, expected None, torch.bfloat16 or torch.float16")
-    for arg, v, least in (("warmup", warmup, 0), ("top", top, 1)):
+    for arg, v, least in (("warmup", warmup, 0), ("top", top, 1), ("micro_batches", micro, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < least:
             raise ValueError(f"{where}: {arg} is {v!r}, expected an int >= {least}")
+    if micro > 1 and micro > batch_size(batch, where):
+        raise ValueError(f"{where}: micro_batches is {micro}, more than the batch's "
+                         f"{batch_size(batch, where)} examples")
     params = list(model.parameters())
     if not params:
         raise ValueError(f"{where}: model has no parameters")
@@ -163,7 +167,7 @@ def _check(model, optimizer, batch, loss_fn, autocast, warmup, top):
 
 def report(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple,
            loss_fn: Callable | None = None, *, autocast: torch.dtype | None = None,
-           warmup: int = 1, top: int = 10) -> MemoryReport:
+           warmup: int = 1, top: int = 10, micro_batches: int = 1) -> MemoryReport:
     """Runs training steps on ``batch`` and measures the last: its peak memory and what the
     peak is made of (see :class:`MemoryReport`).
 
@@ -184,9 +188,12 @@ def report(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tupl
             zero gradients instead (the state's bytes then count as they would after a real
             step; weight decay still shrinks the weights once).
         top (int): modules named in the table (the rest summed).
+        micro_batches (int): the step's batch run as this many micro-batches, their
+            gradients summed (:func:`ampc.memory.micro_batches`); the last is the one
+            measured, the gradients of the others alive through it (the step's highest point:
+            the first has none).
     """
-    device = _check(model, optimizer, batch, loss_fn, autocast, warmup, top)
-    inputs, target = batch
+    device = _check(model, optimizer, batch, loss_fn, autocast, warmup, top, micro_batches)
     loss_fn = loss_fn or default_loss
     if autocast is None:
         region = contextlib.nullcontext
@@ -194,17 +201,23 @@ def report(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tupl
         from ..amp import autocast as ampc_autocast
         region = lambda: ampc_autocast(device.type, dtype=autocast)   # noqa: E731
 
-    def forward():
+    def forward(piece):
         with region():
-            return loss_fn(call_model(model, inputs), target)
+            return loss_fn(call_model(model, piece[0]), piece[1])
 
     for _ in range(warmup):
         optimizer.zero_grad(set_to_none=True)
-        forward().backward()
+        micro_backward(optimizer, batch, micro_batches, forward)
         optimizer.step()
     if not warmup:
         _make_state(optimizer)
     optimizer.zero_grad(set_to_none=True)
+    pieces = split_batch(batch, micro_batches) if micro_batches > 1 else [(batch, 1.0)]
+    keep = getattr(optimizer, "accumulating", contextlib.nullcontext)
+    for piece, share in pieces[:-1]:    # their gradients alive when the measured piece starts
+        with keep():
+            (forward(piece) * share).backward()
+    last, share = pieces[-1]
     gc.collect()
 
     base, persistent = _persistent(model, optimizer, batch)
@@ -217,7 +230,9 @@ def report(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tupl
     try:
         with record_function(_MARK + "forward"):
             with tracker:
-                loss = forward()
+                loss = forward(last)
+                if share != 1.0:
+                    loss = loss * share
             saved = tracker.live(persistent)      # every saved tensor is still held here
         with record_function(_MARK + "backward"):
             loss.backward()

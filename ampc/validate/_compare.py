@@ -25,6 +25,7 @@ import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first
 from .._numerics import failures
 from .._numerics.model import call_model, default_loss, to_device
 from ..memory.peak import allocated_peak, start_profiler, stop_profiler
+from ..memory._micro_batches import backward as micro_backward
 from . import _setups
 from ._report import Comparison
 from ._run import Run
@@ -182,6 +183,8 @@ class Trainer:
             kind = MEMORY_PLAN_SETUP if memory else PLAN_SETUP
             dtype = {"fp16": torch.float16}.get(plan.dtype, torch.bfloat16)
         self.loss_fn = plan.loss(loss_fn) if plan is not None else loss_fn or default_loss
+        step = getattr(plan, "step", None)
+        self.micro_batches = getattr(step, "micro_batches", 1)
         self.device = device
         dname = "fp32" if kind == "fp32" else DTYPE_NAMES[dtype]
         if plan is not None:
@@ -256,15 +259,17 @@ class Trainer:
         """One timed training step (forward, backward, optimizer); loss, grad norm and
         scale are read outside the timed part (each syncs the device)."""
         run, opt, scaler = self.run, self.opt, self.scaler
-        inputs, target = batch
         self._set_rng(self.rng)
         self.sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        with self.region():
-            out = call_model(self.model, inputs)
-        loss = self.loss_fn(out, target)
-        (scaler.scale(loss) if scaler else loss).backward()
+
+        def loss_of(piece):
+            with self.region():
+                out = call_model(self.model, piece[0])
+            return self.loss_fn(out, piece[1])
+        # a plan's batch may run as micro-batches (their gradients summed)
+        loss = micro_backward(opt, batch, self.micro_batches, loss_of, scaler)
         self.sync()
         t1 = time.perf_counter()
         scale = scaler.get_scale() if scaler else 1.0

@@ -45,7 +45,7 @@ def _measured(plan):
     optimizer made by plan.prepare."""
     model, opt = plan.prepare(_model(), _optimizer(plan))
     return ampc.memory.report(_Under(model, plan.autocast), opt, _batches()[0],
-                              plan.loss(None)).peak
+                              plan.loss(None), micro_batches=plan.step.micro_batches).peak
 
 
 @pytest.fixture(scope="module")
@@ -398,3 +398,60 @@ def test_over_the_budget_anyway_a_form_may_take_up_to_the_margin_more_bytes(monk
         assert raced == [] and plan.dtype == "bf16"
         assert any("forms of higher precision were over it" in n for n in plan.data["notes"])
     assert not plan.peak.met
+
+
+def test_where_nothing_else_fits_the_batch_is_split_and_trains_as_the_whole(least):
+    step = least.step
+    assert step.micro_batches == 16 and step.why["micro-batches"].startswith("taken: 16")
+    assert "the batch in 16 micro-batches" in least.table()
+    assert "plan.backward(model, opt, (x, y), loss_fn)" in least.python()
+    assert Plan.from_json(least.to_json()).step.micro_batches == 16
+    # the same plan with the batch whole measures higher: the split is what lowered it
+    whole = Plan.from_json(least.to_json())
+    whole.set_step(micro_batches=1)
+    assert _measured(whole) > 1.5 * _measured(least)
+    # trained on beside the same plan run on whole batches: the same updates
+    losses = []
+    for plan in (whole, least):
+        model, opt = plan.prepare(_model(), _optimizer(plan), lr=1e-3)
+        rows = []
+        model[0].register_forward_hook(lambda m, args, out: rows.append(len(out)))
+        run = []
+        for k in range(6):
+            opt.zero_grad(set_to_none=True)
+            run.append(plan.backward(model, opt, _batches(k + 3)[k + 2]).item())
+            opt.step()
+        losses.append(run)
+        assert rows == [512 // plan.step.micro_batches] * 6 * plan.step.micro_batches
+    assert max(abs(a - b) / a for a, b in zip(*losses)) <= 2e-3, losses
+
+
+def test_a_batchnorm_model_keeps_its_batch_whole():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 10))
+    with pytest.warns(UserWarning, match="NOT met"):
+        plan = search(model, _batches(), candidates=("fp32",), objective="memory",
+                      peak_bytes=1, repeats=1)
+    assert plan.step.micro_batches == 1
+    assert plan.step.why["micro-batches"].startswith("left: 1 is a BatchNorm1d")
+
+
+def test_a_framework_refuses_a_plan_that_splits_the_batch_before_anything_changes(least):
+    from ampc.integrations._settings import check
+    with pytest.raises(ValueError, match=r"AmpcPrecision: the plan runs each batch as 16 "
+                                         r"micro-batches.*accumulate_grad_batches=16"):
+        check("AmpcPrecision", "cpu", None, plan=least)
+    with pytest.raises(ValueError, match=r"micro_batches must be an int >= 1, got 0"):
+        Step(micro_batches=0)
+
+
+def test_validate_trains_a_plan_that_splits_the_batch_as_it_says(least):
+    from ampc.validate._compare import train_one
+    rows = []
+
+    def make():
+        m = _model()
+        m[0].register_forward_hook(lambda mod, args, out: rows.append(len(out)))
+        return m
+    run = train_one(least, None, make, _batches(3), lr=1e-3)
+    assert rows == [512 // 16] * 16 * 3 and all(map(lambda v: v == v, run.losses))

@@ -33,13 +33,14 @@ def test_old_saved_plan_loads_and_round_trips(tmp_path):
     again = Plan.from_json(plan.to_json())
     assert again == plan and again.as_dict()["units"][0]["reason"] == "solved"
     # what it held comes back as it was; the whole step, saved before it was chosen, is
-    # written out at what such a plan did: fp32 state, every gradient kept, nothing recomputed
+    # written out at what such a plan did: fp32 state, every gradient kept, nothing recomputed,
+    # the batch whole
     saved = {k: v for k, v in again.as_dict().items() if k != "units"}
     assert {k: v for k, v in saved.items() if k in OLD} == \
         {k: v for k, v in OLD.items() if k != "units"}
     assert {k: v for k, v in saved.items() if k not in OLD} == {
         "state": "fp32", "grads_freed": False, "recompute": [], "sliced_head": [],
-        "step_why": {}}
+        "step_why": {}, "micro_batches": 1}
     assert "fp16: too slow here" in plan.table(details=True)
     assert next(l for l in plan.table().splitlines() if l.startswith("0 ")).endswith("fp16 slower")
     # saved before the noise yardstick: judged, and read back, by the fixed figures alone
