@@ -93,7 +93,26 @@ class Settings:
         target = plan_target(name, self.plan, model)
         if optimizer is not None:
             self.plan.prepare_state(target, optimizer)
+        else:
+            _state_made(name, self.plan, target)
         self.plan.apply(target)
+
+
+def _state_made(name: str, plan: ampc.autoprecision.Plan, model: nn.Module) -> None:
+    """Refuses, by name, a model whose weights and optimizer the plan's step has not been
+    made on (``plan.prepare_state``) where the framework hands over the model alone."""
+    step = plan.step
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    low = step.state != "fp32" and not any(p.dtype == torch.bfloat16 for p in params)
+    hooked = step.grads_freed and not any(getattr(p, "_post_accumulate_grad_hooks", None)
+                                          for p in params)
+    if low or hooked:
+        what = ([f"keeps the {step.state} state (bf16 weights)"] if low else []) + \
+            (["frees each gradient in the backward"] if hooked else [])
+        raise ValueError(f"{name}: the plan {' and '.join(what)}, which takes the optimizer, and "
+                         "the framework hands its precision plugin the model alone: call "
+                         "model, optimizer = plan.prepare_state(model, optimizer) before "
+                         "fabric.setup(model, optimizer)")
 
 
 def plan_target(name: str, plan: ampc.autoprecision.Plan, model: nn.Module) -> nn.Module:

@@ -270,20 +270,34 @@ class AmpcFabricPrecision(_Ampc, _FabricMixedPrecision):
     ``fabric.clip_gradients`` unscales through :meth:`unscale_gradients`, which works with
     optimizers that unscale in their step too (Fabric's own plugin refuses them). With an
     ampc optimizer made with ``step_in_backward=True``, accumulate micro-batches inside
-    ``optimizer.accumulating()``; ``fabric.clip_gradients`` is refused (no gradient is left)."""
+    ``optimizer.accumulating()``; ``fabric.clip_gradients`` is refused (no gradient is left).
+    ``plan=`` (a plan or its file) chooses the region and every module's part, placed when
+    ``fabric.setup`` converts the model; Fabric does not hand its plugin the optimizer, so a
+    plan whose state or freed gradients take one needs ``plan.prepare_state(model, opt)``
+    first (refused, naming that call, when it was not made)."""
 
-    def __init__(self, precision: str = "bf16-mixed", device: str | None = None, *,
+    def __init__(self, precision: str | None = None, device: str | None = None, *,
                  scaler: ampc.GradScaler | None = None, dynamic: bool = True,
                  init_scale: float = 2.0 ** 16, policy: dict[str, str] | None = None,
                  fp8: bool | Recipe | None = None,
                  fp8_modules: tuple[type[nn.Module], ...] = (nn.Linear,),
                  cache_enabled: bool | None = None, compress: str | list[str] | None = None,
                  recompute: str | list[str] | None = None,
-                 sliced_head: str | list[str] | None = None) -> None:
+                 sliced_head: str | list[str] | None = None,
+                 plan: ampc.autoprecision.Plan | str | None = None) -> None:
         super().__init__("AmpcFabricPrecision", precision, device, scaler=scaler,
                          dynamic=dynamic, init_scale=init_scale, policy=policy, fp8=fp8,
                          fp8_modules=fp8_modules, cache_enabled=cache_enabled,
-                         compress=compress, recompute=recompute, sliced_head=sliced_head)
+                         compress=compress, recompute=recompute, sliced_head=sliced_head,
+                         plan=plan)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        # Fabric hands over the model alone: the plan's state was made on the optimizer
+        # before fabric.setup (plan.prepare_state), its modules' part is placed here
+        if self.settings.plan is not None:
+            self.settings.set_up_plan("AmpcFabricPrecision(plan=...)", module)
+            return module
+        return super().convert_module(module)
 
     def forward_context(self) -> AbstractContextManager[None]:
         return self.settings.region()

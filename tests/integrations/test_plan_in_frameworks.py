@@ -153,3 +153,36 @@ def test_a_plan_of_another_model_is_refused_by_module_name():
     with pytest.raises(ValueError, match=r"the plan names module 'encoder.0', which neither "
                                          r"the model \(Model\) nor any module inside it has"):
         lightning(AmpcPrecision(device="cpu", plan=plan(first="encoder.0")))
+
+
+@pytest.mark.parametrize("state, grads_freed", [("lean", True), ("fp32", False)])
+def test_fabric_trains_as_plan_prepare_by_hand(state, grads_freed):
+    from lightning.fabric import Fabric
+    from ampc.integrations.lightning import AmpcFabricPrecision
+    p = plan(state, grads_freed)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[AmpcFabricPrecision(plan=p)])
+    net = _net()
+    net, opt = p.prepare_state(net, ampc.optim.AdamW(net.parameters(), lr=1e-2))
+    net, opt = fabric.setup(net, opt)
+    losses = []
+    for x, y in _loader():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(net(x).float(), y)
+        fabric.backward(loss)
+        opt.step()
+        losses.append(loss.detach())
+    assert torch.equal(torch.stack(losses), by_hand(p))
+
+
+def test_fabric_refuses_a_plan_whose_state_was_not_made_before_setup():
+    from lightning.fabric import Fabric
+    from ampc.integrations.lightning import AmpcFabricPrecision
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[AmpcFabricPrecision(plan=plan())])
+    net = _net()
+    opt = ampc.optim.AdamW(net.parameters(), lr=1e-2)
+    before = [q.clone() for q in net.parameters()]
+    with pytest.raises(ValueError, match=r"AmpcFabricPrecision\(plan=...\): the plan keeps the "
+                                         r"lean state \(bf16 weights\) and frees each gradient .*"
+                                         r"plan.prepare_state\(model, optimizer\) before fabric"):
+        fabric.setup(net, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
