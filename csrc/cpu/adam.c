@@ -73,59 +73,28 @@ AVX512 INLINE __m512 max_nan16(__m512 a, __m512 b)
     return _mm512_mask_add_ps(_mm512_max_ps(a, b), nan, a, b);
 }
 
-AVX512 INLINE void adam_loop16(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype gt,
-                               int64_t n, const struct ampc_adam_coef *c, const int flags,
-                               const int has_master, const int small)
-{
-    const struct ampc_adam_ptrs at = q->at;     /* a local copy: no reloads */
-    float *const out = q->out;
-    const __m512 inv_scale = _mm512_set1_ps(c->inv_scale);
-    const __m512 clip = _mm512_set1_ps(c->clip_coef);
-    const __m512 wd = _mm512_set1_ps(c->wd);
-    const __m512 decay = _mm512_set1_ps(c->decay);
-    const __m512 w1 = _mm512_set1_ps(small ? c->w1 : c->w1 - 1.0f);
-    const __m512 beta2 = _mm512_set1_ps(c->beta2);
-    const __m512 w2 = _mm512_set1_ps(c->w2);
-    const __m512 bc2_sqrt = _mm512_set1_ps(c->bc2_sqrt);
-    const __m512 eps = _mm512_set1_ps(c->eps);
-    const __m512 neg_step_size = _mm512_set1_ps(c->neg_step_size);
-    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
-    /* with masters a 16-bit param is only written: streaming skips reading it first */
-    const int stream = q->stream && has_master && pt != AMPC_F32 &&
-                       ((uintptr_t)at.param & 31) == 0;
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m512 g = _mm512_mul_ps(_mm512_mul_ps(load16(at.grad, gt, i), inv_scale), clip);
-        if (flags & AMPC_ADAM_MAXIMIZE)
-            g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
-        __m512 w = has_master ? _mm512_loadu_ps(at.master + i) : load16(at.param, pt, i);
-        if (flags & AMPC_ADAM_L2)
-            g = _mm512_fmadd_ps(w, wd, g);
-        if (flags & AMPC_ADAM_DECAY)
-            w = _mm512_mul_ps(w, decay);
-        __m512 m = _mm512_loadu_ps(at.m + i);
-        m = _mm512_fmadd_ps(w1, _mm512_sub_ps(g, m), small ? m : g);
-        __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(w2, g), g,
-                                   _mm512_mul_ps(_mm512_loadu_ps(at.v + i), beta2));
-        _mm512_storeu_ps(at.m + i, m);
-        _mm512_storeu_ps(at.v + i, v);
-        if (flags & AMPC_ADAM_AMSGRAD) {
-            v = max_nan16(_mm512_loadu_ps(at.vmax + i), v);
-            _mm512_storeu_ps(at.vmax + i, v);
-        }
-        __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2_sqrt), eps);
-        w = _mm512_add_ps(w, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), d));
-        if (has_master)
-            _mm512_storeu_ps(at.master + i, w);
-        if (out)
-            _mm512_storeu_ps(out + i, w);
-        else
-            store16_to(at.param, pt, i, w, stream);
-    }
-    if (stream)
-        _mm_sfence();
-    adam_scalar(q, pt, gt, i, n, c);
-}
+#define ADAM_LOOP adam_loop16
+#define ADAM_TARGET AVX512
+#define VEC __m512
+#define LANES 16
+#define ALIGN_MASK 31
+#define V_SET1 _mm512_set1_ps
+#define V_LOADU _mm512_loadu_ps
+#define V_STOREU _mm512_storeu_ps
+#define V_ADD _mm512_add_ps
+#define V_SUB _mm512_sub_ps
+#define V_MUL _mm512_mul_ps
+#define V_DIV _mm512_div_ps
+#define V_SQRT _mm512_sqrt_ps
+#define V_FMADD _mm512_fmadd_ps
+#define V_LOAD load16
+#define V_STORE_TO store16_to
+/* AVX-512 F has no float xor: the sign bit flipped in the integer domain */
+#define V_NEG(x) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), \
+                                                      _mm512_set1_epi32((int)0x80000000u)))
+#define V_MAX_NAN max_nan16
+#include "adam_loop.h"
+#include "adam_loop_undef.h"
 
 // ---- AVX2 + F16C: 8 lanes ----
 
@@ -135,58 +104,26 @@ AVX2 INLINE __m256 max_nan8(__m256 a, __m256 b)
     return _mm256_blendv_ps(_mm256_max_ps(a, b), _mm256_add_ps(a, b), nan);
 }
 
-AVX2 INLINE void adam_loop8(const struct adam_ptrs *q, ampc_dtype pt, ampc_dtype gt,
-                            int64_t n, const struct ampc_adam_coef *c, const int flags,
-                            const int has_master, const int small)
-{
-    const struct ampc_adam_ptrs at = q->at;     /* a local copy: no reloads */
-    float *const out = q->out;
-    const __m256 inv_scale = _mm256_set1_ps(c->inv_scale);
-    const __m256 clip = _mm256_set1_ps(c->clip_coef);
-    const __m256 wd = _mm256_set1_ps(c->wd);
-    const __m256 decay = _mm256_set1_ps(c->decay);
-    const __m256 w1 = _mm256_set1_ps(small ? c->w1 : c->w1 - 1.0f);
-    const __m256 beta2 = _mm256_set1_ps(c->beta2);
-    const __m256 w2 = _mm256_set1_ps(c->w2);
-    const __m256 bc2_sqrt = _mm256_set1_ps(c->bc2_sqrt);
-    const __m256 eps = _mm256_set1_ps(c->eps);
-    const __m256 neg_step_size = _mm256_set1_ps(c->neg_step_size);
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    const int stream = q->stream && has_master && pt != AMPC_F32 &&
-                       ((uintptr_t)at.param & 15) == 0;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 g = _mm256_mul_ps(_mm256_mul_ps(load8(at.grad, gt, i), inv_scale), clip);
-        if (flags & AMPC_ADAM_MAXIMIZE)
-            g = _mm256_xor_ps(g, sign);
-        __m256 w = has_master ? _mm256_loadu_ps(at.master + i) : load8(at.param, pt, i);
-        if (flags & AMPC_ADAM_L2)
-            g = _mm256_fmadd_ps(w, wd, g);
-        if (flags & AMPC_ADAM_DECAY)
-            w = _mm256_mul_ps(w, decay);
-        __m256 m = _mm256_loadu_ps(at.m + i);
-        m = _mm256_fmadd_ps(w1, _mm256_sub_ps(g, m), small ? m : g);
-        __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(w2, g), g,
-                                   _mm256_mul_ps(_mm256_loadu_ps(at.v + i), beta2));
-        _mm256_storeu_ps(at.m + i, m);
-        _mm256_storeu_ps(at.v + i, v);
-        if (flags & AMPC_ADAM_AMSGRAD) {
-            v = max_nan8(_mm256_loadu_ps(at.vmax + i), v);
-            _mm256_storeu_ps(at.vmax + i, v);
-        }
-        __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
-        w = _mm256_add_ps(w, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), d));
-        if (has_master)
-            _mm256_storeu_ps(at.master + i, w);
-        if (out)
-            _mm256_storeu_ps(out + i, w);
-        else
-            store8_to(at.param, pt, i, w, stream);
-    }
-    if (stream)
-        _mm_sfence();
-    adam_scalar(q, pt, gt, i, n, c);
-}
+#define ADAM_LOOP adam_loop8
+#define ADAM_TARGET AVX2
+#define VEC __m256
+#define LANES 8
+#define ALIGN_MASK 15
+#define V_SET1 _mm256_set1_ps
+#define V_LOADU _mm256_loadu_ps
+#define V_STOREU _mm256_storeu_ps
+#define V_ADD _mm256_add_ps
+#define V_SUB _mm256_sub_ps
+#define V_MUL _mm256_mul_ps
+#define V_DIV _mm256_div_ps
+#define V_SQRT _mm256_sqrt_ps
+#define V_FMADD _mm256_fmadd_ps
+#define V_LOAD load8
+#define V_STORE_TO store8_to
+#define V_NEG(x) _mm256_xor_ps(x, _mm256_set1_ps(-0.0f))
+#define V_MAX_NAN max_nan8
+#include "adam_loop.h"
+#include "adam_loop_undef.h"
 
 // ---- one specialised loop per (ISA, grad dtype, param dtype) ----
 

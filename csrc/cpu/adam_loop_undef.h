@@ -1,0 +1,19 @@
+/* adam_loop_undef.h: the names adam.c defines for one inclusion of adam_loop.h, undefined. */
+#undef ADAM_LOOP
+#undef ADAM_TARGET
+#undef VEC
+#undef LANES
+#undef ALIGN_MASK
+#undef V_SET1
+#undef V_LOADU
+#undef V_STOREU
+#undef V_ADD
+#undef V_SUB
+#undef V_MUL
+#undef V_DIV
+#undef V_SQRT
+#undef V_FMADD
+#undef V_LOAD
+#undef V_STORE_TO
+#undef V_NEG
+#undef V_MAX_NAN
