@@ -6,11 +6,14 @@ optimizer made as the plan says (:func:`prepare`)."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .._distributed import is_dtensor
 
 # name -> (ampc.prepare's options, or None: the model as it is; bytes a parameter of the
 # weights and of the optimizer's state, and of a gradient kept to the step)
@@ -178,6 +181,36 @@ def _made(step, model, opt, options, kwargs):
     return ampc.prepare(model, opt, torch.bfloat16)[1]
 
 
+def _sharded(step, optimizer, kwargs):
+    """The part of ``step`` that composes with FSDP2 (the params are DTensor shards), and the
+    optimizer's options with it; what is left out is said once. The fp32 shards stay: FSDP2
+    keeps them as the master weights (its MixedPrecisionPolicy computes in bf16), so the
+    states' bf16 weights are left out and 8-bit moments kept; each gradient must reach its
+    reduce-scatter, so none is freed in the backward."""
+    import ampc
+    left = []
+    if step.state != "fp32":
+        left.append(f"the {step.state} state's bf16 weights (FSDP2's fp32 shards are the masters: "
+                    "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)) "
+                    "computes in bf16)")
+    eight = step.state in ("lean", "kahan8") and (
+        isinstance(optimizer, ampc.optim.Adam) or
+        (isinstance(optimizer, type) and issubclass(optimizer, ampc.optim.Adam)))
+    if eight:
+        left[-1] += "; its 8-bit moments kept"
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optimizer.relayout(moments="8bit")
+        else:
+            kwargs = dict(kwargs, moments="8bit")
+    if step.grads_freed:
+        left.append("the gradients freed in the backward (each must reach FSDP2's reduce-scatter)")
+    if left:
+        warnings.warn("ampc.autoprecision.Plan.prepare: the model is sharded (FSDP2): left out "
+                      + "; ".join(left) + "; the modules' precision, saved activations, recompute, "
+                      "sliced heads and micro-batches are applied", stacklevel=4)
+    return dataclasses.replace(step, state="fp32", grads_freed=False), kwargs
+
+
 def prepare_state(plan, model, optimizer=None, **kwargs):
     """Plan.prepare_state: the model and optimizer with the plan's state (see Plan.prepare)."""
     import ampc
@@ -190,6 +223,8 @@ def prepare_state(plan, model, optimizer=None, **kwargs):
             raise ValueError(f"ampc.autoprecision.Plan.prepare: parameter {n} is {p.dtype}; "
                              "prepare takes the fp32 model the plan was searched on")
     step = plan.step
+    if any(is_dtensor(p) for p in model.parameters()):
+        step, kwargs = _sharded(step, optimizer, kwargs)
     if step.grads_freed and plan.needs_scaler():
         raise ValueError("ampc.autoprecision.Plan.prepare: the plan frees gradients in the "
                          "backward and runs a module in fp16, whose loss scaler must see every "

@@ -140,3 +140,68 @@ def test_fsdp_amp_8bit_saved_activations_train_beside_the_plain_run(tmp_path):
         assert coded[rank][0] == on_ddp[rank][0]
         for a, b in zip(coded[rank][1], on_ddp[rank][1]):
             assert torch.equal(a, b)
+
+
+def _mse(out, y):
+    return nn.functional.mse_loss(out.float(), y)
+
+
+def big_batch(step, rank):
+    """Activations well above the weights: what the plan's moves lower."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(1024, 16, generator=g), torch.randn(1024, 1, generator=g)
+
+
+def plan_train(rank, plan_json):
+    """STEPS steps under FSDP2 of a plan (``plan_json``; None: fp32 and ampc's AdamW as they
+    are): (losses, the warnings plan.prepare gave, the optimizer's moments, the modules
+    recomputed, the peak of live tensors over the last step on this rank)."""
+    import warnings
+    from ampc.autoprecision import Plan
+    model = fsdp(make_model())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if plan_json is None:
+            plan, opt = None, ampc.optim.AdamW(model.parameters(), lr=1e-2)
+        else:
+            plan = Plan.from_json(plan_json)
+            model, opt = plan.prepare(model, ampc.optim.AdamW, lr=1e-2)
+    torch.manual_seed(1234 + rank)
+    losses = []
+    for step in range(STEPS):
+        if step == STEPS - 1:
+            prof = ampc.memory.peak.start_profiler()
+        opt.zero_grad(set_to_none=True)
+        if plan is None:
+            loss = _mse(model(big_batch(step, rank)[0]), big_batch(step, rank)[1])
+            loss.backward()
+        else:
+            loss = plan.backward(model, opt, big_batch(step, rank), _mse)
+        opt.step()
+        losses.append(loss.item())
+    ampc.memory.peak.stop_profiler(prof)
+    return (losses, [str(w.message) for w in caught], opt.param_groups[0].get("moments"),
+            ampc.memory.recomputed(model), ampc.memory.peak.allocated_peak(prof, torch.device("cpu")))
+
+
+def test_fsdp_a_plan_applies_what_composes_with_sharding_and_names_the_rest(tmp_path):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # a budget of one byte: NOT met, said
+        plan = ampc.autoprecision.search(make_model(), [big_batch(0, 0), big_batch(1, 0)], _mse,
+                                         objective="memory", peak_bytes=1, repeats=1,
+                                         candidates=("fp32", "bf16"))
+    step = plan.step
+    assert step.state == "lean" and step.grads_freed and step.micro_batches > 1 and step.recompute
+    planned = run_ranks(plan_train, plan.to_json(), tmp_path=tmp_path / "plan")
+    plain = run_ranks(plan_train, None, tmp_path=tmp_path / "plain")
+    for rank in range(WORLD):
+        losses, said, moments, recomputed, peak = planned[rank]
+        assert any("the model is sharded (FSDP2): left out the lean state's bf16 weights" in s
+                   and "its 8-bit moments kept" in s and "the gradients freed in the backward" in s
+                   for s in said), said
+        assert moments == "8bit" and set(recomputed) == set(step.recompute)
+        # the same training, a little apart (8-bit moments, micro-batches' dropout draws)
+        for a, b in zip(losses, plain[rank][0]):
+            assert abs(a - b) <= 0.05 * b, (losses, plain[rank][0])
+        assert peak < plain[rank][4], (peak, plain[rank][4])     # the rank's peak fell
