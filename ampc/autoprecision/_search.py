@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -198,8 +199,8 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     if not sensitivity:
         _blind(measured)
     # with a byte budget: the fastest plan, then lowered until its step fits
-    plan, rejected = _first_plan(found, measured, budget, objective, candidates, fp8_recipe,
-                                 loss_scale, device, notes, loss_name, ceiling,
+    asked = Asked(objective, tuple(candidates), budget, fp8_recipe, device, ceiling, loss_name)
+    plan, rejected = _first_plan(found, measured, asked, loss_scale, notes,
                                  solve_as="time" if peak_bytes is not None else None)
     if peak_bytes is not None:
         _peak.fit(plan, model, whole, loss_fn, measured, rejected, budget, peak_bytes,
@@ -297,23 +298,36 @@ def _check_ceiling(max_slowdown):
     return max_slowdown
 
 
-def _first_plan(found, measured, budget, objective, candidates, fp8_recipe, loss_scale, device,
-                notes, loss_name, ceiling=None, solve_as=None):
+@dataclass(frozen=True)
+class Asked:
+    """What the search was asked for, as the plan records it."""
+    objective: str
+    candidates: tuple[str, ...]
+    budget: Budget
+    fp8_recipe: str
+    device: str
+    ceiling: float | None
+    loss_name: str
+
+
+def _first_plan(found, measured, asked, loss_scale, notes, solve_as=None):
     """(the solver's plan, unit by unit (the loss one of them, where measured), before any
     whole-model check; {unit: {candidate: why not}}). ``solve_as``: the objective the
     solver ranks by, when not the plan's own."""
-    choice, rejected = solve_with_loss(measured, budget, solve_as or objective, ceiling)
+    a = asked
+    choice, rejected = solve_with_loss(measured, a.budget, solve_as or a.objective, a.ceiling)
     units = [{"module": n, "type": type(m).__name__, "kind": _units.kind(m), "choice": choice[n],
               "shapes": param_shapes(m),
               "options": measured[n], "rejected": rejected[n]} for n, m in found.items()]
     loss = None
     if _loss.NAME in measured:
-        loss = {"module": _loss.NAME, "type": loss_name, "kind": _loss.KIND,
+        loss = {"module": _loss.NAME, "type": a.loss_name, "kind": _loss.KIND,
                 "choice": choice[_loss.NAME], "options": measured[_loss.NAME],
                 "rejected": rejected[_loss.NAME]}
-    return Plan({"version": VERSION, "device": device, "where": _where(device),
-                 "objective": objective, "budget": budget.as_dict(), "candidates": list(candidates),
-                 "fp8_recipe": fp8_recipe, "loss_scale": loss_scale, "ceiling": ceiling,
+    return Plan({"version": VERSION, "device": a.device, "where": _where(a.device),
+                 "objective": a.objective, "budget": a.budget.as_dict(),
+                 "candidates": list(a.candidates), "fp8_recipe": a.fp8_recipe,
+                 "loss_scale": loss_scale, "ceiling": a.ceiling,
                  "notes": notes,
                  "backoffs": [], "units": units, "loss": loss}), rejected
 
