@@ -433,6 +433,10 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
         rep = free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=peak_bytes)
     if rep.peak > peak_bytes:
         rep = split_batch(plan, model, batch, loss_fn, optimizer, rep, peak_bytes)
+        if rep.peak > peak_bytes and plan.step.micro_batches > 1:
+            # the split moved the peak (smaller activations, the gradients kept): a move
+            # left before may lower it now
+            rep = free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=peak_bytes)
     plan.set_peak(_step.Peak(int(peak_bytes), fp32_peak, first, rep.peak, rounds,
                              by_kind=rep.by_kind()))
 
