@@ -471,9 +471,8 @@ def split_batch(plan, model, batch, loss_fn, optimizer, rep, stop):
     if k > 1:
         why[name] = (f"taken: {k}, the step's peak {first / MiB:.1f} -> {rep.peak / MiB:.1f} MiB "
                      "(their gradients summed: the same update; plan.backward runs them)")
-    elif name not in why:
-        why[name] = "left: the batch holds one example" if most < 2 else \
-            "left: two did not lower the peak"
+    elif most < 2 and not cannot:
+        why[name] = "left: the batch holds one example"
     plan.set_step(why=why)
     return rep
 

@@ -50,10 +50,13 @@ def micro_batches(batch: tuple, k: int) -> list[tuple[tuple, float]]:
     """``batch`` (``(inputs, target)``) as ``k`` micro-batches: ``[(piece, share), ...]``,
     each piece an ``(inputs, target)`` pair holding a slice of the examples (views, no
     copy) and its share of them (the shares add up to 1). Every tensor whose first dim is
-    the batch's (that of its first tensor) is cut along it; other values go to every piece."""
+    the batch's (that of its first tensor) is cut along it; other values go to every piece.
+    ``k`` 1: ``[(batch, 1.0)]``, the batch itself."""
     where = "ampc.memory.micro_batches"
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"{where}: k is {k!r}, expected an int >= 1")
+    if k == 1:
+        return [(batch, 1.0)]
     size = batch_size(batch, where)
     if k > size:
         raise ValueError(f"{where}: k is {k}, more than the batch's {size} examples")
@@ -70,18 +73,31 @@ def backward(optimizer: torch.optim.Optimizer | None, batch: tuple, k: int,
     pieces but the last inside ``optimizer.accumulating()`` where the optimizer has it (an
     optimizer that steps in the backward then steps once, on the sum). Returns the whole
     batch's loss (detached)."""
-    pieces = micro_batches(batch, k) if k > 1 else [(batch, 1.0)]
-    keep = getattr(optimizer, "accumulating", None)
+    pieces = micro_batches(batch, k)
+    first = accumulate(optimizer, pieces[:-1], loss_of, scaler)
+    last = backward_pieces(pieces[-1:], loss_of, scaler)
+    return last if first is None else first + last
+
+
+def backward_pieces(pieces, loss_of, scaler=None) -> torch.Tensor | None:
+    """Each piece's forward and backward, its loss weighted by its share (and scaled by
+    ``scaler`` where given); the sum of the weighted losses (detached), None for none."""
     total = None
-    for i, (piece, share) in enumerate(pieces):
-        last = i == len(pieces) - 1
-        with contextlib.nullcontext() if last or keep is None else keep():
-            loss = loss_of(piece)
-            weighted = loss * share if share != 1.0 else loss
-            (scaler.scale(weighted) if scaler is not None else weighted).backward()
-        part = loss.detach() * share if share != 1.0 else loss.detach()
+    for piece, share in pieces:
+        loss = loss_of(piece)
+        weighted = loss * share if share != 1.0 else loss
+        (scaler.scale(weighted) if scaler is not None else weighted).backward()
+        part = weighted.detach()
         total = part if total is None else total + part
     return total
+
+
+def accumulate(optimizer, pieces, loss_of, scaler=None) -> torch.Tensor | None:
+    """:func:`backward_pieces` inside ``optimizer.accumulating()`` where the optimizer has it
+    (one that steps in the backward then keeps the gradients for a later backward)."""
+    keep = getattr(optimizer, "accumulating", contextlib.nullcontext)
+    with keep():
+        return backward_pieces(pieces, loss_of, scaler)
 
 
 def why_not(model: torch.nn.Module) -> str | None:

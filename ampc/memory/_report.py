@@ -21,7 +21,8 @@ from .._numerics.model import call_model, default_loss
 from .._walk import tensors
 from ..lean_state import state_bytes
 from ._compress import compressed
-from ._micro_batches import backward as micro_backward, batch_size, micro_batches as split_batch
+from ._micro_batches import accumulate, backward as micro_backward, batch_size
+from ._micro_batches import micro_batches as split_batch
 from ._recompute import recomputed
 from ._saved import SavedTracker, storage_key
 from .peak import _events, _lifetimes, start_profiler, stop_profiler
@@ -156,9 +157,10 @@ def _check(model, optimizer, batch, loss_fn, autocast, warmup, top, micro):
     for arg, v, least in (("warmup", warmup, 0), ("top", top, 1), ("micro_batches", micro, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < least:
             raise ValueError(f"{where}: {arg} is {v!r}, expected an int >= {least}")
-    if micro > 1 and micro > batch_size(batch, where):
-        raise ValueError(f"{where}: micro_batches is {micro}, more than the batch's "
-                         f"{batch_size(batch, where)} examples")
+    size = batch_size(batch, where) if micro > 1 else None
+    if micro > 1 and micro > size:
+        raise ValueError(f"{where}: micro_batches is {micro}, more than the batch's {size} "
+                         "examples")
     params = list(model.parameters())
     if not params:
         raise ValueError(f"{where}: model has no parameters")
@@ -212,11 +214,8 @@ def report(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tupl
     if not warmup:
         _make_state(optimizer)
     optimizer.zero_grad(set_to_none=True)
-    pieces = split_batch(batch, micro_batches) if micro_batches > 1 else [(batch, 1.0)]
-    keep = getattr(optimizer, "accumulating", contextlib.nullcontext)
-    for piece, share in pieces[:-1]:    # their gradients alive when the measured piece starts
-        with keep():
-            (forward(piece) * share).backward()
+    pieces = split_batch(batch, micro_batches)
+    accumulate(optimizer, pieces[:-1], forward)   # their gradients alive when the last starts
     last, share = pieces[-1]
     gc.collect()
 

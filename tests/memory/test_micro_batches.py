@@ -34,8 +34,8 @@ def test_the_pieces_hold_every_example_once_with_their_shares():
     assert all(p[0]["extra"][0] is table and p[0]["extra"][1] == "label" for p, _ in pieces)
     assert all(p[0]["x"].data_ptr() == x[i].data_ptr()        # views, not copies
                for (p, _), i in zip(pieces, (0, 3, 6, 8)))
-    (tup, none), share = micro_batches(((x, x[:, 0]), None), 1)[0]
-    assert share == 1.0 and none is None and tup[0] is not None and torch.equal(tup[0], x)
+    whole = ((x, x[:, 0]), None)
+    assert micro_batches(whole, 1) == [(whole, 1.0)] and micro_batches(whole, 1)[0][0] is whole
 
 
 @pytest.mark.parametrize("batch, k, error, match", [
