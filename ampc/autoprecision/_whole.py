@@ -374,7 +374,10 @@ class Check:
         forms = {"as chosen": Form(None, rest)}
         if plan.rest != "fp32":
             forms["the ops outside the modules in fp32"] = Form(None, "fp32")
-        if any(up[n] != u.choice for n, u in units.items()):
+        # only where each module's fp32 form was measured (a search whose candidates leave out
+        # fp32+8b has no figures for it, and a plan never holds a choice it did not measure)
+        if (any(up[n] != u.choice for n, u in units.items())
+                and all(up[n] in u.options for n, u in units.items())):
             forms["every module in fp32"] = Form(up, "fp32")
         if len(forms) == 1 or result.get("failed"):
             return result, None

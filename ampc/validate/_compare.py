@@ -159,9 +159,11 @@ def _progress(total, label, enabled, position=None):
 
 
 def _grad_norm(model):
+    """The global L2 norm of the gradients; NaN where none is left to read (a plan that frees
+    each gradient in the backward), which the report shows as "-", not as a zero norm."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
-        return 0.0
+        return float("nan")
     norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
     return torch.linalg.vector_norm(norms).item()
 
@@ -286,8 +288,9 @@ class Trainer:
         self.sync()
         run.step_ms.append((t1 - t0 + time.perf_counter() - t2) * 1e3)
         if self.monitor is not None:     # after the timed part: its checks are not the step's
+            norm = run.grad_norms[-1]
             self.monitor.step(batch, loss=loss.detach().float(),
-                              grad_norm=torch.tensor(run.grad_norms[-1]))
+                              grad_norm=torch.tensor(norm) if math.isfinite(norm) else None)
         if scaler and scaler.get_scale() < scale:
             run.skipped.append(len(run.losses) - 1)
         self.rng = self._get_rng()

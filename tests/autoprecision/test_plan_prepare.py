@@ -32,6 +32,24 @@ def plan():
                       objective="memory", peak_bytes=1, repeats=1)
 
 
+def test_a_byte_budgets_forms_hold_only_measured_choices(monkeypatch):
+    """Under a byte budget the plan's forms of higher precision are raced; "every module in
+    fp32" keeps each module's saved-tensor code, so with fp32+8b not among the candidates it
+    has no measured figures and is not raced. Here every form wins its race: the plan must
+    still hold only choices it measured (it once took fp32+8b unmeasured and the search
+    stopped with a KeyError)."""
+    import ampc.autoprecision._whole as whole
+    monkeypatch.setattr(whole, "clearly_faster", lambda a, b: True)
+    monkeypatch.setattr(whole.Check, "race",
+                        lambda self, entrants: {n: float(-k) for k, n in enumerate(entrants)})
+    with pytest.warns(UserWarning, match="NOT met"):
+        got = search(_model(), _batches(), candidates=("fp32", "bf16", "bf16+8b"),
+                     objective="memory", peak_bytes=1, repeats=1)
+    assert any(u.choice == "bf16+8b" for u in got)
+    for u in got.every_unit:
+        assert u.choice in u.options and "ms" in u.figures(), (u.module, u.choice)
+
+
 def test_prepare_makes_what_the_plan_chose(plan):
     assert plan.step.state == "lean" and plan.step.sliced_head
     model, opt = plan.prepare(_model(), ampc.optim.AdamW, lr=1e-3)
@@ -182,3 +200,19 @@ def test_a_plan_of_fp32_modules_computes_in_fp32_on_the_states_bf16_weights():
     assert out_dtypes and set(out_dtypes) == {torch.float32}
     assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
     assert "torch.bfloat16), ampc.policy.scope(dtype=torch.float32)" in plan.python()
+
+
+def test_validate_shows_no_grad_norm_for_a_plan_that_frees_the_gradients(plan):
+    """The gradients are gone after the backward: validate says so ("-"), not a zero norm."""
+    freed = copy.deepcopy(plan)
+    freed.set_step(grads_freed=True, micro_batches=1)
+    report = ampc.validate.compare(_model, lambda k: _batches(1, seed=k)[0], steps=3, lr=1e-3,
+                                   setups=(freed,), seeds=(0,), device="cpu", progress=False,
+                                   paired=False)
+    run = report.runs[0]
+    assert all(n != n for n in run.grad_norms)                  # NaN: nothing to read
+    assert all(n > 0 for n in report.base.grad_norms)           # fp32 keeps its gradients
+    row = report.rows[0]
+    assert row["grad_norm_ratio_median"] is None
+    line = next(l for l in report.table().splitlines() if l.strip().startswith(row["setup"]))
+    assert "0.000" not in line and " - " in line
