@@ -31,6 +31,10 @@ from ._solve import _err, summed_errors
 from ._units import Reason
 
 ROUNDS = 8
+# a whole-step move is kept only where it lowers the step's peak by at least this share of
+# it: none is free in time (freed gradients step each tensor alone in the backward, a sliced
+# head runs its loss a slice at a time; on a 1.65M GPT each cost 3-7% of the step)
+MATERIAL = 0.01
 MAX_MICRO = 16      # the most micro-batches a batch is split into
 MiB = float(1 << 20)
 FN = "ampc.autoprecision.search"
@@ -168,12 +172,13 @@ def free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=None):
             plan.set_step(**undo)
             why[name] = f"left: the step raised {type(e).__name__}: {str(e).splitlines()[0][:120]}"
             return
-        if new.peak < rep.peak:
+        if new.peak < rep.peak * (1 - MATERIAL):
             why[name] = f"taken: the step's peak {rep.peak / MiB:.1f} -> {new.peak / MiB:.1f} MiB"
             rep = new
             return True
         plan.set_step(**undo)
-        why[name] = f"left: the step's peak did not fall ({new.peak / MiB:.1f} MiB)"
+        why[name] = (f"left: the step's peak did not fall by {MATERIAL:.0%} "
+                     f"({rep.peak / MiB:.1f} -> {new.peak / MiB:.1f} MiB)")
 
     cannot = can_free(optimizer, plan)
     if cannot:
@@ -393,6 +398,7 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
     first, rounds, scale = rep.peak, 0, 1.0   # scale: bytes the step saved per byte predicted
     # first the moves that cost about no time and no error: freed gradients, the state, the head
     rep = free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=peak_bytes)
+    unlowered = _snapshot(plan)
     banned, most = set(), None
     while rep.peak > peak_bytes and rounds < ROUNDS:
         lowering = _Lowering(plan, usable, measured, budget, recomputed(plan),
@@ -437,8 +443,56 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
             # the split moved the peak (smaller activations, the gradients kept): a move
             # left before may lower it now
             rep = free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=peak_bytes)
+    if rep.peak <= peak_bytes:
+        rep = drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes,
+                            unlowered[0])
     plan.set_peak(_step.Peak(int(peak_bytes), fp32_peak, first, rep.peak, rounds,
                              by_kind=rep.by_kind()))
+
+
+def drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes, before):
+    """The budget met: each move that costs time undone where the step stays under the budget
+    without it, the step measured each time (the lowering takes moves by predicted bytes: a
+    move taken early may be needed no more once a later one saved more, and a block
+    recomputed saves nothing where the peak is another block's recomputation): each block
+    recomputed, the last first; the gradients freed; each sliced head; the units lowered for the budget, together, back
+    to their choices ``before``. Returns the report of the step as it stands."""
+    why = dict(plan.step.why)
+
+    def attempt(name, undo, redo):
+        nonlocal rep
+        undo()
+        try:
+            new = step_peak(model, plan, batch, loss_fn, optimizer)
+        except Exception:          # noqa: BLE001 (the move stays: it was measured with it)
+            new = None
+        if new is not None and new.peak <= peak_bytes:
+            why[name] = (f"dropped: the step stays under the budget without it "
+                         f"({rep.peak / MiB:.1f} -> {new.peak / MiB:.1f} MiB)")
+            rep = new
+        else:
+            redo()
+
+    for b in reversed(recomputed(plan)):
+        rc = recomputed(plan)
+        attempt(f"recompute {b}", lambda rc=rc, b=b: plan.set_step(
+            recompute=[x for x in rc if x != b]), lambda rc=rc: plan.set_step(recompute=rc))
+    if plan.step.grads_freed:
+        attempt("grads freed", lambda: plan.set_step(grads_freed=False),
+                lambda: plan.set_step(grads_freed=True))
+    for h in sliced(plan):
+        hs = sliced(plan)
+        attempt(f"sliced head {h}", lambda hs=hs, h=h: plan.set_step(
+            sliced_head=[x for x in hs if x != h]), lambda hs=hs: plan.set_step(sliced_head=hs))
+    lowered = {n: u for n, u in before.items() if plan.unit(n).choice != u.choice
+               and not any(_inside(n, b) for b in recomputed(plan))}
+    if lowered:
+        now = {n: plan.unit(n) for n in lowered}
+        attempt(f"{len(lowered)} module(s) lowered", lambda: [
+            plan.set_choice(n, u.choice, u.reason) for n, u in lowered.items()], lambda: [
+            plan.set_choice(n, u.choice, u.reason) for n, u in now.items()])
+    plan.set_step(why=why)
+    return rep
 
 
 def split_batch(plan, model, batch, loss_fn, optimizer, rep, stop):

@@ -40,11 +40,11 @@ def _optimizer(plan):
             else ampc.optim.AdamW)
 
 
-def _measured(plan):
+def _measured(plan, batch=None):
     """The plan's step measured here, apart from the search: a fresh model and its
     optimizer made by plan.prepare."""
     model, opt = plan.prepare(_model(), _optimizer(plan))
-    return ampc.memory.report(_Under(model, plan.autocast), opt, _batches()[0],
+    return ampc.memory.report(_Under(model, plan.autocast), opt, batch or _batches()[0],
                               plan.loss(None), micro_batches=plan.step.micro_batches).peak
 
 
@@ -230,19 +230,25 @@ def test_a_saved_plan_with_blocks_recomputed_trains_on_as_the_plan_it_was(least)
     assert _train(again) == _train(least) == _train(plain)
 
 
-def test_an_ampc_optimizer_frees_the_gradients_first(least):
+def test_an_ampc_optimizer_frees_the_gradients_first():
     """With ampc's AdamW the first move is the gradients freed in the backward (no error,
-    about no time); its step is the one measured, and plan.prepare makes the optimizer so.
-    torch's AdamW (``least``) is stood for by ampc's with its hyperparameters: the same."""
-    with pytest.warns(UserWarning, match="peak budget .* NOT met"):
-        plan = _search(1, optimizer=lambda ps: ampc.optim.AdamW(ps, weight_decay=0.1))
-    d = plan.peak
-    assert plan.step.grads_freed is True and d.bytes == _measured(plan)
+    little time), kept where the step's peak falls by 1% or more: on 16 rows, where the
+    weights' bytes matter; its step is the one measured, and plan.prepare makes the
+    optimizer so. torch's AdamW is stood for by ampc's with its hyperparameters: the same."""
+    few = [(x[:16], y[:16]) for x, y in _batches()]
+    plans = []
+    for optimizer in (lambda ps: ampc.optim.AdamW(ps, weight_decay=0.1),
+                      lambda ps: torch.optim.AdamW(ps, weight_decay=0.1)):
+        with pytest.warns(UserWarning, match="peak budget .* NOT met"):
+            plans.append(search(_model(), few, candidates=CANDIDATES, objective="memory",
+                                peak_bytes=1, repeats=1, optimizer=optimizer))
+    plan = plans[0]
+    assert plan.step.grads_freed is True and plan.peak.bytes == _measured(plan, few[0])
     assert plan.step.why["grads freed"].startswith("taken")
     assert any("gradients freed in the backward" in n for n in plan.data["notes"])
     model, opt = plan.prepare(_model(), ampc.optim.AdamW, weight_decay=0.1)
     assert opt.step_in_backward and all(g["moments"] == "8bit" for g in opt.param_groups)
-    assert least.step.grads_freed is True
+    assert plans[1].step.grads_freed is True
 
 
 def test_an_optimizer_that_is_not_adam_keeps_fp32_state_and_its_gradients():
@@ -455,3 +461,51 @@ def test_validate_trains_a_plan_that_splits_the_batch_as_it_says(least):
         return m
     run = train_one(least, None, make, _batches(3), lr=1e-3)
     assert rows == [512 // 16] * 16 * 3 and all(map(lambda v: v == v, run.losses))
+
+
+class _Peak:
+    def __init__(self, peak):
+        self.peak = peak
+
+
+def _fake_peaks(monkeypatch, peak_of):
+    from ampc.autoprecision import _peak
+    monkeypatch.setattr(_peak, "step_peak", lambda model, plan, *a: _Peak(peak_of(plan)))
+    return _peak
+
+
+def test_with_the_budget_met_each_move_it_does_not_need_is_dropped(least, monkeypatch):
+    """Under the budget, each move that costs time is undone where the step stays under it
+    (each measured): here only block 1's recomputation saves bytes, so blocks 2 and 3, the
+    freed gradients and the sliced head go, and the modules lowered stay (raising them
+    would go over)."""
+    plan = Plan.from_json(least.to_json())
+    plan.set_step(grads_freed=True)
+    before = {u.module: u for u in plan.every_unit}
+    lowered = next(n for n, u in before.items() if u.choice != "fp32" and u.module[:2] not in
+                   ("1.", "2.", "3."))
+    plan.set_choice(lowered, "fp32", Reason.PEAK)       # stands for a move of the lowering
+
+    def peak_of(p):
+        return (100 - 30 * ("1" in p.step.recompute) - 5 * bool(p.step.sliced_head)
+                + 10 * (p.unit(lowered).choice != "fp32"))
+    _peak = _fake_peaks(monkeypatch, peak_of)
+    rep = _peak.drop_unneeded(plan, _model(), _batches()[0], None, None, _Peak(peak_of(plan)),
+                              72, before)
+    assert rep.peak == 70
+    assert plan.step.recompute == ("1",) and plan.step.sliced_head == ()
+    assert plan.step.grads_freed is False and plan.unit(lowered).choice == "fp32"
+    for move in ("recompute 3", "recompute 2", "grads freed", "sliced head 4"):
+        assert plan.step.why[move].startswith("dropped: the step stays under the budget")
+    assert "recompute 1" not in plan.step.why and "1 module(s) lowered" not in plan.step.why
+
+
+def test_a_whole_step_move_that_lowers_the_peak_by_less_than_one_percent_is_left(
+        roomy, monkeypatch):
+    plan = Plan.from_json(roomy.to_json())
+    _peak = _fake_peaks(monkeypatch, lambda p: 1000 - 5 * p.step.grads_freed
+                        - 300 * (p.step.state == "lean"))
+    rep = _peak.free_moves(plan, _model(), _batches()[0], None, torch.optim.AdamW, _Peak(1000))
+    assert plan.step.grads_freed is False and plan.step.state == "lean" and rep.peak == 700
+    assert plan.step.why["grads freed"] == ("left: the step's peak did not fall by 1% "
+                                            "(0.0 -> 0.0 MiB)")
