@@ -1,7 +1,8 @@
 """search(): the entry. Its arguments checked, the units found and the candidates each tries
 (less those the matmul probe rules out here: _probe.py), every unit measured at each
 (_measure.py), the solver's first plan (_solve.py), the whole plan checked against fp32 and
-backed off (_whole.py), then the step's peak fitted to a byte budget or lowered (_peak.py)."""
+backed off (_whole.py), then the step's peak fitted to a byte budget (_peak.py, measured by
+_step_peak.py) or, without one, lowered in the time the memory objective allows (_no_budget.py)."""
 from __future__ import annotations
 
 import math
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import _candidates, _examples, _loss, _measure, _objectives, _peak, _units
+from . import (_candidates, _examples, _loss, _measure, _no_budget, _objectives, _peak,
+               _step_peak, _units)
 from ._apply import param_shapes
 from ._plan import Plan, VERSION
 from ._probe import SLOW, probe
@@ -157,7 +159,7 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     examples = _examples.check(FN, examples)
     if examples == "auto" and not goal_times(objective, max_slowdown, peak_bytes):
         examples = None     # nothing timed decides: no timed step decides what is measured
-    peak_bytes = _peak.check_args(peak_bytes, optimizer, objective)
+    peak_bytes = _step_peak.check_args(peak_bytes, optimizer, objective)
     goal = _objectives.get(objective)
     if not goal.has_ceiling or peak_bytes is not None:
         ceiling = None               # the fastest plan is taken (then lowered to the budget)
@@ -210,15 +212,15 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     if check:
         # under a byte budget the whole step's forms are raced with their peaks measured
         peak_of = None if peak_bytes is None else (
-            lambda: _peak.step_peak(model, plan, whole[0], loss_fn, optimizer))
+            lambda: _step_peak.step_peak(model, plan, whole[0], loss_fn, optimizer))
         report = check_whole(model, batches, loss_fn, plan, measured, budget, objective, device,
                              max_backoffs, peak_of=peak_of,
-                             can_free=lambda: _peak.can_free(optimizer, plan) is None)
+                             can_free=lambda: _step_peak.can_free(optimizer, plan) is None)
     if peak_bytes is not None:
         _peak.settle(plan, model, whole, loss_fn, optimizer, fitted, report)
     elif not goal.by_speed:
-        _peak.whole_step(plan, model, whole, loss_fn, optimizer, measured, budget,
-                         _peak.room(plan, ceiling))
+        _no_budget.whole_step(plan, model, whole, loss_fn, optimizer, measured, budget,
+                              _no_budget.room(plan, ceiling))
     plan.data["predicted"] = {
         "fp32_ms": sum(u.options["fp32"]["ms"] or 0.0 for u in plan.every_unit),
         "plan_ms": sum(u.figures()["ms"] or 0.0 for u in plan.every_unit)}

@@ -15,7 +15,7 @@ import torch
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 from . import _candidates, _loss, _objectives
-from ._peak import MiB
+from ._step_peak import MiB
 from ._plan import Plan
 from ._solve import MARGIN, Budget, Over, clearly_faster, order, raise_one, solve
 from ._units import Reason

@@ -9,7 +9,7 @@ from torch import nn
 
 import ampc.memory
 from ampc.autoprecision import Plan, search
-from ampc.autoprecision._peak import _Under
+from ampc.autoprecision._step_peak import _Under
 from ampc.autoprecision._step import Step
 from ampc.autoprecision._units import Reason
 from autoprecision_models import Block, train_plan
@@ -268,7 +268,7 @@ def test_the_time_objective_takes_a_byte_budget(least):
 
 
 def test_a_byte_budget_given_as_a_string():
-    from ampc.autoprecision._peak import check_args
+    from ampc.autoprecision._step_peak import check_args
     assert check_args("6GiB", torch.optim.AdamW, "memory") == 6 * 2 ** 30
     assert check_args("500 MB", torch.optim.AdamW, "time") == 500 * 10 ** 6
     assert check_args("1.5kib", torch.optim.AdamW, "memory") == 1536

@@ -1,0 +1,129 @@
+"""A training step's peak as a byte budget measures it: the budget read (bytes, or a string
+such as "6GiB"), the step of a plan measured on a copy of the model (``ampc.memory.report``)
+with the optimizer its state asks for, and what that optimizer can do (free each gradient in
+the backward; its step's time)."""
+from __future__ import annotations
+
+import copy
+import math
+import re
+import time
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from . import _step
+
+MiB = float(1 << 20)
+FN = "ampc.autoprecision.search"
+
+_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def check_args(peak_bytes, optimizer, objective):
+    """The byte budget in bytes (an int, or a string such as "6GiB" or "500 MB"), or None;
+    raises, before anything is measured, on a budget search cannot take."""
+    if peak_bytes is None:
+        return None
+    given = peak_bytes
+    if isinstance(peak_bytes, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", peak_bytes)
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{FN}: peak_bytes must be a number of bytes or a string such as "
+                             f"'6GiB' or '500MB', got {given!r}")
+        peak_bytes = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if objective not in ("memory", "time"):
+        raise ValueError(f"{FN}: peak_bytes is a budget of the memory and time objectives; "
+                         f"got objective={objective!r}")
+    if not (isinstance(peak_bytes, (int, float)) and not isinstance(peak_bytes, bool)
+            and 0 < peak_bytes < math.inf):
+        raise ValueError(f"{FN}: peak_bytes must be a positive number of bytes, got "
+                         f"{given!r}")
+    if not callable(optimizer):
+        raise TypeError(f"{FN}: optimizer must be a callable that takes the parameters and "
+                        f"returns an optimizer (such as torch.optim.AdamW), got "
+                        f"{type(optimizer).__name__}")
+    return int(peak_bytes)
+
+
+class _Under(torch.nn.Module):
+    """The model run inside the plan's region (the report calls a module)."""
+
+    def __init__(self, model, region):
+        super().__init__()
+        self.model = model
+        self.region = region
+
+    def forward(self, *args, **kwargs):
+        with self.region():
+            return self.model(*args, **kwargs)
+
+
+def step_peak(model, plan, batch, loss_fn, optimizer):
+    """The ``ampc.memory.report`` of a training step of ``plan`` applied to a copy of
+    ``model``: its state and optimizer as ``plan.step`` says (from ``optimizer``, a callable
+    taking the params), its modules as the plan says (module names begin ``model.``)."""
+    from ..memory import report
+    work, opt = _step.make(plan.step, copy.deepcopy(model), optimizer_for(optimizer, plan.step))
+    plan.apply(work)
+    with torch.random.fork_rng(devices=[]):
+        # warmup=0: the optimizer's state from a step on zero gradients, not a whole
+        # training step (the same bytes; half the time of each measurement)
+        return report(_Under(work, plan.autocast), opt, batch, plan.loss(loss_fn), warmup=0,
+                      micro_batches=plan.step.micro_batches)
+
+
+def _ampc_adam(optimizer):
+    """(ampc's Adam class, its options) standing for what ``optimizer`` makes: ampc's Adam
+    or AdamW as it is, torch's with the same hyperparameters; None for another optimizer."""
+    import ampc.optim
+    probe = optimizer([nn.Parameter(torch.zeros(1))])
+    if isinstance(probe, ampc.optim.Adam):
+        keep = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+        return type(probe), {k: v for k, v in probe.defaults.items() if k in keep}
+    if type(probe) in (torch.optim.Adam, torch.optim.AdamW) and not probe.defaults.get("amsgrad"):
+        cls = ampc.optim.AdamW if type(probe) is torch.optim.AdamW else ampc.optim.Adam
+        return cls, {k: probe.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    return None
+
+
+def optimizer_for(optimizer, step):
+    """A callable (params, **options) making the optimizer of ``step``: ``optimizer`` itself
+    where the step keeps fp32 state and every gradient, else ampc's Adam/AdamW with its
+    hyperparameters (the lean states and step_in_backward are ampc's)."""
+    if step.state == "fp32" and not step.grads_freed:
+        return lambda params, **options: optimizer(params)
+    cls, base = _ampc_adam(optimizer)
+    return lambda params, **options: cls(params, **{**base, **options})
+
+
+def can_free(optimizer, plan):
+    """Why the step cannot free each gradient in the backward, or None when it can: that
+    takes ampc's Adam/AdamW (``step_in_backward``), which fp16's loss scaler and several
+    ranks rule out."""
+    if plan.needs_scaler():
+        return "a module runs fp16: its loss scaler sees every gradient before the step"
+    if (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
+        return "several ranks: gradients are reduced across them before the step"
+    if _ampc_adam(optimizer) is None:
+        return "the optimizer is not Adam or AdamW"
+    return None
+
+
+def _optimizer_ms(model, step, optimizer, reps=3):
+    """Milliseconds of an optimizer step of ``step``'s state on a copy of ``model``, on
+    gradients of the weights' size (the fastest of ``reps``)."""
+    work, opt = _step.make(replace(step, grads_freed=False), copy.deepcopy(model),
+                           optimizer_for(optimizer, replace(step, grads_freed=False)))
+    params = [p for p in work.parameters() if p.requires_grad]
+    times = []
+    for _ in range(reps + 1):           # the first makes the state: not counted
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return min(times[1:]) * 1e3
