@@ -12,10 +12,10 @@ from ._units import Reason
 
 
 def whole_step(plan, model, batches, loss_fn, optimizer, measured, budget, room_ms):
-    """Without a byte budget (the memory objective): the moves that cost about no time
-    (:func:`free_moves`) taken where the step's peak falls, then blocks recomputed in the
-    ``room_ms`` a step the time ceiling leaves (:func:`recompute_in_room`), and the peak
-    measured, by kind."""
+    """Without a byte budget (the memory objective): the moves that cost little time
+    (:func:`free_moves`) taken where the step's peak falls by 1% or more, then blocks
+    recomputed in the ``room_ms`` a step the time ceiling leaves
+    (:func:`recompute_in_room`), and the peak measured, by kind."""
     batch = batches[0]
     fp32_peak = step_peak(model, _all_fp32(plan), batch, loss_fn, optimizer).peak
     rep = step_peak(model, plan, batch, loss_fn, optimizer)

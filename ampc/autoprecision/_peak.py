@@ -37,11 +37,12 @@ MAX_MICRO = 16      # the most micro-batches a batch is split into
 
 
 def free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=None):
-    """The whole-step moves that cost about no time, each measured and kept where the step's
-    peak falls, until it is under ``stop``: each gradient freed in the backward (no gradient
-    of the whole model), the lean state (bf16 weights, 8-bit moments: 6 B a parameter against
-    fp32 AdamW's 16), the head's logits sliced. ``plan.step.why`` says why each was taken or
-    left. Returns the report of the step as it stands."""
+    """The whole-step moves that cost little time, each measured and kept where the step's
+    peak falls by MATERIAL of it or more, until it is under ``stop``: each gradient freed in
+    the backward (no gradient of the whole model), the lean state (bf16 weights, 8-bit
+    moments: 6 B a parameter against fp32 AdamW's 16), the head's logits sliced.
+    ``plan.step.why`` says why each was taken or left. Returns the report of the step as it
+    stands."""
     why = dict(plan.step.why)
     heads_bytes = heads(model, batch, [u.module for u in plan])
 
@@ -281,7 +282,7 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
     fp32_peak = step_peak(model, _all_fp32(plan), batch, loss_fn, optimizer).peak
     rep = step_peak(model, plan, batch, loss_fn, optimizer)
     first, rounds, scale = rep.peak, 0, 1.0   # scale: bytes the step saved per byte predicted
-    # first the moves that cost about no time and no error: freed gradients, the state, the head
+    # first the moves that cost little time and no error: freed gradients, the state, the head
     rep = free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=peak_bytes)
     unlowered = _snapshot(plan)
     banned, most = set(), None
@@ -340,13 +341,19 @@ def drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes, befor
     without it, the step measured each time (the lowering takes moves by predicted bytes: a
     move taken early may be needed no more once a later one saved more, and a block
     recomputed saves nothing where the peak is another block's recomputation): each block
-    recomputed, the last first; the gradients freed; each sliced head; the units lowered for the budget, together, back
-    to their choices ``before``. Returns the report of the step as it stands."""
+    recomputed, the last first; the gradients freed; each sliced head; the units lowered for
+    the budget, together, back to their records in ``before``. Returns the report of the
+    step as it stands."""
     why = dict(plan.step.why)
 
-    def attempt(name, undo, redo):
+    def attempt(name, units=(), **without):
+        """Undoes a move (``without``: the step's fields as they were before it; ``units``:
+        records to put back) and keeps it undone where the step stays under the budget."""
         nonlocal rep
-        undo()
+        step, now = plan.step, [plan.unit(u.module) for u in units]
+        plan.set_step(**without)
+        for u in units:
+            plan.set_choice(u.module, u.choice, u.reason)
         try:
             new = step_peak(model, plan, batch, loss_fn, optimizer)
         except Exception:          # noqa: BLE001 (the move stays: it was measured with it)
@@ -355,27 +362,21 @@ def drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes, befor
             why[name] = (f"dropped: the step stays under the budget without it "
                          f"({rep.peak / MiB:.1f} -> {new.peak / MiB:.1f} MiB)")
             rep = new
-        else:
-            redo()
+            return
+        plan.set_step(**{k: getattr(step, k) for k in without})
+        for u in now:
+            plan.set_choice(u.module, u.choice, u.reason)
 
     for b in reversed(recomputed(plan)):
-        rc = recomputed(plan)
-        attempt(f"recompute {b}", lambda rc=rc, b=b: plan.set_step(
-            recompute=[x for x in rc if x != b]), lambda rc=rc: plan.set_step(recompute=rc))
+        attempt(f"recompute {b}", recompute=[x for x in recomputed(plan) if x != b])
     if plan.step.grads_freed:
-        attempt("grads freed", lambda: plan.set_step(grads_freed=False),
-                lambda: plan.set_step(grads_freed=True))
+        attempt("grads freed", grads_freed=False)
     for h in sliced(plan):
-        hs = sliced(plan)
-        attempt(f"sliced head {h}", lambda hs=hs, h=h: plan.set_step(
-            sliced_head=[x for x in hs if x != h]), lambda hs=hs: plan.set_step(sliced_head=hs))
-    lowered = {n: u for n, u in before.items() if plan.unit(n).choice != u.choice
-               and not any(_inside(n, b) for b in recomputed(plan))}
+        attempt(f"sliced head {h}", sliced_head=[x for x in sliced(plan) if x != h])
+    lowered = [u for n, u in before.items() if plan.unit(n).choice != u.choice
+               and not any(_inside(n, b) for b in recomputed(plan))]
     if lowered:
-        now = {n: plan.unit(n) for n in lowered}
-        attempt(f"{len(lowered)} module(s) lowered", lambda: [
-            plan.set_choice(n, u.choice, u.reason) for n, u in lowered.items()], lambda: [
-            plan.set_choice(n, u.choice, u.reason) for n, u in now.items()])
+        attempt(f"{len(lowered)} module(s) lowered", units=lowered)
     plan.set_step(why=why)
     return rep
 

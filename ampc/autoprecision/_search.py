@@ -115,11 +115,13 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
         peak_bytes: a byte budget for a training step's peak (live tensors, as
             ``ampc.memory.report`` measures it, with ``optimizer``): an int, or a string such
             as "6GiB" or "500MB"; with the memory or the time objective. The fastest plan
-            within the error budget is measured; then the whole-step moves that cost about no
-            time are taken while the step is over (each gradient freed in the backward, the
-            lean state, the head's logits sliced: ``plan.step``), and its modules lowered (to
-            fewer bytes, the most bytes for the least time first, or blocks recomputed) and
-            measured again until the step fits (at most 8 rounds). ``plan.peak`` has the
+            within the error budget is measured; then the whole-step moves that cost little
+            time are taken while the step is over, each where it lowers the peak by 1% or
+            more (each gradient freed in the backward, the lean state, the head's logits
+            sliced: ``plan.step``), and its modules lowered (to fewer bytes, the most bytes
+            for the least time first, or blocks recomputed) and measured again until the step
+            fits (at most 8 rounds); with the budget met, each costly move the step fits
+            without is undone. ``plan.peak`` has the
             figures, by kind; the notes say whether the budget was met (and a warning when it
             was not: the error budget wins). ``plan.prepare(model, ampc.optim.AdamW, lr=...)``
             makes the model and optimizer so. Without it, the memory objective takes the
