@@ -40,6 +40,26 @@ def test_float64_equals_torch(reduction, chunk):
         torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_masked_classes_and_huge_logits_equal_torch(dtype):
+    """Classes masked with a -inf bias and logits far past exp's range: the softmax is taken
+    after each row's largest logit is subtracted, as torch's is, so loss and gradients stay
+    finite and equal torch's (an exp of the raw logits would overflow to inf and give NaN)."""
+    h, w, b, t = _inputs(dtype)
+    with torch.no_grad():
+        w.mul_(400.0)                                  # logits of several thousand
+        b[::3] = float("-inf")                         # a third of the classes masked
+        t[t % 3 == 0] = 1                              # no target is a masked class
+    ref = F.cross_entropy(F.linear(h, w, b).flatten(0, -2), t.flatten())   # in dtype
+    got = lce(h, w, t, b, chunk_tokens=16)
+    assert ref.isfinite() and got.isfinite()
+    tol = dict(rtol=1e-10, atol=1e-9) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(got, ref, **tol)
+    for a, c in zip(_grads(got, (h, w, b)), _grads(ref, (h, w, b))):
+        assert a.isfinite().all()
+        torch.testing.assert_close(a, c, **tol)
+
+
 def test_fp32_agrees_with_torch_and_float64():
     h, w, b, t = _inputs(torch.float32)
     h64, w64, b64 = (x.detach().double().requires_grad_() for x in (h, w, b))
