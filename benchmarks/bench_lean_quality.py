@@ -33,8 +33,8 @@ from torch import nn
 import _harness as H
 
 ampc = H.import_ampc()
-from ampc.demo._model import CharGPT, batch_maker  # noqa: E402
-from ampc.demo._text import VOCAB, load_text      # noqa: E402
+from ampc.demo._model import GPT, batch_maker      # noqa: E402
+from ampc.demo._text import CHARS, load_text      # noqa: E402
 from ampc.lean_state import state_bytes           # noqa: E402
 
 LR, WD, WINDOW, VAL = 2e-3, 0.01, 20, 8
@@ -85,7 +85,7 @@ class GPT2(nn.Module):
     def __init__(self):
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
-        cfg = GPT2Config(vocab_size=len(VOCAB), n_positions=CONTEXT, n_embd=WIDTH, n_layer=LAYERS,
+        cfg = GPT2Config(vocab_size=len(CHARS), n_positions=CONTEXT, n_embd=WIDTH, n_layer=LAYERS,
                          n_head=HEADS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                          bos_token_id=0, eos_token_id=0)
         self.lm = GPT2LMHeadModel(cfg)
@@ -99,11 +99,11 @@ def ce(out, target):
 
 
 def setups(args):
-    train, val, described = load_text()
+    train, val, _, described = load_text(vocab_size=len(CHARS))   # one character a token
     text = lambda seed: batch_maker(train, CONTEXT, BATCH, seed)       # noqa: E731
     vtext = batch_maker(val, CONTEXT, BATCH, 99)
     return {
-        "char": (lambda: CharGPT(WIDTH, LAYERS, HEADS, CONTEXT), text(0), [vtext(k) for k in range(VAL)]),
+        "char": (lambda: GPT(WIDTH, LAYERS, HEADS, CONTEXT, vocab=len(CHARS)), text(0), [vtext(k) for k in range(VAL)]),
         "gpt2": (GPT2, text(0), [vtext(k) for k in range(VAL)]),
         "cnn": (CNN, image_batches(0), [image_batches(99)(k) for k in range(VAL)]),
     }, described

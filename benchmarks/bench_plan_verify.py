@@ -165,7 +165,7 @@ CONTEXT = 64
 
 
 def gpt2text():
-    from ampc.demo._text import VOCAB as CHARS
+    from ampc.demo._text import CHARS
     return gpt2(len(CHARS), CONTEXT)
 
 
@@ -173,8 +173,8 @@ def gpt2text():
 def text_batches():
     """make_batch(step) of the demo's text: random windows of its training characters."""
     from ampc.demo._model import batch_maker
-    from ampc.demo._text import load_text
-    return batch_maker(load_text()[0], CONTEXT, BATCH, seed=0)
+    from ampc.demo._text import CHARS, load_text
+    return batch_maker(load_text(vocab_size=len(CHARS))[0], CONTEXT, BATCH, seed=0)
 
 
 def gpt2_units():

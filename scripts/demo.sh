@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up and runs ampc's main job (python -m ampc.demo): a character-level GPT trained on
+# Sets up and runs ampc's main job (python -m ampc.demo): a small GPT (4,096-piece vocabulary) trained on
 # Python's standard library with fp32, torch.amp, the ampc drop-in, ampc master weights and
 # the per-module plans of ampc.autoprecision for speed and for memory and the lean state
 # (state="lean") side by side, each with its step time, peak memory and state bytes a

@@ -1,5 +1,7 @@
-"""python -m ampc.demo: a character-level GPT trained on the source of Python's standard
-library seven ways, side by side, in about three minutes on any machine.
+"""python -m ampc.demo: a small GPT trained on the source of Python's standard library
+seven ways, side by side, in about three minutes on any machine. Its vocabulary is the
+text's 4,096 most frequent pieces (words, numbers, runs of spaces, every printable
+character), so its logits weigh in a step's memory as a language model's do.
 
   fp32              fp32 weights, torch.optim.AdamW(fused=True)
   torch.amp         torch.autocast (+ torch.amp.GradScaler for fp16), torch AdamW

@@ -30,7 +30,7 @@ MEMORY_BUDGET = 0.5     # the memory arm asks for a step's peak at this fraction
 def parse_args(argv):
     p = argparse.ArgumentParser(
         prog="python -m ampc.demo",
-        description="A character-level GPT trained on Python's standard library with fp32, "
+        description="A small GPT trained on Python's standard library with fp32, "
                     "torch.amp, the ampc drop-in, ampc master weights, a precision per "
                     "module chosen by ampc.autoprecision for speed and one for memory, and "
                     "the lean state (state=\"lean\"), side by side.")
@@ -202,13 +202,14 @@ def report_results(job, report, train, plan, search_s, train_s, log):
     return rows, payback, layer_report
 
 
-def sample_text(job, report, log):
+def sample_text(job, report, vocab, log):
     """Text from the master weights exported to a plain fp32 model (it samples at fp32
     speed), stopping early when the time is nearly up."""
     master = next(r for r in report.runs if r.kind == "ampc.master")
     exported = model_maker(job.size)().to(job.device)
     exported.load_state_dict(ampc.fp32_state_dict(master.model, master.optimizer))
-    text = sample(exported, "def ", 300, job.device, seed=job.seed, deadline=job.deadline - 4)
+    text = sample(exported, vocab, "def ", 120, job.device, seed=job.seed,
+                  deadline=job.deadline - 4)
     log()
     log("sample from the ampc master-weight model, exported with ampc.fp32_state_dict "
         "(prompt 'def '):")
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     args = parse_args(argv)
     log = Log()
     speeds = measure_machine(args.device, args.dtype, DNAMES[args.dtype], log)
-    train, val, described = load_text()
+    train, val, vocab, described = load_text()
     log(f"text: {described}")
 
     job, n_params = size_job(args, speeds, train, t_start + args.budget, log)
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     memory_plan, memory_search_s, by_kind = search_memory_plan(job, train, log)
     report, train_s = train_runs(job, (plan, memory_plan), train, val, log)
     rows, payback, layer_report = report_results(job, report, train, plan, search_s, train_s, log)
-    text = sample_text(job, report, log)
+    text = sample_text(job, report, vocab, log)
 
     data = {"config": job_config(job, report.config["steps"], n_params, speeds, described),
             "table": rows, "compare": report.as_dict(), "layers": layer_report.as_dict(),

@@ -1,4 +1,4 @@
-"""The demo's model: a small character-level GPT, its batches, and sampling from it."""
+"""The demo's model: a small GPT, its batches, and sampling from it."""
 from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
 
 import time
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._text import VOCAB, decode, encode
+from ._text import VOCAB_SIZE
 
 # width, layers, heads, context, batch. "small" is wide rather than deep: on a CPU with
 # AVX-512 BF16 a 16-bit step pays from about width 192 (at 128 it is slower than fp32's).
@@ -45,8 +45,8 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class CharGPT(nn.Module):
-    def __init__(self, width, layers, heads, context, vocab=len(VOCAB)):
+class GPT(nn.Module):
+    def __init__(self, width, layers, heads, context, vocab=VOCAB_SIZE):
         super().__init__()
         self.context = context
         self.tok = nn.Embedding(vocab, width)
@@ -61,9 +61,9 @@ class CharGPT(nn.Module):
 
 
 def model_maker(size):
-    """make_model(): a fresh CharGPT of ``size`` (a key of SIZES)."""
+    """make_model(): a fresh GPT of ``size`` (a key of SIZES)."""
     width, layers, heads, context, _ = SIZES[size]
-    return lambda: CharGPT(width, layers, heads, context)
+    return lambda: GPT(width, layers, heads, context)
 
 
 def batch_maker(data, context, batch, seed):
@@ -77,16 +77,17 @@ def batch_maker(data, context, batch, seed):
 
 
 @torch.no_grad()
-def sample(model, prompt, n, device, temperature=0.8, seed=0, deadline=float("inf")):
-    """``n`` characters after ``prompt``, drawn from the model at ``temperature`` (from
-    the 80th on, stopping early once ``time.perf_counter()`` passes ``deadline``)."""
+def sample(model, vocab, prompt, n, device, temperature=0.8, seed=0, deadline=float("inf")):
+    """``n`` tokens after ``prompt`` (``vocab`` encodes and decodes them), drawn from the
+    model at ``temperature`` (from the 80th on, stopping early once ``time.perf_counter()``
+    passes ``deadline``)."""
     model.eval()
     g = torch.Generator(device=device).manual_seed(seed)
-    ids = encode(prompt).long().to(device)[None]
+    ids = vocab.encode(prompt).long().to(device)[None]
     for i in range(n):
         if i >= 80 and time.perf_counter() > deadline:
             break
         logits = model(ids[:, -model.context:])[0, -1].float()
         nxt = torch.multinomial(F.softmax(logits / temperature, -1), 1, generator=g)
         ids = torch.cat([ids, nxt[None]], 1)
-    return decode(ids[0].tolist())
+    return vocab.decode(ids[0].tolist())

@@ -11,7 +11,7 @@ from ampc import validate
 from ampc.validate import LEAN_SETUP
 
 from ._model import SIZES, batch_maker, model_maker
-from ._text import VOCAB
+from ._text import VOCAB_SIZE
 
 VAL_BATCHES = 4
 MIN_STEPS, FLOOR_STEPS = 150, 20      # a larger size must fit MIN_STEPS; never under FLOOR_STEPS
@@ -53,7 +53,7 @@ def matmul_flops(size):
     """Multiply-add FLOPs of one training step (forward + backward: 3x forward)."""
     width, layers, heads, context, batch = SIZES[size]
     tokens = context * batch
-    per_token = layers * (12 * width * width + 2 * context * width) + width * len(VOCAB)
+    per_token = layers * (12 * width * width + 2 * context * width) + width * VOCAB_SIZE
     return 6 * per_token * tokens
 
 

@@ -119,11 +119,20 @@ def test_command_line_bad_flag():
 def test_text_comes_from_the_standard_library():
     lib, files = _text.stdlib_files()
     assert any(f.endswith(os.sep + "os.py") for f in files)
-    train, val, described = _text.load_text(max_chars=200_000)
-    assert len(train) > 100_000 and len(val) > 5_000 and lib in described
-    assert set(_text.decode(train.tolist())) <= set(_text.VOCAB)
+    train, val, vocab, described = _text.load_text(max_chars=200_000)
+    assert len(train) > 40_000 and len(val) > 2_000 and lib in described
+    # the characters first, then the most frequent longer pieces: a vocabulary of thousands
+    assert vocab.pieces[:len(_text.CHARS)] == _text.CHARS
+    assert 1_000 < len(vocab.pieces) <= _text.VOCAB_SIZE and len(set(vocab.pieces)) == len(vocab.pieces)
+    assert "def" in vocab.index and "self" in vocab.index
+    assert int(train.max()) < _text.VOCAB_SIZE and train.dtype == torch.int16
+    text = vocab.decode(train.tolist())
+    assert set(text) <= set(_text.CHARS) and vocab.encode(text).equal(train)
     # every tenth file is held out: the validation text is not inside the training text
-    assert _text.decode(val[:200].tolist()) not in _text.decode(train.tolist())
+    assert vocab.decode(val[:200].tolist()) not in text
+    # one character a token, on request (the benchmarks' character-level models)
+    chars, _, by_char, _ = _text.load_text(max_chars=200_000, vocab_size=len(_text.CHARS))
+    assert by_char.pieces == _text.CHARS and by_char.decode(chars.tolist()) == text
 
 
 def test_the_search_is_weighed_against_the_time_its_plan_saves():
