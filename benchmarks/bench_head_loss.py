@@ -14,7 +14,7 @@ from _harness import common_args, import_ampc, parse, report, machine, time_reps
 ampc = import_ampc()
 from ampc.memory import linear_cross_entropy, peak  # noqa: E402
 
-CASES = [(1024, 256, 4096), (1024, 256, 8192), (4096, 512, 8192), (2048, 512, 32768)]
+CASES = [(1024, 256, 4096), (1024, 256, 8192), (512, 512, 8192), (4096, 512, 8192), (2048, 512, 32768)]
 
 
 def _setup(tokens, width, vocab):

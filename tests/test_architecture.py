@@ -47,3 +47,18 @@ def test_every_module_is_named_in_its_package_entry():
         missing += [f"ampc/{package.name}/{f.name}" for f in sorted(package.glob("*.py"))
                     if f.name != "__init__.py" and f.name not in text]
     assert not missing, f"ARCHITECTURE.md does not name {missing} (in its package's entry)"
+
+
+def test_no_package_reaches_into_another_package_s_private_modules():
+    """A package takes from another only what that one's entry exports: an import of another
+    package's private module (``from ..memory._report import ...``) is a reach past its door.
+    The top-level private modules (``ampc/_walk.py``, ``ampc/_numerics/``) are shared helpers
+    for all and stay open."""
+    reach = re.compile(r"^\s*from\s+(\.{2,})([a-z]\w*)\.(_\w+)\s+import", re.M)
+    found = []
+    for package in packages():
+        for f in sorted(package.rglob("*.py")):
+            for m in reach.finditer(f.read_text()):
+                if m.group(1) == ".." and m.group(2) != package.name:
+                    found.append(f"{f.relative_to(ROOT)}: {m.group(0).strip()}")
+    assert not found, "private reaches across packages:\n" + "\n".join(found)

@@ -23,7 +23,7 @@ from torch import nn
 from . import _candidates, _step
 from ._apply import recomputed, sliced
 from .._numerics.model import call_model, logits_of
-from ..memory._micro_batches import batch_size, why_not
+from ..memory import batch_size, why_not_split
 from ._solve import _err, summed_errors
 from ._step_peak import FN, MiB, _ampc_adam, _optimizer_ms, can_free, step_peak
 from ._units import Reason
@@ -388,7 +388,7 @@ def split_batch(plan, model, batch, loss_fn, optimizer, rep, stop):
     ``stop``. ``plan.step.why`` says why it was taken or left. Returns the step's report."""
     name, why = "micro-batches", dict(plan.step.why)
     k, first = plan.step.micro_batches, rep.peak
-    cannot = why_not(model)
+    cannot = why_not_split(model)
     try:
         most = min(batch_size(batch, FN), MAX_MICRO)
     except (TypeError, ValueError) as e:        # no tensor with a batch dimension to cut

@@ -23,7 +23,7 @@ from ._apply import Applied
 from ._solve import Budget
 from ._units import Reason
 from .._numerics.model import call_model, default_loss
-from ..memory._micro_batches import backward as micro_backward
+from ..memory import micro_batch_backward as micro_backward
 from ..validate import compare
 
 if TYPE_CHECKING:

@@ -139,7 +139,7 @@ def make(step: Step, model: torch.nn.Module, optimizer: Callable, **kwargs: Any)
     with ``optimizer(params, **kwargs)`` for "fp32", else ``ampc.prepare`` with the state's
     options (bf16 weights); ``optimizer`` may be one made already, before its first step. An option in ``kwargs`` that contradicts the step's is refused
     before anything changes."""
-    from ..optim._lean import PRESETS
+    from ..lean_state import PRESETS
     options, *_ = STATES[step.state]
     chosen = dict(options or {})
     chosen.update(PRESETS.get(chosen.get("state"), {}))

@@ -16,16 +16,18 @@ import torch.nn.functional as F
 
 _WHO = "ampc.memory.linear_cross_entropy"
 _SLICE_BYTES = 4 << 20      # a slice's fp32 logits: small beside the full ones, big enough a matmul
-_FEWEST_TOKENS = 512        # a slice's tokens, at most the hidden size (see default_chunk)
+_MOST_FEWEST = 512          # see default_chunk
 
 
-def default_chunk(vocab: int, hidden_size: int) -> int:
-    """Tokens a slice: its fp32 logits about 4 MiB, and at least min(hidden_size, 512)
-    tokens. Each slice adds its part of the weight's gradient into an fp32 sum, one pass over
-    vocab x hidden_size values: with a large vocabulary 4 MiB is a few dozen tokens, and those
-    passes took 4x the whole head and loss's time (vocab 32,768, width 512, 2,048 tokens). As
-    many tokens as the hidden size make a slice's logits no larger than that gradient."""
-    return max(16, _SLICE_BYTES // (4 * max(vocab, 1)), min(hidden_size, _FEWEST_TOKENS))
+def default_chunk(vocab: int, hidden_size: int, tokens: int) -> int:
+    """Tokens a slice: its fp32 logits about 4 MiB, or more: min(hidden_size, 512, a quarter
+    of the tokens). Each slice adds its part of the weight's gradient into an fp32 sum, one
+    pass over vocab x hidden_size values: with a large vocabulary 4 MiB is a few dozen tokens,
+    and those passes took 4x the whole head and loss's time (vocab 32,768, width 512, 2,048
+    tokens). As many tokens as the hidden size make a slice's logits no larger than that
+    gradient; four slices at least keep the saving where the tokens are few."""
+    return max(16, _SLICE_BYTES // (4 * max(vocab, 1)),
+               min(hidden_size, _MOST_FEWEST, -(-tokens // 4)))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -105,8 +107,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         bias (Tensor or None): ``(vocab,)``.
         ignore_index (int): targets with this value add nothing. Default: -100.
         reduction (str): ``"mean"`` (over the targets not ignored) or ``"sum"``.
-        chunk_tokens (int or None): tokens a slice; None: a slice's fp32 logits about 4 MiB, and
-            at least min(hidden_size, 512) tokens (:func:`default_chunk`).
+        chunk_tokens (int or None): tokens a slice; None: a slice's fp32 logits about 4 MiB, or
+            min(hidden_size, 512, a quarter of the tokens) where that is more
+            (:func:`default_chunk`).
 
     Returns the scalar loss. Its backward cannot be differentiated again (create_graph=True
     raises).
@@ -132,7 +135,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         raise ValueError(f"{_WHO}: reduction must be 'mean' or 'sum', got {reduction!r} (per-token "
                          "losses would need the logits again in the backward)")
     if chunk_tokens is None:
-        chunk_tokens = default_chunk(*weight.shape)
+        chunk_tokens = default_chunk(*weight.shape, target.numel())
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"{_WHO}: chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
     devices = {t.device for t in (hidden, weight, target, bias) if t is not None}

@@ -8,7 +8,7 @@ from the first piece to the step, so with ``step_in_backward`` the pieces but th
 inside the optimizer's ``accumulating()``.
 
 BatchNorm in training takes its statistics per piece, so a model with one is not the
-same model split: :func:`why_not` says so, and the search leaves the move.
+same model split: :func:`why_not_split` says so, and the search leaves the move.
 """
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def micro_batches(batch: tuple, k: int) -> list[tuple[tuple, float]]:
     return [((x, y), n / size) for x, y, n in zip(ins, tgs, counts)]
 
 
-def backward(optimizer: torch.optim.Optimizer | None, batch: tuple, k: int,
-             loss_of: Callable[[tuple], torch.Tensor], scaler=None) -> torch.Tensor:
+def micro_batch_backward(optimizer: torch.optim.Optimizer | None, batch: tuple, k: int,
+                         loss_of: Callable[[tuple], torch.Tensor], scaler=None) -> torch.Tensor:
     """The backward of ``batch`` as ``k`` micro-batches: ``loss_of(piece)`` is each piece's
     loss, weighted by its share (and scaled by ``scaler``, a GradScaler, where given); the
     pieces but the last inside ``optimizer.accumulating()`` where the optimizer has it (an
@@ -100,7 +100,7 @@ def accumulate(optimizer, pieces, loss_of, scaler=None) -> torch.Tensor | None:
         return backward_pieces(pieces, loss_of, scaler)
 
 
-def why_not(model: torch.nn.Module) -> str | None:
+def why_not_split(model: torch.nn.Module) -> str | None:
     """Why ``model`` is not the same model split into micro-batches, or None."""
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):

@@ -21,7 +21,7 @@ from .._numerics.model import call_model, default_loss
 from .._walk import tensors
 from ..lean_state import state_bytes
 from ._compress import compressed
-from ._micro_batches import accumulate, backward as micro_backward, batch_size
+from ._micro_batches import accumulate, batch_size, micro_batch_backward as micro_backward
 from ._micro_batches import micro_batches as split_batch
 from ._recompute import recomputed
 from ._saved import SavedTracker, storage_key

@@ -50,9 +50,9 @@ def sliced_head(model: torch.nn.Module, modules: str | torch.nn.Module | Iterabl
                 chunk_tokens: int | None = None) -> SlicedHead:
     """Makes the Linear ``modules`` of ``model`` defer their logits to the loss (see the
     module's docstring): ``F.cross_entropy`` of them is computed a slice of
-    ``chunk_tokens`` tokens at a time (None: a slice's fp32 logits about 4 MiB, at least
-    min(hidden size, 512) tokens), in the dtype the head would have computed in (its
-    autocast or scope).
+    ``chunk_tokens`` tokens at a time (None: a slice's fp32 logits about 4 MiB, or
+    min(hidden size, 512, a quarter of the tokens) where that is more), in the dtype the
+    head would have computed in (its autocast or scope).
 
     Returns:
         :class:`SlicedHead`: ``.remove()`` undoes it; usable as a context manager.

@@ -25,7 +25,7 @@ import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first
 from .._numerics import failures
 from .._numerics.model import call_model, default_loss, to_device
 from ..memory.peak import allocated_peak, start_profiler, stop_profiler
-from ..memory._micro_batches import backward as micro_backward
+from ..memory import micro_batch_backward as micro_backward
 from . import _setups
 from ._report import Comparison
 from ._run import Run

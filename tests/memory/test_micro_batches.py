@@ -9,7 +9,7 @@ from torch import nn
 
 import ampc
 from ampc.memory import micro_batches
-from ampc.memory._micro_batches import backward, why_not
+from ampc.memory import micro_batch_backward as backward, why_not_split as why_not
 
 
 def _model():
