@@ -30,6 +30,28 @@ def default_chunk(vocab: int, hidden_size: int, tokens: int) -> int:
                min(hidden_size, _MOST_FEWEST, -(-tokens // 4)))
 
 
+def _add_product(total, a, b):
+    """``total += a @ b``, a block of ``total``'s rows at a time: whole, the product (weight-
+    sized, in the matmul's dtype) and its fp32 copy that the add makes would stand beside the
+    sum, 1.5x an fp32 weight, at the forward's end, when every saved activation is alive."""
+    rows = max(1, _SLICE_BYTES // 4 // max(1, total.shape[1] * total.element_size()))
+    for i in range(0, total.shape[0], rows):
+        total[i:i + rows] += a[i:i + rows] @ b
+
+
+def _scaled(t, f, dtype):
+    """``(t * f).to(dtype)``, a block of rows at a time where ``dtype`` is not ``t``'s: whole,
+    an fp32 product the size of the head's weight would stand beside ``t`` and the output at
+    the backward's start, when every saved activation is alive; the same values either way."""
+    if t.dtype == dtype or t.dim() == 0:
+        return (t * f).to(dtype)
+    out = torch.empty(t.shape, dtype=dtype, device=t.device)
+    rows = max(1, _SLICE_BYTES // 4 // max(1, t[0].numel() * t.element_size()))
+    for i in range(0, t.shape[0], rows):
+        out[i:i + rows] = t[i:i + rows] * f
+    return out
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
@@ -71,7 +93,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_h:
                 grad_h[s:s + chunk] = d @ weight.to(out.dtype)
             if need_w:
-                grad_w += d.t() @ hc.to(out.dtype)
+                _add_product(grad_w, d.t(), hc.to(out.dtype))
         total = losses.sum()
         scale = (1.0 / (t != ignore_index).sum().to(acc) if mean
                  else torch.ones((), dtype=acc, device=h.device))
@@ -88,8 +110,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, grad_b, scale = ctx.saved_tensors
         shape, h_dtype, w_dtype, b_dtype = ctx.shapes
         f = g.to(scale.dtype) * scale
-        out_h = None if grad_h is None else (grad_h * f.to(grad_h.dtype)).to(h_dtype).reshape(shape)
-        out_w = None if grad_w is None else (grad_w * f).to(w_dtype)
+        out_h = None if grad_h is None else _scaled(grad_h, f.to(grad_h.dtype), h_dtype).reshape(shape)
+        out_w = None if grad_w is None else _scaled(grad_w, f, w_dtype)
         out_b = None if grad_b is None else (grad_b * f).to(b_dtype)
         return out_h, out_w, out_b, None, None, None, None
 

@@ -96,6 +96,22 @@ def test_bf16_tensors_give_bf16_grads():
         assert (a.double() - r).norm() < 0.02 * r.norm()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sums_made_a_block_of_rows_at_a_time_hold(monkeypatch, dtype):
+    """The weight's gradient is summed, and scaled in the backward, a block of rows at a time
+    (a block is 1 MiB): with blocks of one row, the loss and gradients are those of the whole
+    sums, for fp32 and for bf16 weights (whose fp32 sums are cast block by block)."""
+    h, w, b, t = _inputs(dtype)
+    whole = _grads(lce(h, w, t, b, chunk_tokens=16), (h, w, b))
+    import ampc.memory._head_loss as head_loss
+    monkeypatch.setattr(head_loss, "_SLICE_BYTES", 16)       # one row a block
+    rows = _grads(lce(h, w, t, b, chunk_tokens=16), (h, w, b))
+    for a, c in zip(rows, whole):
+        assert a.dtype == c.dtype == dtype
+        torch.testing.assert_close(a, c, rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                                   atol=1e-6 if dtype == torch.float32 else 1e-3)
+
+
 def test_only_what_needs_a_gradient_gets_one():
     h, w, b, t = _inputs(torch.float64)
     w.requires_grad_(False)
