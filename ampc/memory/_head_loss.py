@@ -30,11 +30,17 @@ def default_chunk(vocab: int, hidden_size: int, tokens: int) -> int:
                min(hidden_size, _MOST_FEWEST, -(-tokens // 4)))
 
 
+def _block_rows(t):
+    """Rows of ``t`` (2-D) that make about a quarter of a slice's bytes: a block of the sums
+    below, small beside a weight-sized tensor."""
+    return max(1, _SLICE_BYTES // 4 // max(1, t.shape[1] * t.element_size()))
+
+
 def _add_product(total, a, b):
     """``total += a @ b``, a block of ``total``'s rows at a time: whole, the product (weight-
     sized, in the matmul's dtype) and its fp32 copy that the add makes would stand beside the
     sum, 1.5x an fp32 weight, at the forward's end, when every saved activation is alive."""
-    rows = max(1, _SLICE_BYTES // 4 // max(1, total.shape[1] * total.element_size()))
+    rows = _block_rows(total)
     for i in range(0, total.shape[0], rows):
         total[i:i + rows] += a[i:i + rows] @ b
 
@@ -46,7 +52,7 @@ def _scaled(t, f, dtype):
     if t.dtype == dtype or t.dim() == 0:
         return (t * f).to(dtype)
     out = torch.empty(t.shape, dtype=dtype, device=t.device)
-    rows = max(1, _SLICE_BYTES // 4 // max(1, t[0].numel() * t.element_size()))
+    rows = _block_rows(t)
     for i in range(0, t.shape[0], rows):
         out[i:i + rows] = t[i:i + rows] * f
     return out
