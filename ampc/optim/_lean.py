@@ -3,6 +3,9 @@ compensation, or the param alone (stochastic rounding), in one ``adam_lean`` cal
 (device, dtypes, layout) of the params with grads. The layouts are in ``_codes``."""
 from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
 
+from itertools import repeat
+from operator import attrgetter, is_
+
 import torch
 
 from .. import _distributed, ops
@@ -10,6 +13,9 @@ from . import _shards
 from ._codes import MOMENTS, blocks, has_moments, layout_of, moment_keys, moment_names
 from ._control import control, hyper, lr_on, name
 from ._packed import wants_master
+
+_DTYPE, _LAYOUT = attrgetter("dtype"), attrgetter("layout")
+_STRIDED = {torch.strided}
 
 # The one-word presets of Adam(state=...): the options each one sets.
 PRESETS = {
@@ -95,10 +101,22 @@ def init_state(opt, group, p, master=None):
 
 
 def step(opt, group, index, first, grads, mask, cache):
-    """One adam_lean call per (device, dtypes, layout) of the params with grads."""
-    live = [(i, p, g) for i, p, g in zip(range(first, first + len(grads)), group["params"],
-                                         grads) if g is not None]
-    _step_live(opt, group, live, cache, hyper(group))
+    """One adam_lean call per (device, dtypes, layout) of the params with grads, from a plan
+    cached while the params, their grads' presence and their state entries stay the same
+    (the per-param work of finding the calls is most of a step's host time on many small
+    tensors)."""
+    params = group["params"]
+    plans = opt.__dict__.setdefault("_ampc_lean_plans", {})
+    plan = plans.get(index)
+    if plan is not None and plan.valid(opt.state, params, mask, grads):
+        _call_plan(opt, group, plan, grads, cache, hyper(group))
+        return
+    live = [(i, p, g) for i, p, g in zip(range(first, first + len(grads)), params, grads)
+            if g is not None]
+    buckets = _buckets(opt, group, live)
+    _call_buckets(opt, group, buckets, cache, hyper(group))
+    if not _distributed.is_dtensor(params[0]):      # shards are looked up each step
+        plans[index] = _Plan(opt.state, params, mask, buckets, first)
 
 
 def step_one(opt, group, position, p, g):
@@ -111,13 +129,39 @@ def step_one(opt, group, position, p, g):
 
 
 def _step_live(opt, group, live, cache, args):
+    _call_buckets(opt, group, _buckets(opt, group, live), cache, args)
+
+
+class _Bucket:
+    """The params of one adam_lean call, with their state dicts and state tensors."""
+
+    def __init__(self, indices, params, grads, states, moments, weight):
+        self.indices = indices
+        self.params = params
+        self.grads = grads          # of the step that made the bucket; a plan passes its own
+        self.grad_dtype = grads[0].dtype
+        self.states = states
+        self.q8 = moments == "8bit"
+        m_key, v_key = moment_keys(states[0])
+        self.keys = ["step", m_key, v_key] + (
+            ["master"] if weight == "master" else ["compensation"] if weight == "kahan"
+            else []) + (["exp_avg_scale", "exp_avg_sq_scale"] if self.q8 else [])
+        self.lists = {k: [s[k] for s in states] for k in self.keys}
+        self.m_key, self.v_key = m_key, v_key
+        self.slots = None           # set by a plan: the params' places in the group's list
+        self.whole = False          # set by a plan: they are all the group's params
+
+
+def _buckets(opt, group, live):
+    """The calls of a step on `live` (position, param, grad): every check before any
+    state is made, then each param's state, grouped by device, dtypes and layout."""
     who = name(opt)
     state = opt.state
     for i, p, _ in live:        # every check before any allocation
         if not has_moments(state[p]) and group["kahan_summation"] and p.dtype == torch.float16:
             raise ValueError(f"{who}: kahan_summation=True needs torch.bfloat16 params; "
                              f"param {i} is torch.float16")
-    buckets = {}
+    keyed = {}
     for i, p, g in live:
         if g.is_sparse:
             raise RuntimeError(f"{who} does not support sparse gradients")
@@ -126,29 +170,80 @@ def _step_live(opt, group, live, cache, args):
             s = init_state(opt, group, p, s.get("master"))
         moments, weight = layout_of(s)
         key = (p.device, p.dtype, g.dtype, moments, weight)
-        buckets.setdefault(key, []).append((i, p, g, s))
-    for (device, _, _, moments, weight), items in buckets.items():
-        indices, params, grads, states = (list(t) for t in zip(*items))
-        q8 = moments == "8bit"
-        m_key, v_key = moment_keys(states[0])
-        keys = ["step", m_key, v_key] + (
-            ["master"] if weight == "master" else ["compensation"] if weight == "kahan"
-            else [])
-        lists = {k: [s[k] for s in states] for k in keys}
-        scales = {k: [s[k] for s in states] for k in ("exp_avg_scale", "exp_avg_sq_scale")
-                  if q8}
-        if _distributed.is_dtensor(params[0]):      # the kernel on the local shards
-            scales = {k: [_shards.local_scales(who, i, p, t) for i, p, t in zip(indices, params, v)]
-                      for k, v in scales.items()}
-            params, grads, lists = _distributed.local_lists(who, indices, params, grads, lists)
+        keyed.setdefault(key, []).append((i, p, g, s))
+    return [_Bucket(*map(list, zip(*items)), key[3], key[4]) for key, items in keyed.items()]
+
+
+def _call_buckets(opt, group, buckets, cache, args):
+    for b in buckets:
+        _call(opt, group, b, b.grads, cache, args)
+        b.grads = None          # a cached plan must not keep a step's grads alive
+
+
+def _call(opt, group, b, grads, cache, args):
+    who = name(opt)
+    params, lists = b.params, b.lists
+    scales = {k: lists[k] for k in ("exp_avg_scale", "exp_avg_sq_scale") if b.q8}
+    device = params[0].device
+    state_lists = {k: lists[k] for k in b.keys}
+    if _distributed.is_dtensor(params[0]):      # the kernel on the local shards
+        scales = {k: [_shards.local_scales(who, i, p, t) for i, p, t in
+                      zip(b.indices, params, v)] for k, v in scales.items()}
+        params, grads, state_lists = _distributed.local_lists(who, b.indices, params, grads,
+                                                              state_lists)
+    if not all(map(torch.Tensor.is_contiguous, grads)):
         grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+    targets = params
+    if not all(map(torch.Tensor.is_contiguous, params)):
         targets = [p if p.is_contiguous() else p.detach().contiguous() for p in params]
-        ops.adam_lean(
-            targets, grads, lists[m_key], lists[v_key], lists["step"], lr=lr_on(group, device),
-            masters=lists.get("master"), compensations=lists.get("compensation"),
-            exp_avg_scales=scales.get("exp_avg_scale"),
-            exp_avg_sq_scales=scales.get("exp_avg_sq_scale"),
-            **args, **control(opt, device, cache))
+    ops.adam_lean(
+        targets, grads, state_lists[b.m_key], state_lists[b.v_key], state_lists["step"],
+        lr=lr_on(group, device), masters=state_lists.get("master"),
+        compensations=state_lists.get("compensation"),
+        exp_avg_scales=scales.get("exp_avg_scale"),
+        exp_avg_sq_scales=scales.get("exp_avg_sq_scale"),
+        **args, **control(opt, device, cache))
+    if targets is not params:
         for p, t in zip(params, targets):
             if t is not p:
                 p.copy_(t)
+
+
+class _Plan:
+    """A group's calls while nothing changes: the same params list, the same params with
+    grads, each param's state dict the same and holding the same tensors, and each
+    bucket's params of the dtype it was made for."""
+
+    def __init__(self, state, params, mask, buckets, first):
+        self.state = state
+        self.params = params
+        self.count = len(params)
+        self.mask = mask
+        self.buckets = buckets
+        self.dtypes = [(b.params[0].dtype, b.params[0].device) for b in buckets]
+        for b in buckets:
+            b.slots = [i - first for i in b.indices]
+            b.whole = len(buckets) == 1 and len(b.slots) == len(params)
+
+    def valid(self, state, params, mask, grads):
+        if not (state is self.state and params is self.params and len(params) == self.count
+                and mask == self.mask):
+            return False
+        for b, (dtype, device) in zip(self.buckets, self.dtypes):
+            g = grads if b.whole else list(map(grads.__getitem__, b.slots))
+            if set(map(_DTYPE, g)) != {b.grad_dtype} or set(map(_LAYOUT, g)) != _STRIDED:
+                return False
+            if not all(map(is_, map(state.get, b.params), b.states)):
+                return False
+            if not all(all(map(is_, map(dict.get, b.states, repeat(k)), v))
+                       for k, v in b.lists.items()):
+                return False
+            if {p.dtype for p in b.params} != {dtype} or {p.device for p in b.params} != {device}:
+                return False
+        return True
+
+
+def _call_plan(opt, group, plan, grads, cache, args):
+    for b in plan.buckets:
+        _call(opt, group, b, grads if b.whole else list(map(grads.__getitem__, b.slots)),
+              cache, args)

@@ -413,11 +413,14 @@ f32, f16, bf16, u8 = torch.float32, torch.float16, torch.bfloat16, torch.uint8
 h = hashlib.sha256()
 # every layout the CPU loops compile with constant kinds, and others that take the loop with
 # kinds read at run time (fp16 params, fp32 grads, Adam's L2, maximize, a small beta1)
-# (AVX2 writes the lean preset's loop by hand, and skips the scale and clip multiplies when
-# both are 1: "unscaled" takes that branch)
+# (AVX2 and AVX-512 write the lean preset's loops by hand, and skip the scale and clip
+# multiplies when both are 1: "unscaled" takes that branch; "specials" gives blocks of zero,
+# inf, nan and huge grads, which the hand-written loops meet as NaN weights and as blocks
+# whose codes are all 0)
 SCALED = dict(inv_scale=torch.full((1,), 0.37), clip_coef=torch.full((1,), 0.9))
 SHAPES = {"adamw": (bf16, dict(weight_decay=0.1, **SCALED)),
           "unscaled": (bf16, dict(weight_decay=0.1)),
+          "specials": (bf16, dict(weight_decay=0.1)),
           "others": (f32, dict(weight_decay=0.1, decoupled=False, maximize=True, beta1=0.3,
                                **SCALED))}
 for shape, (gdt, kw) in SHAPES.items():
@@ -438,12 +441,20 @@ for shape, (gdt, kw) in SHAPES.items():
         steps = [torch.zeros(1) for _ in sizes]
         for k in range(3):
             grads = [torch.randn(n, generator=gen).to(gdt) * 10.0 ** -k for n in sizes]
+            if shape == "specials":
+                g = grads[-1]
+                g[:256] = 0.0
+                g[300 + k] = float("inf")
+                g[700 + 50 * k] = float("nan")
+                g[1000:1040] = 3e38
             ampc.ops.adam_lean(params, grads, m, v, steps, lr=1e-2, masters=masters,
                                compensations=comps, exp_avg_scales=sc[0],
                                exp_avg_sq_scales=sc[1], stochastic="sr" in weights, seed=5,
                                **kw)
         for t in params + m + v + (masters or []) + (comps or []) + (sc[0] or []) + \
                 (sc[1] or []) + steps:
+            if t.is_floating_point():   # a NaN's sign follows the operand order, so all
+                t = t.masked_fill(t.isnan(), float("nan"))     # NaNs count as one value
             h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
 print(h.hexdigest())
 """
