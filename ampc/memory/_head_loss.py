@@ -11,6 +11,8 @@ one hidden-sized and one weight-sized gradient, not the logits.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -68,6 +70,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grads = need_h or need_w or need_b
         # fp32 at least for the softmax, the losses and the weight's sum over tokens
         acc = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+        flush = math.log(torch.finfo(acc).tiny) + 0.5       # exp(flush): a normal number
+        flush_exp = math.exp(flush) * (1 + 2.0 ** -20)
         losses = torch.empty(h.shape[0], dtype=acc, device=h.device)
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
@@ -84,7 +88,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # logit is subtracted first, 0 where it is infinite (as torch's logsumexp does)
             top = logits.amax(1, keepdim=True)
             top.masked_fill_(top.isinf(), 0.0)
-            d = logits.sub_(top).exp_()             # in place of the logits
+            # in place of the logits; a logit more than ~87 below its row's largest (or
+            # -inf) has an exp under fp32's normal range, which torch's exp on the CPU makes
+            # 5-20x slower than an exp in range (a trained head's rows can spread that far):
+            # it is raised to that bound, and exp(bound) (and 2^-20 of it, exp's own error
+            # and more) taken off every exp, so that it gives exactly 0, as a CPU that
+            # flushes subnormals would (any exp of 2^-100 or more stays what it was: the
+            # 2^-125 taken off is under half its ulp)
+            d = logits.sub_(top).clamp_(min=flush).exp_().sub_(flush_exp).clamp_(min=0.0)
             total_exp = d.sum(1, keepdim=True)
             lse = (top + total_exp.log()).squeeze(1)
             losses[s:s + chunk] = (lse - picked).masked_fill_(~keep, 0.0)

@@ -60,6 +60,31 @@ def test_masked_classes_and_huge_logits_equal_torch(dtype):
         torch.testing.assert_close(a, c, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_rows_that_spread_past_exp_s_range_give_torch_s_values_and_masked_classes_zero(dtype):
+    """Rows whose logits spread further than exp's normal range below their largest (their
+    exp is flushed to 0, where torch's CPU exp takes a slow path) and classes masked with a
+    -inf bias: the loss and gradients are torch's, and every masked class's gradient is
+    exactly 0, as torch's is."""
+    h, w, b, t = _inputs(dtype)
+    with torch.no_grad():
+        w.mul_(60.0)                                   # rows spread over several hundred
+        b[1::4] = float("-inf")
+        t[t % 4 == 1] = 0
+    logits = F.linear(h, w, b).detach()
+    spread = logits.amax(-1) - logits.masked_fill(logits.isinf(), float("inf")).amin(-1)
+    assert (spread > 200).float().mean() > 0.5         # past fp32's exp range (87)
+    ref = F.cross_entropy(F.linear(h, w, b).flatten(0, -2), t.flatten())
+    got = lce(h, w, t, b, chunk_tokens=16)
+    tol = dict(rtol=1e-10, atol=1e-9) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(got, ref, **tol)
+    mine, theirs = _grads(got, (h, w, b)), _grads(ref, (h, w, b))
+    for a, c in zip(mine, theirs):
+        torch.testing.assert_close(a, c, **tol)
+    assert (mine[1][1::4] == 0).all() and (mine[2][1::4] == 0).all()
+    assert (theirs[1][1::4] == 0).all()
+
+
 def test_fp32_agrees_with_torch_and_float64():
     h, w, b, t = _inputs(torch.float32)
     h64, w64, b64 = (x.detach().double().requires_grad_() for x in (h, w, b))
