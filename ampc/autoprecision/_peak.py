@@ -342,13 +342,16 @@ def drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes, befor
     move taken early may be needed no more once a later one saved more, and a block
     recomputed saves nothing where the peak is another block's recomputation): each block
     recomputed, the last first; the gradients freed; each sliced head; the units lowered for
-    the budget, together, back to their records in ``before``. Returns the report of the
-    step as it stands."""
+    the budget, together, back to their records in ``before``. Micro-batches, the split
+    taken last, are halved first while the step stays under the budget (a move taken after
+    the split may have made it needless). Returns the report of the step as it stands."""
     why = dict(plan.step.why)
 
-    def attempt(name, units=(), **without):
+    def attempt(name, units=(), said="dropped: the step stays under the budget without it",
+                **without):
         """Undoes a move (``without``: the step's fields as they were before it; ``units``:
-        records to put back) and keeps it undone where the step stays under the budget."""
+        records to put back) and keeps it undone where the step stays under the budget;
+        returns whether it did."""
         nonlocal rep
         step, now = plan.step, [plan.unit(u.module) for u in units]
         plan.set_step(**without)
@@ -359,14 +362,20 @@ def drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes, befor
         except Exception:          # noqa: BLE001 (the move stays: it was measured with it)
             new = None
         if new is not None and new.peak <= peak_bytes:
-            why[name] = (f"dropped: the step stays under the budget without it "
-                         f"({rep.peak / MiB:.1f} -> {new.peak / MiB:.1f} MiB)")
+            why[name] = f"{said} ({rep.peak / MiB:.1f} -> {new.peak / MiB:.1f} MiB)"
             rep = new
-            return
+            return True
         plan.set_step(**{k: getattr(step, k) for k in without})
         for u in now:
             plan.set_choice(u.module, u.choice, u.reason)
+        return False
 
+    while plan.step.micro_batches > 1:
+        k = plan.step.micro_batches // 2
+        if not attempt("micro-batches", micro_batches=k, said=(
+                f"taken: {k}, fewer than the split took: the step stays under the budget "
+                f"with {k}" if k > 1 else "dropped: the step stays under the budget whole")):
+            break
     for b in reversed(recomputed(plan)):
         attempt(f"recompute {b}", recompute=[x for x in recomputed(plan) if x != b])
     if plan.step.grads_freed:

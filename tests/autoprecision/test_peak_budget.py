@@ -500,6 +500,29 @@ def test_with_the_budget_met_each_move_it_does_not_need_is_dropped(least, monkey
     assert "recompute 1" not in plan.step.why and "1 module(s) lowered" not in plan.step.why
 
 
+def test_with_the_budget_met_micro_batches_are_halved_while_the_step_stays_under_it(
+        roomy, monkeypatch):
+    """The split taken last: with the budget met, halved while the step stays under it
+    (each count measured), before the other moves are tried; it stops at the fewest that
+    fit, and says so."""
+    plan = Plan.from_json(roomy.to_json())
+    plan.set_step(micro_batches=8)
+    _peak = _fake_peaks(monkeypatch, lambda p: {8: 40, 4: 50, 2: 60, 1: 100}[
+        p.step.micro_batches])
+    rep = _peak.drop_unneeded(plan, _model(), _batches()[0], None, None, _Peak(40), 72,
+                              {u.module: u for u in plan.every_unit})
+    assert plan.step.micro_batches == 2 and rep.peak == 60
+    assert plan.step.why["micro-batches"] == ("taken: 2, fewer than the split took: the step "
+                                              "stays under the budget with 2 (0.0 -> 0.0 MiB)")
+    plan.set_step(micro_batches=4)
+    _peak = _fake_peaks(monkeypatch, lambda p: 70 - 10 * p.step.micro_batches)
+    _peak.drop_unneeded(plan, _model(), _batches()[0], None, None, _Peak(30), 72,
+                        {u.module: u for u in plan.every_unit})
+    assert plan.step.micro_batches == 1
+    assert plan.step.why["micro-batches"].startswith("dropped: the step stays under the budget "
+                                                     "whole")
+
+
 def test_a_whole_step_move_that_lowers_the_peak_by_less_than_one_percent_is_left(
         roomy, monkeypatch):
     plan = Plan.from_json(roomy.to_json())
