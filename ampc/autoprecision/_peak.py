@@ -148,6 +148,20 @@ def blocks(model, units):
     return found
 
 
+def recompute_candidates(model, units):
+    """What may be recomputed: the blocks (:func:`blocks`), then each block's children that
+    hold two units or more (a transformer layer's attention and its MLP): a part costs
+    less time than its block, and the MLP holds most of a layer's saved bytes."""
+    found = blocks(model, units)
+    parts = []
+    for b in found:
+        for k, _ in model.get_submodule(b).named_children():
+            name = f"{b}.{k}"
+            if sum(_inside(u, name) for u in units) >= 2:
+                parts.append(name)
+    return found + parts
+
+
 def _inside(name, block):
     return name.startswith(block + ".")
 
@@ -193,6 +207,8 @@ class _Lowering:
                     extra = max(self._ms(n, a) - self._ms(n, c), 0.0)
                     out.append((extra / saved, -saved, n, a))
         for b, saved in self.saved.items():
+            if any(_inside(b, r) for r in self.recompute):
+                continue                      # a part of a block recomputed whole
             if b not in self.recompute and saved > 0 and (b, None) not in self.banned:
                 ms = sum(self._ms(n, c) for n, c in self.choice.items() if _inside(n, b)) / 3
                 out.append((ms / saved, -saved, b, None))
@@ -230,9 +246,12 @@ class _Lowering:
         return changed, new_blocks, got
 
     def recompute_block(self, b, changed):
-        """Block ``b`` recomputed; its modules' 8-bit codes dropped (into ``changed``):
-        nothing inside is saved, a code would only add a copy."""
-        self.recompute.append(b)
+        """Block ``b`` recomputed, in place of its parts recomputed before (nothing where a
+        block holding it is); its modules' 8-bit codes dropped (into ``changed``): nothing
+        inside is saved, a code would only add a copy."""
+        if any(_inside(b, r) for r in self.recompute):
+            return
+        self.recompute = [r for r in self.recompute if not _inside(r, b)] + [b]
         for u, c in self.choice.items():
             if _inside(u, b) and _candidates.saved(c):
                 self._move(u, _up(self.measured[u], c), changed)
@@ -277,7 +296,7 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
     batch = batches[0]
     usable = {n: [c for c in opts if c not in rejected.get(n, {}) and not opts[c].get("error")]
               for n, opts in measured.items()}
-    names = blocks(model, [u.module for u in plan])
+    names = recompute_candidates(model, [u.module for u in plan])
     head_bytes = heads(model, batch, [u.module for u in plan])
     fp32_peak = step_peak(model, _all_fp32(plan), batch, loss_fn, optimizer).peak
     rep = step_peak(model, plan, batch, loss_fn, optimizer)
@@ -342,7 +361,8 @@ def drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes, befor
     move taken early may be needed no more once a later one saved more, and a block
     recomputed saves nothing where the peak is another block's recomputation): each block
     recomputed, the last first; the gradients freed; each sliced head; the units lowered for
-    the budget, together, back to their records in ``before``. Micro-batches, the split
+    the budget, together, back to their records in ``before``; the modules whose saved
+    activations are in 8 bits, together, uncoded. Micro-batches, the split
     taken last, are halved first while the step stays under the budget (a move taken after
     the split may have made it needless). Returns the report of the step as it stands."""
     why = dict(plan.step.why)
@@ -386,6 +406,15 @@ def drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes, befor
                and not any(_inside(n, b) for b in recomputed(plan))]
     if lowered:
         attempt(f"{len(lowered)} module(s) lowered", units=lowered)
+    # saved activations in 8 bits that the fastest plan took (a tie in the units' times) or
+    # the lowering left: each code costs an encode and a decode a step
+    coded = [u for u in plan.every_unit if _candidates.saved(u.choice)
+             and not any(_inside(u.module, b) for b in recomputed(plan))]
+    uncoded = [replace(u, choice=_up(u.options, u.choice), reason=Reason.PEAK) for u in coded]
+    uncoded = [u for u, c in zip(uncoded, coded) if u.choice != c.choice]
+    if uncoded:
+        attempt(f"{len(uncoded)} module(s)' saved activations in 8 bits", units=uncoded,
+                said="dropped: kept as they are, the step stays under the budget")
     plan.set_step(why=why)
     return rep
 

@@ -523,6 +523,57 @@ def test_with_the_budget_met_micro_batches_are_halved_while_the_step_stays_under
                                                      "whole")
 
 
+class _Layer(nn.Module):
+    """A transformer layer's shape: two parts of two units each, and a norm."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.attn = nn.Sequential(nn.Linear(d, d), nn.Linear(d, d))
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        return x + self.mlp(x + self.attn(self.norm(x)))
+
+
+def test_a_layers_parts_of_two_units_or_more_may_be_recomputed_in_place_of_the_layer():
+    """Recomputing a layer's MLP alone costs a part of the layer's time for most of its saved
+    bytes: the layers, then their parts, are what the budget may recompute; a layer taken
+    replaces its parts taken before, and a part of a layer recomputed whole is not taken."""
+    from ampc.autoprecision import _peak
+    model = nn.Sequential(_Layer(), _Layer())
+    units = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.LayerNorm))]
+    assert _peak.recompute_candidates(model, units) == ["0", "1", "0.attn", "0.mlp", "1.attn",
+                                                        "1.mlp"]
+    low = _peak._Lowering.__new__(_peak._Lowering)
+    low.recompute, low.choice = [], dict.fromkeys(units, "bf16")
+    for b in ("0.mlp", "1.mlp", "0", "0.attn"):
+        low.recompute_block(b, {})
+    assert low.recompute == ["1.mlp", "0"]
+
+
+def test_with_the_budget_met_saved_activations_in_8_bits_are_kept_as_they_are_if_it_fits(
+        least, monkeypatch):
+    """Codes the fastest plan took on a tie, or the lowering left, cost an encode and a decode
+    a step: with the budget met, dropped together where the step stays under it."""
+    plan = Plan.from_json(least.to_json())
+    plan.set_step(recompute=(), grads_freed=False, sliced_head=(), micro_batches=1)
+    coded = [u.module for u in plan.every_unit if u.choice.endswith("+8b")]
+    assert coded
+
+    def peak_of(p):                 # each code lowers the peak
+        return 60 - 5 * sum(p.unit(n).choice.endswith("+8b") for n in coded)
+    for budget, left in ((60, 0), (59, len(coded))):
+        again = Plan.from_json(plan.to_json())
+        _peak = _fake_peaks(monkeypatch, peak_of)
+        _peak.drop_unneeded(again, _model(), _batches()[0], None, None, _Peak(peak_of(again)),
+                            budget, {u.module: u for u in again.every_unit})
+        still = [n for n in coded if again.unit(n).choice.endswith("+8b")]
+        assert len(still) == left
+        name = f"{len(coded)} module(s)' saved activations in 8 bits"
+        assert (name in again.step.why) == (left == 0)
+
+
 def test_a_whole_step_move_that_lowers_the_peak_by_less_than_one_percent_is_left(
         roomy, monkeypatch):
     plan = Plan.from_json(roomy.to_json())
