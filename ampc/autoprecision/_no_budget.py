@@ -6,7 +6,8 @@ import math
 
 from . import _step
 from ._apply import recomputed
-from ._peak import _Lowering, _all_fp32, _block_saved, _snapshot, _undo, blocks, free_moves
+from ._peak import (_Lowering, _all_fp32, _block_saved, _inside, _snapshot, _undo, free_moves,
+                    recompute_candidates)
 from ._step_peak import MiB, step_peak
 from ._units import Reason
 
@@ -39,10 +40,12 @@ def room(plan, ceiling):
 
 
 def recompute_in_room(plan, model, batch, loss_fn, optimizer, measured, budget, rep, room_ms):
-    """Blocks recomputed, most bytes saved for the least time first, while their predicted
-    time (a third of their units' forward + backward) fits ``room_ms``; the step measured and
-    the blocks kept only where its peak falls (``plan.step.why["recompute"]`` says which)."""
-    names = blocks(model, [u.module for u in plan])
+    """Blocks, or their parts (a layer's attention, its MLP), recomputed, most bytes saved for
+    the least time first, while their predicted time (a third of their units' forward +
+    backward) fits ``room_ms``; a layer and its parts are alternatives, the first ranked is
+    taken; the step measured and the blocks kept only where its peak falls
+    (``plan.step.why["recompute"]`` says which)."""
+    names = recompute_candidates(model, [u.module for u in plan])
     low = _Lowering(plan, {n: [c] for n, c in plan.decisions.items()}, measured, budget,
                     recomputed(plan), _block_saved(rep, names))
     before = _snapshot(plan)
@@ -50,6 +53,8 @@ def recompute_in_room(plan, model, batch, loss_fn, optimizer, measured, budget, 
     for cost_per_byte, minus_saved, b, a in low.moves():
         cost = cost_per_byte * -minus_saved
         if a is not None or spent + cost > room_ms:
+            continue
+        if any(_inside(b, r) or _inside(r, b) for r in low.recompute):
             continue
         spent += cost
         taken.append(b)

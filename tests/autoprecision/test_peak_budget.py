@@ -552,6 +552,26 @@ def test_a_layers_parts_of_two_units_or_more_may_be_recomputed_in_place_of_the_l
     assert low.recompute == ["1.mlp", "0"]
 
 
+def test_without_a_budget_a_layer_and_its_parts_are_alternatives():
+    """The memory objective with no ceiling recomputes what saves bytes, layers or their
+    parts, never a part inside a layer it recomputes as well."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Layer(64), _Layer(64))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(512, 64, generator=g), torch.randint(0, 64, (512,), generator=g))
+               for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = search(model, batches, candidates=CANDIDATES, objective="memory", repeats=1,
+                      max_slowdown=None)
+    rc = plan.step.recompute
+    assert rc and plan.step.why["recompute"].startswith("taken"), plan.step.why
+    assert not any(a != b and a.startswith(b + ".") for a in rc for b in rc), rc
+    assert set(rc) <= {"0", "1", "0.attn", "0.mlp", "1.attn", "1.mlp"}
+    # the MLPs hold most of the layers' saved bytes (4x wide) for part of their time
+    assert {"0.mlp", "1.mlp"} <= set(rc), rc
+
+
 def test_with_the_budget_met_saved_activations_in_8_bits_are_kept_as_they_are_if_it_fits(
         least, monkeypatch):
     """Codes the fastest plan took on a tie, or the lowering left, cost an encode and a decode
