@@ -108,8 +108,11 @@ def step(opt, group, index, first, grads, mask, cache):
     params = group["params"]
     plans = opt.__dict__.setdefault("_ampc_lean_plans", {})
     plan = plans.get(index)
-    if plan is not None and plan.valid(opt.state, params, mask, grads):
-        _call_plan(opt, group, plan, grads, cache, hyper(group))
+    split = None if plan is None else plan.grads_of(opt.state, params, mask, grads)
+    if split is not None:
+        args = hyper(group)
+        for b, g in zip(plan.buckets, split):
+            _call(opt, group, b, g, cache, args)
         return
     live = [(i, p, g) for i, p, g in zip(range(first, first + len(grads)), params, grads)
             if g is not None]
@@ -139,15 +142,13 @@ class _Bucket:
         self.indices = indices
         self.params = params
         self.grads = grads          # of the step that made the bucket; a plan passes its own
-        self.grad_dtype = grads[0].dtype
+        self.grad_dtype, self.dtype, self.device = grads[0].dtype, params[0].dtype, params[0].device
         self.states = states
-        self.q8 = moments == "8bit"
-        m_key, v_key = moment_keys(states[0])
-        self.keys = ["step", m_key, v_key] + (
-            ["master"] if weight == "master" else ["compensation"] if weight == "kahan"
-            else []) + (["exp_avg_scale", "exp_avg_sq_scale"] if self.q8 else [])
-        self.lists = {k: [s[k] for s in states] for k in self.keys}
-        self.m_key, self.v_key = m_key, v_key
+        self.m_key, self.v_key = moment_keys(states[0])
+        keys = ["step", self.m_key, self.v_key] + (
+            ["master"] if weight == "master" else ["compensation"] if weight == "kahan" else [])
+        self.scale_keys = ["exp_avg_scale", "exp_avg_sq_scale"] if moments == "8bit" else []
+        self.lists = {k: [s[k] for s in states] for k in keys + self.scale_keys}
         self.slots = None           # set by a plan: the params' places in the group's list
         self.whole = False          # set by a plan: they are all the group's params
 
@@ -182,10 +183,9 @@ def _call_buckets(opt, group, buckets, cache, args):
 
 def _call(opt, group, b, grads, cache, args):
     who = name(opt)
-    params, lists = b.params, b.lists
-    scales = {k: lists[k] for k in ("exp_avg_scale", "exp_avg_sq_scale") if b.q8}
-    device = params[0].device
-    state_lists = {k: lists[k] for k in b.keys}
+    params, device = b.params, b.device
+    scales = {k: b.lists[k] for k in b.scale_keys}
+    state_lists = {k: v for k, v in b.lists.items() if k not in b.scale_keys}
     if _distributed.is_dtensor(params[0]):      # the kernel on the local shards
         scales = {k: [_shards.local_scales(who, i, p, t) for i, p, t in
                       zip(b.indices, params, v)] for k, v in scales.items()}
@@ -211,8 +211,8 @@ def _call(opt, group, b, grads, cache, args):
 
 class _Plan:
     """A group's calls while nothing changes: the same params list, the same params with
-    grads, each param's state dict the same and holding the same tensors, and each
-    bucket's params of the dtype it was made for."""
+    grads, each param's state dict the same and holding the same tensors, each bucket's
+    params of the dtype and device it was made for and its grads of one dtype."""
 
     def __init__(self, state, params, mask, buckets, first):
         self.state = state
@@ -220,30 +220,27 @@ class _Plan:
         self.count = len(params)
         self.mask = mask
         self.buckets = buckets
-        self.dtypes = [(b.params[0].dtype, b.params[0].device) for b in buckets]
         for b in buckets:
             b.slots = [i - first for i in b.indices]
             b.whole = len(buckets) == 1 and len(b.slots) == len(params)
 
-    def valid(self, state, params, mask, grads):
+    def grads_of(self, state, params, mask, grads):
+        """Each bucket's grads where the plan still holds, else None."""
         if not (state is self.state and params is self.params and len(params) == self.count
                 and mask == self.mask):
-            return False
-        for b, (dtype, device) in zip(self.buckets, self.dtypes):
+            return None
+        split = []
+        for b in self.buckets:
             g = grads if b.whole else list(map(grads.__getitem__, b.slots))
             if set(map(_DTYPE, g)) != {b.grad_dtype} or set(map(_LAYOUT, g)) != _STRIDED:
-                return False
+                return None
             if not all(map(is_, map(state.get, b.params), b.states)):
-                return False
+                return None
             if not all(all(map(is_, map(dict.get, b.states, repeat(k)), v))
                        for k, v in b.lists.items()):
-                return False
-            if {p.dtype for p in b.params} != {dtype} or {p.device for p in b.params} != {device}:
-                return False
-        return True
-
-
-def _call_plan(opt, group, plan, grads, cache, args):
-    for b in plan.buckets:
-        _call(opt, group, b, grads if b.whole else list(map(grads.__getitem__, b.slots)),
-              cache, args)
+                return None
+            if (set(map(_DTYPE, b.params)) != {b.dtype}
+                    or {p.device for p in b.params} != {b.device}):
+                return None
+            split.append(g)
+        return split

@@ -6,7 +6,7 @@
  *
  * The lean preset's layout (8-bit moments, bf16 params and grads, stochastic rounding,
  * plain AdamW) has its two loops written out by hand, 16 lanes at a time, as lean_avx2.c
- * does 8: left to the compiler they ran about 125 vector instructions per 16 parameters
+ * does 8: left to the compiler they ran about 120 vector instructions per 16 parameters
  * (four passes of 16 unrolled into one loop that spilled, the random bits' index in 64-bit
  * lanes, every code decoded through its subnormal and normal paths); docs/internals.md
  * counts both. Masks replace the blends, vpternlogd joins the code's sign, and vpmovdw /

@@ -524,16 +524,17 @@ def test_with_the_budget_met_micro_batches_are_halved_while_the_step_stays_under
 
 
 class _Layer(nn.Module):
-    """A transformer layer's shape: two parts of two units each, and a norm."""
+    """A transformer layer's shape: two parts of two units each and nothing else, so that a
+    part's time per byte saved is never worse than its layer's (the layer's is the parts'
+    together) and which part is taken does not hang on a measured tie."""
 
     def __init__(self, d=16):
         super().__init__()
-        self.norm = nn.LayerNorm(d)
         self.attn = nn.Sequential(nn.Linear(d, d), nn.Linear(d, d))
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
     def forward(self, x):
-        return x + self.mlp(x + self.attn(self.norm(x)))
+        return x + self.mlp(x + self.attn(x))
 
 
 def test_a_layers_parts_of_two_units_or_more_may_be_recomputed_in_place_of_the_layer():
@@ -542,7 +543,7 @@ def test_a_layers_parts_of_two_units_or_more_may_be_recomputed_in_place_of_the_l
     replaces its parts taken before, and a part of a layer recomputed whole is not taken."""
     from ampc.autoprecision import _peak
     model = nn.Sequential(_Layer(), _Layer())
-    units = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.LayerNorm))]
+    units = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert _peak.recompute_candidates(model, units) == ["0", "1", "0.attn", "0.mlp", "1.attn",
                                                         "1.mlp"]
     low = _peak._Lowering.__new__(_peak._Lowering)
