@@ -330,11 +330,29 @@ def _scope_left(token):
 
 
 def _cast_module_inputs(args, kwargs, dtype):
-    """Forward pre-hook body of a module scope with a dtype: its inputs, cast."""
+    """Forward pre-hook body of a module scope with a dtype: its inputs, cast (and its
+    outputs, where the scope casts them)."""
     dev = _region_device(args, kwargs)
     if dev is None:
-        return None
+        return _cast_deferred(args, kwargs, dtype)
     return cast_args(args, kwargs, dtype, _ON_DEVICE[dev], _st)
+
+
+def _is_deferred(t):
+    return isinstance(t, _Tensor) and type(t) is not _Tensor and getattr(t, "_ampc_deferred", False)
+
+
+def _cast_deferred(args, kwargs, dtype):
+    """Logits a sliced head defers, cast as the plain logits would be in a region (a cast
+    computes nothing: it is noted on them); None where there are none."""
+    t = _first_tensor(args, kwargs)
+    if not _is_deferred(t):
+        return None
+    dev = "cuda" if t.is_cuda else "cpu" if t.is_cpu else None
+    if dev is None or not _enabled(dev):
+        return None
+    to = lambda x: x.to(dtype) if _is_deferred(x) and x.dtype is not dtype else x  # noqa: E731
+    return map_tensors(to, args), map_tensors(to, kwargs)
 
 
 _policy._cast_inputs_hook = _cast_module_inputs

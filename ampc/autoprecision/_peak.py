@@ -14,6 +14,7 @@ the last round's moves really saved: at most ROUNDS rounds.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from dataclasses import replace
 
@@ -359,12 +360,15 @@ def drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes, befor
     """The budget met: each move that costs time undone where the step stays under the budget
     without it, the step measured each time (the lowering takes moves by predicted bytes: a
     move taken early may be needed no more once a later one saved more, and a block
-    recomputed saves nothing where the peak is another block's recomputation): each block
-    recomputed, the last first; the gradients freed; each sliced head; the units lowered for
-    the budget, together, back to their records in ``before``; the modules whose saved
-    activations are in 8 bits, together, uncoded. Micro-batches, the split
-    taken last, are halved first while the step stays under the budget (a move taken after
-    the split may have made it needless). Returns the report of the step as it stands."""
+    recomputed saves nothing where the peak is another block's recomputation). Micro-batches,
+    the split taken last, are halved first while the step stays under the budget (a move
+    taken after the split may have made it needless). Then, the costliest first by the
+    units' measured times (a move undone can leave no room to undo another): each block
+    recomputed (about a third of its units' forward + backward, the later first on a tie);
+    the units lowered for the budget, together, back to their records in ``before``; the
+    modules whose saved activations are in 8 bits, together, uncoded. Last, the moves that
+    cost little time: the gradients freed; each sliced head. Returns the report of the step
+    as it stands."""
     why = dict(plan.step.why)
 
     def attempt(name, units=(), said="dropped: the step stays under the budget without it",
@@ -396,27 +400,57 @@ def drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes, befor
                 f"taken: {k}, fewer than the split took: the step stays under the budget "
                 f"with {k}" if k > 1 else "dropped: the step stays under the budget whole")):
             break
-    for b in reversed(recomputed(plan)):
-        attempt(f"recompute {b}", recompute=[x for x in recomputed(plan) if x != b])
+    # the units lowered for the budget, as they stand now (one uncoded since is not one)
+    now = {n: plan.unit(n).choice for n, u in before.items() if plan.unit(n).choice != u.choice}
+
+    def lowered():
+        return [before[n] for n, c in now.items() if plan.unit(n).choice == c
+                and not any(_inside(n, b) for b in recomputed(plan))]
+
+    def uncoded():
+        # saved activations in 8 bits that the fastest plan took (a tie in the units' times)
+        # or the lowering left: each code costs an encode and a decode a step
+        coded = [u for u in plan.every_unit if _candidates.saved(u.choice)
+                 and not any(_inside(u.module, b) for b in recomputed(plan))]
+        out = [replace(u, choice=_up(u.options, u.choice), reason=Reason.PEAK) for u in coded]
+        return [u for u, c in zip(out, coded) if u.choice != c.choice]
+
+    def undo_units(name, units, said="dropped: the step stays under the budget without it"):
+        if units:
+            attempt(name.format(len(units)), units=units, said=said)
+
+    def undo_block(b):
+        if b in recomputed(plan):
+            attempt(f"recompute {b}", recompute=[x for x in recomputed(plan) if x != b])
+
+    costly = [(_block_ms(plan, b), i, functools.partial(undo_block, b))
+              for i, b in enumerate(recomputed(plan))]
+    costly.append((_units_ms(plan, lowered()), -1, lambda: undo_units(
+        "{} module(s) lowered", lowered())))
+    costly.append((_units_ms(plan, uncoded()), -2, lambda: undo_units(
+        "{} module(s)' saved activations in 8 bits", uncoded(),
+        said="dropped: kept as they are, the step stays under the budget")))
+    for _, _, undo in sorted(costly, key=lambda c: c[:2], reverse=True):
+        undo()
     if plan.step.grads_freed:
         attempt("grads freed", grads_freed=False)
     for h in sliced(plan):
         attempt(f"sliced head {h}", sliced_head=[x for x in sliced(plan) if x != h])
-    lowered = [u for n, u in before.items() if plan.unit(n).choice != u.choice
-               and not any(_inside(n, b) for b in recomputed(plan))]
-    if lowered:
-        attempt(f"{len(lowered)} module(s) lowered", units=lowered)
-    # saved activations in 8 bits that the fastest plan took (a tie in the units' times) or
-    # the lowering left: each code costs an encode and a decode a step
-    coded = [u for u in plan.every_unit if _candidates.saved(u.choice)
-             and not any(_inside(u.module, b) for b in recomputed(plan))]
-    uncoded = [replace(u, choice=_up(u.options, u.choice), reason=Reason.PEAK) for u in coded]
-    uncoded = [u for u, c in zip(uncoded, coded) if u.choice != c.choice]
-    if uncoded:
-        attempt(f"{len(uncoded)} module(s)' saved activations in 8 bits", units=uncoded,
-                said="dropped: kept as they are, the step stays under the budget")
     plan.set_step(why=why)
     return rep
+
+
+def _block_ms(plan, b):
+    """A block's recomputation, predicted as the lowering does: a third of its units'
+    forward + backward, at their choices."""
+    return sum(u.figures().get("ms") or 0.0 for u in plan.every_unit if _inside(u.module, b)) / 3
+
+
+def _units_ms(plan, records):
+    """Milliseconds a step the units save when put back to ``records``, by their measured
+    times (0 where not measured)."""
+    return max(sum((plan.unit(r.module).figures().get("ms") or 0.0) - (r.figures().get("ms") or 0.0)
+                   for r in records), 0.0)
 
 
 def split_batch(plan, model, batch, loss_fn, optimizer, rep, stop):

@@ -595,6 +595,33 @@ def test_with_the_budget_met_saved_activations_in_8_bits_are_kept_as_they_are_if
         assert (name in again.step.why) == (left == 0)
 
 
+@pytest.mark.parametrize("costlier", ["codes", "block"])
+def test_with_the_budget_met_the_costliest_move_is_undone_first(least, monkeypatch, costlier):
+    """Two moves, either of which the step needs, not both: the one whose measured time is
+    the larger is undone (a block recomputed against the 8-bit codes), the other kept."""
+    plan = Plan.from_json(least.to_json())
+    plan.set_step(recompute=("1",), grads_freed=False, sliced_head=(), micro_batches=1)
+    coded = [u.module for u in plan.every_unit
+             if u.choice.endswith("+8b") and not u.module.startswith("1.")]
+    assert coded
+
+    def peak_of(p):
+        return (100 - 30 * ("1" in p.step.recompute)
+                - 30 * any(p.unit(n).choice.endswith("+8b") for n in coded))
+    _peak = _fake_peaks(monkeypatch, peak_of)
+    # the block's time a third of its units' forward + backward, the codes' what uncoding saves
+    assert _peak._block_ms(plan, "1") == pytest.approx(sum(
+        u.figures()["ms"] for u in plan.every_unit if u.module.startswith("1.")) / 3)
+    monkeypatch.setattr(_peak, "_block_ms", lambda p, b: 1.0 if costlier == "codes" else 9.0)
+    monkeypatch.setattr(_peak, "_units_ms", lambda p, records: (
+        9.0 if costlier == "codes" else 1.0) if records else 0.0)
+    _peak.drop_unneeded(plan, _model(), _batches()[0], None, None, _Peak(peak_of(plan)), 72,
+                        {u.module: u for u in plan.every_unit})
+    still_coded = any(plan.unit(n).choice.endswith("+8b") for n in coded)
+    assert still_coded == (costlier == "block")
+    assert ("1" in plan.step.recompute) == (costlier == "codes")
+
+
 def test_a_whole_step_move_that_lowers_the_peak_by_less_than_one_percent_is_left(
         roomy, monkeypatch):
     plan = Plan.from_json(roomy.to_json())

@@ -75,6 +75,24 @@ def test_under_autocast_it_computes_as_the_plain_bf16_head():
         assert rel(grads[n], ref_grads[n]) < 2e-2, n
 
 
+def test_a_scope_that_casts_its_outputs_casts_the_deferred_logits():
+    """A head under a module scope with cast_outputs (fp16 in a bf16 region hands back
+    fp32) gives deferred logits of that dtype, as the plain head's, and the same loss."""
+    torch.manual_seed(0)
+    model, ids = TinyLM(), tokens()
+    got = {}
+    for sliced in (False, True):
+        m = copy.deepcopy(model)
+        ampc.policy.module_scope(m.head, dtype=torch.float16, cast_outputs=torch.float32)
+        if sliced:
+            ampc.memory.sliced_head(m, "head")
+        with ampc.autocast("cpu", dtype=torch.bfloat16):
+            logits = m(ids)
+            got[sliced] = (logits.dtype, lm_loss(logits, ids).item())
+    assert got[True][0] == got[False][0] == torch.float32
+    assert abs(got[True][1] - got[False][1]) < 1e-3 * abs(got[False][1])
+
+
 def test_a_transformers_models_own_loss_and_a_tied_head():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=VOCAB,
