@@ -91,25 +91,29 @@ def torch_arm(args, compile_budget=None, compiled=False):
 
 def plan_arm(args, plan):
     model, opt = plan.prepare(fresh(args), ampc.optim.AdamW, lr=1e-3)
-    return Region(model, plan.autocast), opt, plan.loss(lm_loss), contextlib.nullcontext()
+    return Region(model, plan.autocast), opt, plan.loss(lm_loss), contextlib.nullcontext(), plan
 
 
 def stepper(arm, batch):
-    model, opt, loss_fn, patch = arm
+    model, opt, loss_fn, patch, *plan = arm
     inputs, y = batch
 
     def step():
         opt.zero_grad(set_to_none=True)
-        with patch:       # the compile budget is read when the graph compiles (the first step)
-            loss_fn(model(**inputs), y).backward()
+        if plan:          # the plan's backward: its micro-batches, where it split the batch
+            plan[0].backward(model.model, opt, batch, lm_loss)
+        else:
+            with patch:   # the compile budget is read when the graph compiles (the first step)
+                loss_fn(model(**inputs), y).backward()
         opt.step()
     return step
 
 
 def peak(arm, batch):
-    model, opt, loss_fn, patch = arm
+    model, opt, loss_fn, patch, *plan = arm
     with patch:
-        return ampc.memory.report(model, opt, batch, loss_fn).peak
+        return ampc.memory.report(model, opt, batch, loss_fn,
+                                  micro_batches=plan[0].step.micro_batches if plan else 1).peak
 
 
 def search(args, batch_pairs, **kw):
