@@ -9,12 +9,13 @@ therefore complete at the end of the forward: the backward only scales them by t
 incoming gradient, so nothing is recomputed. What stays between forward and backward is
 one hidden-sized and one weight-sized gradient, not the logits.
 
-The weight's gradient is summed over the slices in fp32 for an fp32 weight, and in the
-weight's own dtype for a 16-bit one (the dtype of the ``.grad`` torch gives it): it stands
-at the forward's end beside every saved activation, and an fp32 sum was twice the bytes of
-the gradient handed over (16 MiB for a bf16 head of 8,192 x 512). Each slice adds with one
-rounding (``addmm_`` sums in fp32 first): over 8 slices the bf16 gradient's error against
-float64 is about 2x torch's own under autocast (which rounds once), 1.4x over 4.
+The weight's gradient is summed over the slices in bf16 for a bf16 weight (the dtype of the
+``.grad`` torch gives it), in fp32 otherwise: it stands at the forward's end beside every
+saved activation, and an fp32 sum was twice the bytes of the gradient handed over (16 MiB
+for a bf16 head of 8,192 x 512). Each slice adds with one rounding (``addmm_`` sums in fp32
+first): over 8 slices the bf16 gradient's error against float64 is about 2x torch's own
+under autocast (which rounds once), 1.4x over 4. An fp16 weight keeps the fp32 sum: the sum
+is not yet scaled by 1 / tokens, and over many tokens it can pass fp16's 65,504.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def _add_product(total, a, b):
     """``total += a @ b``, a block of ``total``'s rows at a time: whole, the product (weight-
     sized, in the matmul's dtype) and its fp32 copy that the add makes would stand beside the
     sum, 1.5x an fp32 weight, at the forward's end, when every saved activation is alive. A
-    16-bit ``total`` takes the product in one ``addmm_``: the sum in fp32, one rounding."""
+    bf16 ``total`` takes the product in one ``addmm_``: the sum in fp32, one rounding."""
     rows = _block_rows(total)
     low = total.element_size() < 4
     for i in range(0, total.shape[0], rows):
@@ -86,8 +87,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         flush_exp = math.exp(flush) * (1 + 2.0 ** -20)
         losses = torch.empty(h.shape[0], dtype=acc, device=h.device)
         grad_h = torch.empty_like(h) if need_h else None
-        # an fp32 sum for an fp32 weight, the weight's dtype for a 16-bit one (module docstring)
-        sum_w = acc if weight.element_size() >= 4 else weight.dtype
+        # a bf16 sum for a bf16 weight, fp32 otherwise (module docstring)
+        sum_w = weight.dtype if weight.dtype == torch.bfloat16 else acc
         grad_w = torch.zeros_like(weight, dtype=sum_w) if need_w else None
         grad_b = torch.zeros_like(bias, dtype=acc) if need_b else None
         for s in range(0, h.shape[0], chunk):
