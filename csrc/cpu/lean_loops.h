@@ -114,13 +114,21 @@ INLINE void encode_loop(const struct lean_block *b, struct lean_bufs *buf, int64
     *b->v_scale = smax;
     int64_t done = 0;
 #ifdef LEAN_ENCODE_BOTH
-    if (!ampc_q8_codes_zero(mmax) && !ampc_q8_codes_zero(smax))
+    if (!ampc_q8_codes_zero(mmax) && !ampc_q8_codes_zero(smax) &&
+        mmax >= AMPC_Q8_MUL_MIN && smax >= AMPC_Q8_MUL_MIN)
         done = LEAN_ENCODE_BOTH(qm, qv, buf->m, buf->s, n, mmax, smax);
     if (done == n)
         return;
 #endif
+    /* lean.h's codes, the block's factor computed once (its choice taken out of the loops) */
     if (ampc_q8_codes_zero(mmax)) {
         memset(qm, 0, (size_t)n);
+    } else if (mmax >= AMPC_Q8_MUL_MIN) {
+        const float factor = AMPC_Q8M_MAX / mmax;
+#pragma omp simd
+        for (int64_t i = done; i < n; i++)
+            cb[i] = ampc_q8m_code_by(mb[i], factor);
+        pack_codes(qm + done, cb + done, n - done);
     } else {
 #pragma omp simd
         for (int64_t i = done; i < n; i++)
@@ -130,9 +138,11 @@ INLINE void encode_loop(const struct lean_block *b, struct lean_bufs *buf, int64
     if (ampc_q8_codes_zero(smax)) {
         memset(qv, 0, (size_t)n);
     } else {
+        /* a nonzero sqrt(v) is at least 2^-74.5: the factor never overflows here */
+        const float factor = AMPC_Q8V_MAX / smax;
 #pragma omp simd
         for (int64_t i = done; i < n; i++)
-            cb[i] = ampc_q8v_code(sb[i], smax);
+            cb[i] = ampc_q8v_code_by(sb[i], factor);
         pack_codes(qv + done, cb + done, n - done);
     }
 }

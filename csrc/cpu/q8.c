@@ -38,6 +38,13 @@ CLONES static uint32_t absmax_bits(const float *x, int64_t n)
 
 CLONES static void codes_of(uint32_t *c, const float *x, int64_t n, float absmax)
 {
+    if (absmax >= AMPC_Q8_MUL_MIN) {       /* lean.h's choice, once a block, not in the loop */
+        const float factor = AMPC_Q8M_MAX / absmax;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++)
+            c[i] = ampc_q8m_code_by(x[i], factor);
+        return;
+    }
 #pragma omp simd
     for (int64_t i = 0; i < n; i++)
         c[i] = ampc_q8m_code(x[i], absmax);

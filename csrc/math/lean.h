@@ -20,10 +20,15 @@
  *     rounds to code 0 (it takes code 1 instead): a small second moment can only come
  *     back larger, which shrinks its update, never blows it up (sqrt(0) + eps would).
  * Value = code's value * (absmax / MAX), the factor computed once per block in fp32.
- * Quantizing divides by the absmax first (|x| / absmax <= 1, so the code never
- * overflows and a tiny absmax cannot overflow a reciprocal). A block whose absmax is not
- * finite stores it with all codes 0: every value comes back nan (0 * inf), as a nan
- * moment would have poisoned them in fp32 anyway.
+ * Quantizing multiplies |x| by MAX / absmax, computed once per block in fp32: a divide by
+ * the absmax for every value bound the CPU loops (the divider is their slowest unit), and
+ * the product is as near |x| * MAX / absmax as the quotient times MAX was (two roundings
+ * either way; about 4 codes in 10^7 differ by one step from |x| / absmax * MAX). The
+ * product never passes the code's range (|x| <= absmax: at most MAX times 1 + 2^-23).
+ * Under AMPC_Q8_MUL_MIN (2^-100) the absmax's reciprocal could overflow: such a block
+ * divides first (|x| / absmax <= 1). A block whose absmax is not finite stores it with
+ * all codes 0: every value comes back nan (0 * inf), as a nan moment would have poisoned
+ * them in fp32 anyway.
  */
 #ifndef AMPC_LEAN_H
 #define AMPC_LEAN_H
@@ -35,6 +40,7 @@
 #define AMPC_QBLOCK 256
 #define AMPC_Q8M_MAX 480.0f
 #define AMPC_Q8V_MAX 496.0f
+#define AMPC_Q8_MUL_MIN 0x1p-100f        /* Note [8-bit moments] */
 
 /* Kinds of moments (struct ampc_lean_args.moments). */
 enum { AMPC_MOMENTS_F32 = 0, AMPC_MOMENTS_BF16 = 1, AMPC_MOMENTS_Q8 = 2 };
@@ -103,11 +109,22 @@ AMPC_HD float ampc_q8v_factor(float absmax)
  * whose absmax is 0 or not finite stores code 0 everywhere, ampc_q8_codes_zero), in a
  * 32-bit lane: a CPU loop that narrowed it to a byte at once would do all its arithmetic
  * in bytes, with a pack for every step. */
+AMPC_HD uint32_t ampc_q8m_code_of(float m, float a)     /* a: m's magnitude in code units */
+{
+    return ((ampc_f32_bits(m) >> 31) << 7) | ampc_q8_e4m3(a);
+}
+
+/* The same with the block's factor AMPC_Q8M_MAX / absmax given (absmax >= AMPC_Q8_MUL_MIN):
+ * a loop over a block computes it once, and no divide beside the multiply. */
+AMPC_HD uint32_t ampc_q8m_code_by(float m, float factor)
+{
+    return ampc_q8m_code_of(m, fabsf(m) * factor);
+}
+
 AMPC_HD uint32_t ampc_q8m_code(float m, float absmax)
 {
-    float r = fabsf(m) / absmax;
-    uint32_t sign = ampc_f32_bits(m) >> 31;
-    return (sign << 7) | ampc_q8_e4m3(r * AMPC_Q8M_MAX);
+    return absmax >= AMPC_Q8_MUL_MIN ? ampc_q8m_code_by(m, AMPC_Q8M_MAX / absmax)
+                                     : ampc_q8m_code_of(m, fabsf(m) / absmax * AMPC_Q8M_MAX);
 }
 
 AMPC_HD uint8_t ampc_q8m_encode(float m, float absmax)
@@ -122,10 +139,15 @@ AMPC_HD float ampc_q8m_decode(uint8_t c, float factor)
 }
 
 /* exp_avg_sq's code for s = sqrt(v) in a block whose largest sqrt(v) is `absmax`. */
+AMPC_HD uint32_t ampc_q8v_code_by(float s, float factor)    /* AMPC_Q8V_MAX / absmax */
+{
+    return ampc_q8_e4m4(s * factor);
+}
+
 AMPC_HD uint32_t ampc_q8v_code(float s, float absmax)
 {
-    float r = s / absmax;
-    return ampc_q8_e4m4(r * AMPC_Q8V_MAX);
+    return absmax >= AMPC_Q8_MUL_MIN ? ampc_q8v_code_by(s, AMPC_Q8V_MAX / absmax)
+                                     : ampc_q8_e4m4(s / absmax * AMPC_Q8V_MAX);
 }
 
 AMPC_HD uint8_t ampc_q8v_encode(float s, float absmax)

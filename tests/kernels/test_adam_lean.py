@@ -48,19 +48,31 @@ def blocks(x):
     return np.concatenate([x, np.zeros(pad, x.dtype)]).reshape(-1, QBLOCK), n
 
 
+MUL_MIN = np.float32(2.0 ** -100)
+
+
+def _code_magnitude(x, amax, most):
+    """lean.h's magnitude to code, in fp32: x times (most / the block's absmax), that factor
+    rounded once; under 2^-100 (the factor could overflow) x / absmax times most."""
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        factor = (most / amax).astype(np.float32)[:, None]
+        product = (x * factor).astype(np.float32)
+        quotient = ((x / amax[:, None]).astype(np.float32) * most).astype(np.float32)
+    return np.where(amax[:, None] >= MUL_MIN, product, np.where(amax[:, None] > 0, quotient, 0))
+
+
 def encode(m, v):
     """(codes of m, scales of m, codes of v, scales of v) of fp32 moments, as lean.h
-    defines them: ratio to the block's absmax in fp32, times the code's maximum in fp32."""
+    defines them: the magnitude times the code's maximum over the block's absmax (that
+    factor in fp32), or below an absmax of 2^-100 the ratio to it times the maximum."""
     mb, n = blocks(m.numpy().astype(np.float32))
     sb, _ = blocks(np.sqrt(v.numpy().astype(np.float32)))
     mmax = np.abs(mb).max(axis=1)
     smax = sb.max(axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        rm = np.where(mmax[:, None] > 0, np.abs(mb) / mmax[:, None], 0).astype(np.float32)
-        rs = np.where(smax[:, None] > 0, sb / smax[:, None], 0).astype(np.float32)
-    cm = nearest_code((rm * np.float32(480)).astype(np.float64), M_TABLE)
+    am = _code_magnitude(np.abs(mb), mmax, np.float32(480))
+    cm = nearest_code(am.astype(np.float64), M_TABLE)
     cm = cm | np.where(np.signbit(mb), 128, 0)
-    av = (rs * np.float32(496)).astype(np.float64)
+    av = _code_magnitude(sb, smax, np.float32(496)).astype(np.float64)
     cv = nearest_code(av, V_TABLE)
     cv = np.where((cv == 0) & (av > 0), 1, cv)          # never a nonzero v to 0
     return (torch.from_numpy(cm.reshape(-1)[:n].astype(np.uint8)), torch.from_numpy(mmax),
@@ -541,3 +553,55 @@ def test_bad_input_is_refused_before_anything_moves(case):
     assert_refused_unchanged(
         case, lambda: ampc.ops.adam_lean(p, g, m, v, s, lr=1e-2, **args), watched,
         RuntimeError, "ampc.adam_lean: " + pattern)
+
+
+# (absmax, value) pairs whose code differs by one step between value * (MAX / absmax) and the
+# older value / absmax * MAX, for exp_avg (MAX 480) and for sqrt(exp_avg_sq) (496); and an
+# exp_avg block under an absmax of 2^-100, which divides (a nonzero sqrt(exp_avg_sq) is at
+# least 2^-74.5: its blocks never do)
+M_TIES = [(10.198850631713867, 7.819118499755859), (10.198850631713867, 1.062380313873291),
+          (1.8473109006881714, 1.785733938217163), (1.8473109006881714, 1.1699634790420532)]
+V_TIES = [(0.00013932381989434361, 5.1965539569209795e-06), (0.9848464727401733, 0.5241925120353699),
+          (0.17447435855865479, 0.07457371801137924), (6.410659807443153e-06, 4.446102593647083e-06)]
+TINY = (1.3 * 2.0 ** -110, 0.37 * 2.0 ** -110)
+
+CHECK_TIES = r"""
+import sys, torch
+from ampc.optim._codes import encode_moments
+m, v = (torch.tensor(eval(a), dtype=torch.float32) for a in sys.argv[1:3])
+out = encode_moments(m, v, "8bit")
+print((out["exp_avg_codes"].tolist(), out["exp_avg_sq_codes"].tolist()))
+"""
+
+
+def _blocks_of(pairs):
+    x = np.zeros(QBLOCK * len(pairs), np.float32)
+    for j, (a, b) in enumerate(pairs):
+        x[j * QBLOCK:j * QBLOCK + 2] = a, b
+    return x
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "best"])
+def test_codes_multiply_by_the_block_s_factor_on_every_cpu_path(isa):
+    """Codes come from value * (MAX / absmax), that factor rounded once a block: on values
+    where the older value / absmax * MAX rounds to the next code, every CPU path gives the
+    transcription's code, and a block under 2^-100 takes the divide."""
+    m = _blocks_of(M_TIES + [TINY])
+    s = _blocks_of(V_TIES + [(1.0, 0.5)])         # as many blocks as m
+    v = (s.astype(np.float32) ** 2).astype(np.float32)     # sqrt gives s back
+    assert np.array_equal(np.sqrt(v), s)
+    cm, _, cv, _ = encode(torch.from_numpy(m), torch.from_numpy(v))
+    env = dict(os.environ)
+    env.pop("AMPC_CPU_ISA", None)
+    if isa != "best":
+        env["AMPC_CPU_ISA"] = isa
+    out = subprocess.run([sys.executable, "-c", CHECK_TIES, repr(m.tolist()), repr(v.tolist())],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got_m, got_v = (np.array(x) for x in eval(out.stdout))
+    assert np.array_equal(got_m, cm.numpy()) and np.array_equal(got_v, cv.numpy())
+    # the pairs are ties of the two formulas: the divide would have given other codes
+    for pairs, codes, most, table in ((M_TIES, got_m, 480, M_TABLE), (V_TIES, got_v, 496, V_TABLE)):
+        for j, (a, b) in enumerate(pairs):
+            old = np.float32(np.float32(np.float32(b) / np.float32(a)) * np.float32(most))
+            assert nearest_code(np.array([float(old)]), table)[0] != codes[j * QBLOCK + 1] & 127
