@@ -53,9 +53,11 @@ def _add_product(total, a, b):
     bf16 ``total`` takes the product in one ``addmm_``: the sum in fp32, one rounding."""
     rows = _block_rows(total)
     low = total.element_size() < 4
+    if low:
+        a, b = a.to(total.dtype), b.to(total.dtype)     # once, not a block at a time
     for i in range(0, total.shape[0], rows):
         if low:
-            total[i:i + rows].addmm_(a[i:i + rows].to(total.dtype), b.to(total.dtype))
+            total[i:i + rows].addmm_(a[i:i + rows], b)
         else:
             total[i:i + rows] += a[i:i + rows] @ b
 

@@ -131,13 +131,13 @@ AVX2 INLINE __m256i e4m_code8(__m256 a, int mbits, __m256 sub_add, __m256i sub_b
     return _mm256_blendv_epi8(normal, sub, _mm256_castps_si256(small));
 }
 
-/* A block's codes of both moments, 8 at a time (both absmax finite, >= AMPC_Q8_MUL_MIN): lean.h's
- * ampc_q8m_code and ampc_q8v_code, packed to bytes in registers. Returns where it stopped. */
+/* A block's codes of both moments, 8 at a time: lean.h's ampc_q8m_code_by and
+ * ampc_q8v_code_by with the block's factors fm and fv (ampc_q8_code_factor, not 0),
+ * packed to bytes in registers. Returns where it stopped. */
 AVX2 INLINE int64_t lean_encode_both(uint8_t *qm, uint8_t *qv, const float *mb, const float *sb,
-                                     int64_t n, float mmax, float smax)
+                                     int64_t n, float fm, float fv)
 {
-    /* MAX / absmax, once a block (lean.h: both absmax >= AMPC_Q8_MUL_MIN here) */
-    const __m256 m480 = _mm256_set1_ps(AMPC_Q8M_MAX / mmax), v496 = _mm256_set1_ps(AMPC_Q8V_MAX / smax);
+    const __m256 m_factor = _mm256_set1_ps(fm), v_factor = _mm256_set1_ps(fv);
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256 two14 = _mm256_set1_ps(16384.0f), two13 = _mm256_set1_ps(8192.0f);
     const __m256i bits14 = _mm256_set1_epi32(0x46800000), bits13 = _mm256_set1_epi32(0x46000000);
@@ -147,11 +147,11 @@ AVX2 INLINE int64_t lean_encode_both(uint8_t *qm, uint8_t *qv, const float *mb, 
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 m = _mm256_loadu_ps(mb + i);
-        __m256 am = _mm256_mul_ps(_mm256_and_ps(m, abs_mask), m480);
+        __m256 am = _mm256_mul_ps(_mm256_and_ps(m, abs_mask), m_factor);
         __m256i cm = e4m_code8(am, 3, two14, bits14);
         __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(m), 24), sign_bit);
         cm = _mm256_or_si256(cm, sign);
-        __m256 av = _mm256_mul_ps(_mm256_loadu_ps(sb + i), v496);
+        __m256 av = _mm256_mul_ps(_mm256_loadu_ps(sb + i), v_factor);
         __m256i cv = e4m_code8(av, 4, two13, bits13);
         /* code 1 at least for a nonzero sqrt(v): av is +0 or positive (a sqrt of a sum of
          * squares, never -0 or nan in a block of finite absmax), so min(bits, 1) is av > 0 */

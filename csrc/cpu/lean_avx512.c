@@ -128,26 +128,25 @@ AVX512 INLINE __m512i e4m_code16(__m512 a, int mbits, __m512 sub_add, __m512i su
     return _mm512_mask_mov_epi32(normal, small, sub);
 }
 
-/* A block's codes of both moments, 16 at a time (both absmax finite, >= AMPC_Q8_MUL_MIN): lean.h's
- * ampc_q8m_code and ampc_q8v_code, narrowed to bytes in registers. Returns where it
- * stopped. */
+/* A block's codes of both moments, 16 at a time: lean.h's ampc_q8m_code_by and
+ * ampc_q8v_code_by with the block's factors fm and fv (ampc_q8_code_factor, not 0),
+ * narrowed to bytes in registers. Returns where it stopped. */
 AVX512 INLINE int64_t lean_encode_both(uint8_t *qm, uint8_t *qv, const float *mb,
-                                       const float *sb, int64_t n, float mmax, float smax)
+                                       const float *sb, int64_t n, float fm, float fv)
 {
-    /* MAX / absmax, once a block (lean.h: both absmax >= AMPC_Q8_MUL_MIN here) */
-    const __m512 m480 = _mm512_set1_ps(AMPC_Q8M_MAX / mmax), v496 = _mm512_set1_ps(AMPC_Q8V_MAX / smax);
+    const __m512 m_factor = _mm512_set1_ps(fm), v_factor = _mm512_set1_ps(fv);
     const __m512 two14 = _mm512_set1_ps(16384.0f), two13 = _mm512_set1_ps(8192.0f);
     const __m512i bits14 = _mm512_set1_epi32(0x46800000), bits13 = _mm512_set1_epi32(0x46000000);
     const __m512i sign_bit = _mm512_set1_epi32(0x80), one = _mm512_set1_epi32(1);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         __m512 m = _mm512_loadu_ps(mb + i);
-        __m512 am = _mm512_mul_ps(_mm512_abs_ps(m), m480);
+        __m512 am = _mm512_mul_ps(_mm512_abs_ps(m), m_factor);
         __m512i cm = e4m_code16(am, 3, two14, bits14);
         /* cm | ((bits(m) >> 24) & 0x80): the sign at the code's top bit */
         cm = _mm512_ternarylogic_epi32(cm, _mm512_srli_epi32(_mm512_castps_si512(m), 24),
                                        sign_bit, 0xf8);
-        __m512 av = _mm512_mul_ps(_mm512_loadu_ps(sb + i), v496);
+        __m512 av = _mm512_mul_ps(_mm512_loadu_ps(sb + i), v_factor);
         __m512i cv = e4m_code16(av, 4, two13, bits13);
         /* code 1 at least for a nonzero sqrt(v): av is +0 or positive (a sqrt of a sum of
          * squares, never -0 or nan in a block of finite absmax), so min(bits, 1) is av > 0 */

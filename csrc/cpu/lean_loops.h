@@ -113,36 +113,39 @@ INLINE void encode_loop(const struct lean_block *b, struct lean_bufs *buf, int64
     *b->m_scale = mmax;
     *b->v_scale = smax;
     int64_t done = 0;
+    /* lean.h's codes, each block's factor taken once, out of the loops */
+    const float fm = ampc_q8_code_factor(AMPC_Q8M_MAX, mmax);
+    const float fv = ampc_q8_code_factor(AMPC_Q8V_MAX, smax);
 #ifdef LEAN_ENCODE_BOTH
-    if (!ampc_q8_codes_zero(mmax) && !ampc_q8_codes_zero(smax) &&
-        mmax >= AMPC_Q8_MUL_MIN && smax >= AMPC_Q8_MUL_MIN)
-        done = LEAN_ENCODE_BOTH(qm, qv, buf->m, buf->s, n, mmax, smax);
+    if (fm != 0.0f && fv != 0.0f)
+        done = LEAN_ENCODE_BOTH(qm, qv, buf->m, buf->s, n, fm, fv);
     if (done == n)
         return;
 #endif
-    /* lean.h's codes, the block's factor computed once (its choice taken out of the loops) */
     if (ampc_q8_codes_zero(mmax)) {
         memset(qm, 0, (size_t)n);
-    } else if (mmax >= AMPC_Q8_MUL_MIN) {
-        const float factor = AMPC_Q8M_MAX / mmax;
-#pragma omp simd
-        for (int64_t i = done; i < n; i++)
-            cb[i] = ampc_q8m_code_by(mb[i], factor);
-        pack_codes(qm + done, cb + done, n - done);
     } else {
+        if (fm != 0.0f) {
 #pragma omp simd
-        for (int64_t i = done; i < n; i++)
-            cb[i] = ampc_q8m_code(mb[i], mmax);
+            for (int64_t i = done; i < n; i++)
+                cb[i] = ampc_q8m_code_by(mb[i], fm);
+        } else {                        /* a tiny absmax: the divide (lean.h) */
+            for (int64_t i = done; i < n; i++)
+                cb[i] = ampc_q8m_code(mb[i], mmax);
+        }
         pack_codes(qm + done, cb + done, n - done);
     }
     if (ampc_q8_codes_zero(smax)) {
         memset(qv, 0, (size_t)n);
     } else {
-        /* a nonzero sqrt(v) is at least 2^-74.5: the factor never overflows here */
-        const float factor = AMPC_Q8V_MAX / smax;
+        if (fv != 0.0f) {
 #pragma omp simd
-        for (int64_t i = done; i < n; i++)
-            cb[i] = ampc_q8v_code_by(sb[i], factor);
+            for (int64_t i = done; i < n; i++)
+                cb[i] = ampc_q8v_code_by(sb[i], fv);
+        } else {
+            for (int64_t i = done; i < n; i++)
+                cb[i] = ampc_q8v_code(sb[i], smax);
+        }
         pack_codes(qv + done, cb + done, n - done);
     }
 }

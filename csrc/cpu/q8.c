@@ -38,15 +38,14 @@ CLONES static uint32_t absmax_bits(const float *x, int64_t n)
 
 CLONES static void codes_of(uint32_t *c, const float *x, int64_t n, float absmax)
 {
-    if (absmax >= AMPC_Q8_MUL_MIN) {       /* lean.h's choice, once a block, not in the loop */
-        const float factor = AMPC_Q8M_MAX / absmax;
+    const float factor = ampc_q8_code_factor(AMPC_Q8M_MAX, absmax);  /* once, out of the loop */
+    if (factor != 0.0f) {
 #pragma omp simd
         for (int64_t i = 0; i < n; i++)
             c[i] = ampc_q8m_code_by(x[i], factor);
         return;
     }
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++)
+    for (int64_t i = 0; i < n; i++)     /* a tiny absmax: the divide (lean.h) */
         c[i] = ampc_q8m_code(x[i], absmax);
 }
 

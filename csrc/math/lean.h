@@ -114,8 +114,15 @@ AMPC_HD uint32_t ampc_q8m_code_of(float m, float a)     /* a: m's magnitude in c
     return ((ampc_f32_bits(m) >> 31) << 7) | ampc_q8_e4m3(a);
 }
 
-/* The same with the block's factor AMPC_Q8M_MAX / absmax given (absmax >= AMPC_Q8_MUL_MIN):
- * a loop over a block computes it once, and no divide beside the multiply. */
+/* A block's factor, most / absmax, where its codes multiply; 0 where they divide (an absmax
+ * under AMPC_Q8_MUL_MIN, not finite or 0): a loop over a block takes it once, so that no
+ * divide stands beside the multiply. */
+AMPC_HD float ampc_q8_code_factor(float most, float absmax)
+{
+    return absmax >= AMPC_Q8_MUL_MIN && !ampc_non_finite(absmax) ? most / absmax : 0.0f;
+}
+
+/* The code of m with its block's factor given (ampc_q8_code_factor, not 0). */
 AMPC_HD uint32_t ampc_q8m_code_by(float m, float factor)
 {
     return ampc_q8m_code_of(m, fabsf(m) * factor);
@@ -123,8 +130,9 @@ AMPC_HD uint32_t ampc_q8m_code_by(float m, float factor)
 
 AMPC_HD uint32_t ampc_q8m_code(float m, float absmax)
 {
-    return absmax >= AMPC_Q8_MUL_MIN ? ampc_q8m_code_by(m, AMPC_Q8M_MAX / absmax)
-                                     : ampc_q8m_code_of(m, fabsf(m) / absmax * AMPC_Q8M_MAX);
+    float f = ampc_q8_code_factor(AMPC_Q8M_MAX, absmax);
+    return f != 0.0f ? ampc_q8m_code_by(m, f)
+                     : ampc_q8m_code_of(m, fabsf(m) / absmax * AMPC_Q8M_MAX);
 }
 
 AMPC_HD uint8_t ampc_q8m_encode(float m, float absmax)
@@ -139,15 +147,15 @@ AMPC_HD float ampc_q8m_decode(uint8_t c, float factor)
 }
 
 /* exp_avg_sq's code for s = sqrt(v) in a block whose largest sqrt(v) is `absmax`. */
-AMPC_HD uint32_t ampc_q8v_code_by(float s, float factor)    /* AMPC_Q8V_MAX / absmax */
+AMPC_HD uint32_t ampc_q8v_code_by(float s, float factor)    /* ampc_q8_code_factor, not 0 */
 {
     return ampc_q8_e4m4(s * factor);
 }
 
 AMPC_HD uint32_t ampc_q8v_code(float s, float absmax)
 {
-    return absmax >= AMPC_Q8_MUL_MIN ? ampc_q8v_code_by(s, AMPC_Q8V_MAX / absmax)
-                                     : ampc_q8_e4m4(s / absmax * AMPC_Q8V_MAX);
+    float f = ampc_q8_code_factor(AMPC_Q8V_MAX, absmax);
+    return f != 0.0f ? ampc_q8v_code_by(s, f) : ampc_q8_e4m4(s / absmax * AMPC_Q8V_MAX);
 }
 
 AMPC_HD uint8_t ampc_q8v_encode(float s, float absmax)
