@@ -174,3 +174,23 @@ def test_cast_seed_tensor_checked():
         with pytest.raises(RuntimeError, match=r"^ampc\.cast: seed_tensor must be a 1-element "
                                                rf"torch\.int64 tensor, got .*{what}"):
             ampc.ops.cast(x, torch.bfloat16, stochastic=True, seed=bad)
+
+
+# ---- the bits' independence across elements ----
+# Rounding is unbiased for each element whatever the bits' joint law; a sum of rounded
+# values is only as good as the elements' bits are independent. Cheaper mixes than
+# ampc_mix32 fail here: (index ^ key) * odd correlates elements 4,096 apart at 0.69, and
+# (index + key) * odd elements 144 apart at 0.99.
+
+@pytest.mark.parametrize("seed", [1, 77, (5 << 32) | 3])
+def test_distant_elements_round_independently(seed):
+    n = 1 << 20
+    half = torch.full((n,), 1.0 + 2.0 ** -8)        # halfway between two bf16 values
+    (y,) = ampc.ops.cast([half], torch.bfloat16, stochastic=True, seed=seed)
+    up = (y.float() > 1.0).double()
+    assert abs(float(up.mean()) - 0.5) < 0.005, f"rounded up {float(up.mean()):.4f}, not 1/2"
+    for lag in (1, 2, 3, 144, 987, 4096, 65536, 1 << 19):
+        a, b = up[:-lag] - up[:-lag].mean(), up[lag:] - up[lag:].mean()
+        corr = float((a * b).mean() / (a.std() * b.std()))
+        # 2^19 pairs or more: independent bits give |corr| about 0.001
+        assert abs(corr) < 0.02, f"seed {seed}: elements {lag} apart round alike ({corr:.3f})"
