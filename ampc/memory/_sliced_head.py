@@ -206,4 +206,12 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
                                     None if head.bias is None else head.bias.to(c),
                                     ignore_index=ignore_index, reduction=reduction,
                                     chunk_tokens=input.chunk)
-    return loss.to(input.dtype)        # as F.cross_entropy's result for logits of that dtype
+    return loss.to(_loss_dtype(input))
+
+
+def _loss_dtype(input):
+    """The dtype F.cross_entropy returns here for logits of ``input``'s dtype: fp32 under an
+    autocast (torch's and ampc's run the loss in fp32), the logits' own dtype outside one.
+    Asked of the loss itself on two logits, so that any policy in force answers."""
+    two = torch.zeros(1, 2, dtype=input.dtype, device=input.device)
+    return F.cross_entropy(two, torch.zeros(1, dtype=torch.long, device=input.device)).dtype

@@ -2,6 +2,7 @@
 F.cross_entropy, a slice of tokens at a time, the model's code and the loss unchanged: the
 loss and every gradient those of the plain head (and near a float64 reference), the step's
 peak lower, any other use of the logits correct (made whole, with a warning)."""
+import contextlib
 import copy
 import warnings
 
@@ -73,6 +74,32 @@ def test_under_autocast_it_computes_as_the_plain_bf16_head():
     assert abs(float(loss) - float(ref_loss)) < 1e-3 * abs(float(ref_loss))
     for n in ref_grads:                           # bf16 matmuls, summed in other orders
         assert rel(grads[n], ref_grads[n]) < 2e-2, n
+
+
+@pytest.mark.parametrize("region", ["torch", "ampc", "none"])
+def test_the_loss_has_the_plain_heads_dtype_in_every_region(region):
+    """A model that takes cross-entropy of its bf16-region logits as they come (no .float(),
+    as transformers' BERT and T5 do): under an autocast the plain loss is fp32 (autocast runs
+    the loss in fp32), so the sliced one must be too, not rounded to bf16; outside one a bf16
+    model's loss is bf16 either way."""
+    torch.manual_seed(0)
+    model, ids = TinyLM(), tokens()
+    if region == "none":
+        model = model.to(torch.bfloat16)
+    auto = {"torch": torch.autocast, "ampc": ampc.autocast}.get(region)
+    got = {}
+    for sliced in (False, True):
+        m = copy.deepcopy(model)
+        if sliced:
+            ampc.memory.sliced_head(m, "head")
+        with auto("cpu", dtype=torch.bfloat16) if auto else contextlib.nullcontext():
+            loss = F.cross_entropy(m(ids).flatten(0, 1), ids.flatten())
+        loss.backward()
+        got[sliced] = loss.detach()
+    assert got[True].dtype == got[False].dtype == (torch.bfloat16 if auto is None else torch.float32)
+    # a bf16 loss may round one ulp apart (2^-7 of it): the plain one's sums run in bf16
+    tol = 2.0 ** -7 if auto is None else 1e-3
+    assert abs(float(got[True]) - float(got[False])) <= tol * abs(float(got[False]))
 
 
 def test_a_scope_that_casts_its_outputs_casts_the_deferred_logits():
