@@ -70,13 +70,19 @@ def stepper(args, plan):
     else:
         opt = optimizer_for(args)(list(model.parameters()))
     (inputs, y), = batches(args, 1, seed=1)
+    scaler = plan.scaler() if plan not in (None, "amp") else None    # where a module runs fp16
 
     def step():
         opt.zero_grad(set_to_none=True)
         with region():
             out = model(**inputs)
-        loss_fn(out, y).backward()
-        opt.step()
+        loss = loss_fn(out, y)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
     return step
 
 

@@ -97,15 +97,20 @@ def plan_arm(args, plan):
 def stepper(arm, batch):
     model, opt, loss_fn, patch, *plan = arm
     inputs, y = batch
+    scaler = plan[0].scaler() if plan else None     # where a module runs fp16
 
     def step():
         opt.zero_grad(set_to_none=True)
         if plan:          # the plan's backward: its micro-batches, where it split the batch
-            plan[0].backward(model.model, opt, batch, lm_loss)
+            plan[0].backward(model.model, opt, batch, lm_loss, scaler=scaler)
         else:
             with patch:   # the compile budget is read when the graph compiles (the first step)
                 loss_fn(model(**inputs), y).backward()
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
     return step
 
 

@@ -187,6 +187,14 @@ class _Lowering:
     def _ms(self, n, c):
         return self.measured[n][c].get("ms") or 0.0
 
+    def _unscaled_as_small(self, n, a):
+        """Whether another usable candidate of unit n saves as many bytes as ``a`` without a
+        loss scaler (bf16 beside fp16): fp16 would cost the plan a scaler and its freed
+        gradients for no byte more, so it is not offered."""
+        size = lambda c: self.measured[n][c].get("bytes") or 0    # noqa: E731
+        return any(not _candidates.loss_scaled(b) and size(b) <= size(a) and self._fits(n, b)
+                   for b in self.usable[n] if b != a)
+
     def _fits(self, n, a):
         now, r = self.measured[n][self.choice[n]], self.measured[n][a]
         return all(self.totals[k] + _err(r, k) ** 2 - _err(now, k) ** 2 <= self.limits[k]
@@ -200,7 +208,8 @@ class _Lowering:
             for a in self.usable[n]:
                 if n in self.sliced and not _sliceable(a, sliced=True):
                     continue
-                if not self.scaled_ok and _candidates.loss_scaled(a):
+                if _candidates.loss_scaled(a) and (not self.scaled_ok
+                                                   or self._unscaled_as_small(n, a)):
                     continue
 
                 saved = (self.measured[n][c].get("bytes") or 0) - (self.measured[n][a].get("bytes") or 0)

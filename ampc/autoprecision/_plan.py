@@ -410,7 +410,18 @@ class Plan:
         last inside ``optimizer.accumulating()``; ``ampc.memory.micro_batches``), each loss
         scaled by ``scaler`` where given. Returns the batch's loss (detached); the step is
         the caller's: ``opt.zero_grad()``, ``plan.backward(model, opt, batch, loss_fn)``,
-        ``opt.step()``."""
+        ``opt.step()``. A plan with an fp16 module needs ``scaler`` (``plan.scaler()``, its
+        step and update the caller's): refused without one, before anything runs, since
+        fp16 gradients unscaled can underflow where the search measured them scaled."""
+        if scaler is None and self.needs_scaler():
+            fp16 = [u.module for u in self if _candidates.loss_scaled(u.choice)]
+            if self._loss is not None and _candidates.loss_scaled(self._loss.choice):
+                fp16.append("(loss)")
+            raise ValueError(
+                f"ampc.autoprecision.Plan.backward: the plan runs {', '.join(fp16[:3])}"
+                f"{' and others' if len(fp16) > 3 else ''} in fp16, which needs loss scaling: "
+                "pass scaler=plan.scaler() and step through it (scaler.step(opt); "
+                "scaler.update())")
         loss = self.loss(loss_fn)
 
         def loss_of(piece):

@@ -13,7 +13,7 @@ import heapq
 import math
 from dataclasses import asdict, dataclass
 
-from . import _objectives
+from . import _candidates, _objectives
 
 ERRORS = ("loss_err", "dgrad_err", "wgrad_err")
 
@@ -132,10 +132,13 @@ def cost_of(r, objective):
 def order(options, objective, margin=MARGIN):
     """The candidates of one unit cheapest first; with the time objective, a candidate not
     :func:`clearly_faster` than another counts as equal to it (timing noise) and the one
-    using fewer bytes, then with less error, goes first."""
+    using fewer bytes, then one that needs no loss scaler (bf16 before fp16: fp16's smaller
+    error would cost the plan a scaler, and its freed gradients, for no byte or ms less),
+    then the one with less error, goes first."""
     def key(c):
         r = options[c]
-        return (r["bytes"], _err(r, "loss_err") + _err(r, "dgrad_err") + _err(r, "wgrad_err"))
+        return (r["bytes"], _candidates.loss_scaled(c),
+                _err(r, "loss_err") + _err(r, "dgrad_err") + _err(r, "wgrad_err"))
     names = sorted(options, key=lambda c: (cost_of(options[c], objective), key(c)))
     if not _objectives.get(objective).by_speed or not names:
         return names

@@ -631,3 +631,47 @@ def test_a_whole_step_move_that_lowers_the_peak_by_less_than_one_percent_is_left
     assert plan.step.grads_freed is False and plan.step.state == "lean" and rep.peak == 700
     assert plan.step.why["grads freed"] == ("left: the step's peak did not fall by 1% "
                                             "(0.0 -> 0.0 MiB)")
+
+
+def test_backward_refuses_a_plan_with_fp16_modules_without_a_scaler(roomy):
+    """The search measures fp16 choices at the loss scale a run settles at: a loop that runs
+    them unscaled could underflow their gradients, silently. plan.backward names the fp16
+    modules and asks for plan.scaler() before anything runs; with it, the step trains."""
+    plan = Plan.from_json(roomy.to_json())
+    name = next(iter(plan.choices))
+    plan.set_choice(name, "fp16")
+    model, opt = plan.prepare(_model(), _optimizer(plan), lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=f"Plan.backward: the plan runs {name} in fp16.*"
+                                         "scaler=plan.scaler()"):
+        plan.backward(model, opt, _batches()[0])
+    assert all(p.grad is None for p in model.parameters())      # nothing ran
+    scaler = plan.scaler()
+    assert scaler is not None
+    loss = plan.backward(model, opt, _batches()[0], scaler=scaler)
+    scaler.step(opt)
+    scaler.update()
+    assert torch.isfinite(loss)
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_the_lowering_offers_bf16_not_fp16_for_the_same_bytes(roomy):
+    """A budget's lowering takes moves by time added per byte saved: fp16 measured a hair
+    faster than bf16 for the same bytes would win, and cost the plan a scaler and its freed
+    gradients. It is offered only where no candidate without a scaler saves as much."""
+    from ampc.autoprecision._peak import _Lowering
+    plan = Plan.from_json(roomy.to_json())
+    measured = {n: {c: dict(r) for c, r in plan.unit(n).options.items()} for n in plan.decisions}
+    name = next(iter(plan.choices))
+    fp32 = measured[name]["fp32"]
+    quiet = dict(loss_err=0.0, dgrad_err=0.0, wgrad_err=0.0, error=None)
+    measured[name]["bf16"] = dict(fp32, bytes=fp32["bytes"] // 2, ms=fp32["ms"] * 1.01, **quiet)
+    measured[name]["fp16"] = dict(fp32, bytes=fp32["bytes"] // 2, ms=fp32["ms"] * 1.00, **quiet)
+    usable = {n: [c for c in m if c in ("fp32", "bf16", "fp16")] for n, m in measured.items()}
+
+    def offered():
+        low = _Lowering(plan, usable, measured, plan.budget, (), {})
+        return {a for _, _, n, a in low.moves() if n == name}
+    assert offered() == {"bf16"}
+    usable[name].remove("bf16")             # no other way to those bytes: fp16 is offered
+    assert offered() == {"fp16"}

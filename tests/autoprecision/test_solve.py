@@ -75,3 +75,16 @@ def test_the_random_cases_make_moves():
                       if fits_alone(measured[n][c], budget) is None] or ["fp32"])[0] for n in measured}
         moved += solve(measured, budget, "time")[0] != first
     assert moved >= 6
+
+
+@pytest.mark.parametrize("objective", ["time", "memory"])
+def test_at_equal_bytes_and_time_bf16_goes_before_the_more_accurate_fp16(objective):
+    """fp16's smaller error would cost the plan a loss scaler (and its freed gradients) for no
+    byte or ms less: where both fit, bf16 is taken; fp16 still where it is clearly faster."""
+    options = {"fp32": dict(bytes=4, ms=1.0, loss_err=0.0, dgrad_err=0.0),
+               "fp16": dict(bytes=2, ms=0.5, loss_err=1e-4, dgrad_err=1e-4),
+               "bf16": dict(bytes=2, ms=0.5, loss_err=1e-3, dgrad_err=1e-3)}
+    assert order(options, objective)[:2] == ["bf16", "fp16"]
+    options["fp16"]["ms"] = 0.1                   # clearly faster: time ranks first there
+    assert order(options, objective)[:2] == (["fp16", "bf16"] if objective == "time"
+                                             else ["bf16", "fp16"])
