@@ -80,6 +80,15 @@ def parse(p: argparse.ArgumentParser) -> argparse.Namespace:
     return args
 
 
+def optimizer_step(opt, scaler=None) -> None:
+    """opt.step(), through ``scaler`` (step, then update) where a plan gave one."""
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.step(opt)
+        scaler.update()
+
+
 def time_reps(fns: dict, device: str, reps: int = 0, warm: bool = False) -> dict:
     """Every timed rep of each fn in {name: fn}, in ms. Before each timed rep, untimed: a pass over 512 MiB
     to flush the caches (a read on CPU, so no dirty lines are left to write back), or with warm=True the same

@@ -59,30 +59,31 @@ def stepper(args, plan):
     """A training step of a fresh model with ``plan`` applied (None: fp32; "amp": torch.amp
     bf16 with torch's fused AdamW)."""
     model = fresh(args)
-    region, loss_fn = contextlib.nullcontext, lm_loss
+    region = contextlib.nullcontext
     if plan == "amp":
         region = lambda: torch.autocast("cpu", dtype=torch.bfloat16)   # noqa: E731
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     elif plan is not None:
-        # the state and gradient release the plan chose, its modules' precisions and moves
+        # the state and gradient release the plan chose, its modules' precisions and moves;
+        # the step is the plan's backward (its micro-batches, its scaler where a module runs fp16)
         model, opt = plan.prepare(model, ampc.optim.AdamW, lr=1e-3)
-        region, loss_fn = plan.autocast, plan.loss(lm_loss)
+        scaler, batch = plan.scaler(), batches(args, 1, seed=1)[0]
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            plan.backward(model, opt, batch, lm_loss, scaler=scaler)
+            H.optimizer_step(opt, scaler)
+        return step
     else:
         opt = optimizer_for(args)(list(model.parameters()))
     (inputs, y), = batches(args, 1, seed=1)
-    scaler = plan.scaler() if plan not in (None, "amp") else None    # where a module runs fp16
 
     def step():
         opt.zero_grad(set_to_none=True)
         with region():
             out = model(**inputs)
-        loss = loss_fn(out, y)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
+        lm_loss(out, y).backward()
+        opt.step()
     return step
 
 

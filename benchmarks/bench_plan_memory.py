@@ -106,11 +106,7 @@ def stepper(arm, batch):
         else:
             with patch:   # the compile budget is read when the graph compiles (the first step)
                 loss_fn(model(**inputs), y).backward()
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
+        H.optimizer_step(opt, scaler)
     return step
 
 

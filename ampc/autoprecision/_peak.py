@@ -187,13 +187,15 @@ class _Lowering:
     def _ms(self, n, c):
         return self.measured[n][c].get("ms") or 0.0
 
+    def _bytes(self, n, c):
+        return self.measured[n][c].get("bytes") or 0
+
     def _unscaled_as_small(self, n, a):
         """Whether another usable candidate of unit n saves as many bytes as ``a`` without a
         loss scaler (bf16 beside fp16): fp16 would cost the plan a scaler and its freed
         gradients for no byte more, so it is not offered."""
-        size = lambda c: self.measured[n][c].get("bytes") or 0    # noqa: E731
-        return any(not _candidates.loss_scaled(b) and size(b) <= size(a) and self._fits(n, b)
-                   for b in self.usable[n] if b != a)
+        return any(not _candidates.loss_scaled(b) and self._bytes(n, b) <= self._bytes(n, a)
+                   and self._fits(n, b) for b in self.usable[n] if b != a)
 
     def _fits(self, n, a):
         now, r = self.measured[n][self.choice[n]], self.measured[n][a]
@@ -212,7 +214,7 @@ class _Lowering:
                                                    or self._unscaled_as_small(n, a)):
                     continue
 
-                saved = (self.measured[n][c].get("bytes") or 0) - (self.measured[n][a].get("bytes") or 0)
+                saved = self._bytes(n, c) - self._bytes(n, a)
                 if saved > 0 and (n, a) not in self.banned and self._fits(n, a):
                     extra = max(self._ms(n, a) - self._ms(n, c), 0.0)
                     out.append((extra / saved, -saved, n, a))

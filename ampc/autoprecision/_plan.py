@@ -414,9 +414,7 @@ class Plan:
         step and update the caller's): refused without one, before anything runs, since
         fp16 gradients unscaled can underflow where the search measured them scaled."""
         if scaler is None and self.needs_scaler():
-            fp16 = [u.module for u in self if _candidates.loss_scaled(u.choice)]
-            if self._loss is not None and _candidates.loss_scaled(self._loss.choice):
-                fp16.append("(loss)")
+            fp16 = [u.module for u in self.every_unit if _candidates.loss_scaled(u.choice)]
             raise ValueError(
                 f"ampc.autoprecision.Plan.backward: the plan runs {', '.join(fp16[:3])}"
                 f"{' and others' if len(fp16) > 3 else ''} in fp16, which needs loss scaling: "
