@@ -17,7 +17,7 @@ from torch import Tensor
 from ._lib import lib as _clib
 
 __all__ = ["cast", "cast_", "unscale_check", "check_norm", "update_scale", "adam_master",
-           "adam_packed", "adam_lean", "QBLOCK", "encode_q8", "decode_q8", "cast_fp8", "fp8_amax", "cast_from_fp8", "fp8_update_scales",
+           "adam_packed", "adam_lean", "adam_lean_packed", "QBLOCK", "encode_q8", "decode_q8", "cast_fp8", "fp8_amax", "cast_from_fp8", "fp8_update_scales",
            "FP8_MAX", "step_seed", "cpu_isa", "stream_bytes"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -417,6 +417,36 @@ def adam_packed(params: Sequence[Tensor], grads: Sequence[Tensor], state: Tensor
         _int64(seed))
 
 
+def adam_lean_packed(params: Sequence[Tensor], grads: Sequence[Tensor], moments: Tensor,
+                     scales: Tensor, steps: Tensor, layout: Tensor, *, lr: float | Tensor,
+                     beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                     weight_decay: float = 0.0, decoupled: bool = True, maximize: bool = False,
+                     inv_scale: Tensor | None = None, clip_coef: Tensor | None = None,
+                     found_inf: Tensor | None = None, stochastic: bool = False,
+                     seed: int = 0) -> bool:
+    """:func:`adam_lean`'s step, each param its own weight (no masters or compensations),
+    with the state of all params in three tensors: two tensor lists cross into C instead
+    of eight.
+
+    ``moments`` holds two sections of equal size, exp_avg then exp_avg_sq, of the kind its
+    dtype says (float32, bfloat16, or uint8 8-bit codes); with codes, ``scales`` (float32)
+    holds two sections of one scale a block of ``QBLOCK`` elements, and every offset is a
+    multiple of ``QBLOCK`` (a param's scales start at its offset / QBLOCK); without codes
+    ``scales`` is empty. ``steps`` and ``layout`` are :func:`adam_packed`'s. Returns False,
+    having done nothing, where :func:`adam_packed` does; True after the step.
+    """
+    op = "adam_lean_packed"
+    for name, value in (("params", params), ("grads", grads)):
+        _check_list_fast(op, name, value)
+    lr_tensor, lr = _lr_args(lr)
+    return not _run(
+        op, params, grads, moments, scales, steps, layout, lr_tensor,
+        _optional(op, "inv_scale", inv_scale),
+        _optional(op, "clip_coef", clip_coef), _optional(op, "found_inf", found_inf),
+        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+        bool(decoupled), bool(maximize), bool(stochastic), _int64(seed))
+
+
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -716,7 +746,7 @@ def _same_device(op, **args):
 
 
 # Arguments the kernels read on the host whatever the call's device (adam_packed's layout).
-_HOST_ARGS = {"adam_packed": ("layout",)}
+_HOST_ARGS = {"adam_packed": ("layout",), "adam_lean_packed": ("layout",)}
 
 
 def _is_tensors(t):

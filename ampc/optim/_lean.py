@@ -12,10 +12,15 @@ from .. import _distributed, ops
 from . import _shards
 from ._codes import MOMENTS, blocks, has_moments, layout_of, moment_keys, moment_names
 from ._control import control, hyper, lr_on, name
-from ._packed import wants_master
+from ._packed import Pack, wants_master
 
 _DTYPE, _LAYOUT = attrgetter("dtype"), attrgetter("layout")
 _STRIDED = {torch.strided}
+# Params of at most this many elements keep their state packed (one adam_lean_packed call
+# takes two tensor lists, not eight): on small tensors the per-tensor host work is a fair
+# share of the step. Larger ones keep tensors of their own, so that packing (a copy) never
+# holds a large state twice.
+PACK_MAX = 1 << 16
 
 # The one-word presets of Adam(state=...): the options each one sets.
 PRESETS = {
@@ -101,10 +106,10 @@ def init_state(opt, group, p, master=None):
 
 
 def step(opt, group, index, first, grads, mask, cache):
-    """One adam_lean call per (device, dtypes, layout) of the params with grads, from a plan
-    cached while the params, their grads' presence and their state entries stay the same
-    (the per-param work of finding the calls is most of a step's host time on many small
-    tensors)."""
+    """One adam_lean call per (device, dtypes, layout) of the params with grads (its small
+    params packed, see PACK_MAX), from a plan cached while the params, their grads'
+    presence and their state entries stay the same (the per-param work of finding the
+    calls is most of a step's host time on many small tensors)."""
     params = group["params"]
     plans = opt.__dict__.setdefault("_ampc_lean_plans", {})
     plan = plans.get(index)
@@ -116,9 +121,11 @@ def step(opt, group, index, first, grads, mask, cache):
         return
     live = [(i, p, g) for i, p, g in zip(range(first, first + len(grads)), params, grads)
             if g is not None]
-    buckets = _buckets(opt, group, live)
+    sharded = _distributed.is_dtensor(params[0])
+    packs = None if sharded else opt.__dict__.setdefault("_ampc_lean_packs", {})
+    buckets = _buckets(opt, group, live, packs, index)
     _call_buckets(opt, group, buckets, cache, hyper(group))
-    if not _distributed.is_dtensor(params[0]):      # shards are looked up each step
+    if not sharded:         # shards are looked up each step
         plans[index] = _Plan(opt.state, params, mask, buckets, first)
 
 
@@ -151,11 +158,16 @@ class _Bucket:
         self.lists = {k: [s[k] for s in states] for k in keys + self.scale_keys}
         self.slots = None           # set by a plan: the params' places in the group's list
         self.whole = False          # set by a plan: they are all the group's params
+        self.pack = None            # the Pack holding their state, when packed
+        self.layout = None          # its layout of these params
+        self.stream = 0             # packed beside an unpacked call: its random bits' stream
 
 
-def _buckets(opt, group, live):
+def _buckets(opt, group, live, packs=None, index=None):
     """The calls of a step on `live` (position, param, grad): every check before any
-    state is made, then each param's state, grouped by device, dtypes and layout."""
+    state is made, then each param's state, grouped by device, dtypes and layout; with
+    `packs` (the optimizer's, by group `index` and group key) the small params of a group
+    whose params are their own weights are packed."""
     who = name(opt)
     state = opt.state
     for i, p, _ in live:        # every check before any allocation
@@ -172,7 +184,33 @@ def _buckets(opt, group, live):
         moments, weight = layout_of(s)
         key = (p.device, p.dtype, g.dtype, moments, weight)
         keyed.setdefault(key, []).append((i, p, g, s))
-    return [_Bucket(*map(list, zip(*items)), key[3], key[4]) for key, items in keyed.items()]
+    buckets = []
+    for key, items in keyed.items():
+        small = [] if packs is None or key[4] != "none" else [
+            item for item in items if item[1].numel() <= PACK_MAX]
+        rest = [item for item in items if item[1].numel() > PACK_MAX] if small else items
+        if small:
+            buckets.append(_packed_bucket(packs, (index, key), small, bool(rest)))
+        if rest:
+            buckets.append(_Bucket(*map(list, zip(*rest)), key[3], key[4]))
+    return buckets
+
+
+def _packed_bucket(packs, key, items, beside):
+    """The bucket of `items` (position, param, grad, state) with their state in a Pack:
+    the one kept under `key` where it still holds exactly them, else a new one."""
+    indices, params, grads, states = map(list, zip(*items))
+    moments = key[1][3]
+    pack = packs.get(key)
+    if pack is None or len(pack.slot) != len(params) or not all(map(pack.holds, params, states)):
+        m_key, v_key = moment_keys(states[0])
+        q8 = moments == "8bit"
+        pack = packs[key] = Pack(
+            params, states, [m_key, v_key], dtype=MOMENTS[moments], align=ops.QBLOCK if q8 else 16,
+            scale_keys=["exp_avg_scale", "exp_avg_sq_scale"] if q8 else ())
+    b = _Bucket(indices, params, grads, states, moments, "none")
+    b.pack, b.layout, b.stream = pack, pack.layout(params), int(beside)
+    return b
 
 
 def _call_buckets(opt, group, buckets, cache, args):
@@ -184,6 +222,14 @@ def _call_buckets(opt, group, buckets, cache, args):
 def _call(opt, group, b, grads, cache, args):
     who = name(opt)
     params, device = b.params, b.device
+    if b.pack is not None:
+        if b.stream and args["stochastic"]:     # not the bits of the unpacked call's elements
+            args = dict(args, seed=(args["seed"] * 1000003 + 999983) % (1 << 62))
+        if ops.adam_lean_packed(params, grads, b.pack.buffer, b.pack.scales, b.pack.steps,
+                                b.layout, lr=lr_on(group, device), **args,
+                                **control(opt, device, cache)):
+            return
+        # grads not contiguous, of mixed dtypes, ...: the call on the pack's views below
     scales = {k: b.lists[k] for k in b.scale_keys}
     state_lists = {k: v for k, v in b.lists.items() if k not in b.scale_keys}
     if _distributed.is_dtensor(params[0]):      # the kernel on the local shards

@@ -16,31 +16,35 @@ from ._control import control, hyper, lr_on, name
 _ALIGN = 16             # fp32 elements: each param's state starts 64-byte aligned
 
 
-class _Pack:
-    """The state of some params of one group that share device, dtype and master weights,
-    packed: one fp32 buffer of equal sections (exp_avg, exp_avg_sq, max_exp_avg_sq with
-    amsgrad, master with master weights) and one tensor of step counts. Each param's
-    state entries are views into them, so everything that reads ``optimizer.state`` sees
-    torch's per-param tensors."""
+class Pack:
+    """The state of some params packed: one buffer of equal sections (one a key of
+    ``keys``; for this step fp32 exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad, master
+    with master weights), with ``scale_keys`` one fp32 buffer of equal sections of one
+    value a block of ``align`` elements (8-bit moments' scales), and one tensor of step
+    counts. Each param's state entries are views into them, so everything that reads
+    ``optimizer.state`` sees torch's per-param tensors."""
 
-    def __init__(self, params, states, keys):
+    def __init__(self, params, states, keys, dtype=torch.float32, align=_ALIGN, scale_keys=()):
         self.keys = keys
         self.offsets = []
         size = 0
         for p in params:
             self.offsets.append(size)
-            size += -(-p.numel() // _ALIGN) * _ALIGN
+            size += -(-p.numel() // align) * align
         device = params[0].device
-        self.buffer = torch.empty(len(keys) * size, dtype=torch.float32, device=device)
+        self.buffer = torch.empty(len(keys) * size, dtype=dtype, device=device)
+        self.scales = torch.empty(len(scale_keys) * (size // align), device=device)
         self.steps = torch.empty(len(params), dtype=torch.float32, device=device)
-        self.buffer._ampc_packed = self.steps._ampc_packed = True      # for into()
+        for t in (self.buffer, self.scales, self.steps):
+            t._ampc_packed = True       # for _convert's into()
         self.slot = {id(p): i for i, p in enumerate(params)}
-        self.views = {k: [] for k in keys}
-        self.views["step"] = []
+        self.views = {k: [] for k in (*keys, *scale_keys, "step")}
+        sections = [(k, self.buffer, j * size, 1) for j, k in enumerate(keys)] + [
+            (k, self.scales, j * (size // align), align) for j, k in enumerate(scale_keys)]
         for i, (p, s) in enumerate(zip(params, states)):
-            for j, k in enumerate(keys):
-                begin = j * size + self.offsets[i]
-                view = self.buffer[begin:begin + p.numel()].view(p.shape)
+            for k, buffer, begin, per in sections:
+                begin += self.offsets[i] // per
+                view = buffer[begin:begin + s[k].numel()].view(s[k].shape)
                 view.copy_(s[k])
                 s[k] = view
                 self.views[k].append(view)
@@ -54,6 +58,13 @@ class _Pack:
         i = self.slot.get(id(p))
         return i is not None and all(s.get(k) is v[i] for k, v in self.views.items())
 
+    def layout(self, params):
+        """The kernels' layout of params (some of this pack's, in its order): each one's
+        offset, numel and step index."""
+        slots = [self.slot[id(p)] for p in params]
+        return torch.tensor([[self.offsets[i], p.numel(), i] for i, p in zip(slots, params)],
+                            dtype=torch.int64).reshape(-1)
+
 
 class _Bucket:
     """The params of one kernel call of a cached plan: with their grads, by position."""
@@ -63,8 +74,7 @@ class _Bucket:
         self.params = params
         self.pack = pack
         slots = [pack.slot[id(p)] for p in params]
-        self.layout = torch.tensor([[pack.offsets[i], p.numel(), i] for i, p in zip(slots, params)],
-                                   dtype=torch.int64).reshape(-1)
+        self.layout = pack.layout(params)
         self.states = states
         self.views = {k: [v[i] for i in slots] for k, v in pack.views.items()}
         self.whole = None               # set by the plan: the group's params are all here
@@ -199,7 +209,7 @@ def _plan(opt, group, index, first, grads, mask):
             held = [p for p in params if p.device == key[0] and p.dtype == key[1]
                     and all(k in opt.state.get(p, ()) for k in keys + ["step"])
                     and ("master" in opt.state[p]) == key[2]]
-            pack = packs[key] = _Pack(held, [opt.state[p] for p in held], keys)
+            pack = packs[key] = Pack(held, [opt.state[p] for p in held], keys)
         bucket = _Bucket(indices, live, states, pack)
         bucket.whole = len(indices) == len(params)
         buckets.append(bucket)

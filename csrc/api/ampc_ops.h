@@ -140,6 +140,10 @@ AMPC_OP(adam_lean, NONE,
         AMPC_ARG(TENSORS_OUT, exp_avg_sqs) AMPC_ARG(TENSORS_OUT, exp_avg_scales)
         AMPC_ARG(TENSORS_OUT, exp_avg_sq_scales) AMPC_ARG(TENSORS_OUT, steps)
         AMPC_ADAM_CONTROL AMPC_ADAM_ROUNDING)
+AMPC_OP(adam_lean_packed, INT,
+        AMPC_ARG(TENSORS_OUT, params) AMPC_ARG(TENSORS, grads) AMPC_ARG(TENSOR_OUT, moments)
+        AMPC_ARG(TENSOR_OUT, scales) AMPC_ARG(TENSOR_OUT, steps) AMPC_ARG(HOST_TENSOR, layout)
+        AMPC_ADAM_CONTROL AMPC_ADAM_ROUNDING)
 AMPC_OP(encode_q8, NONE,
         AMPC_ARG(TENSORS_OUT, codes) AMPC_ARG(TENSORS_OUT, scales) AMPC_ARG(TENSORS, src))
 AMPC_OP(decode_q8, NONE,

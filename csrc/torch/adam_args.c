@@ -25,6 +25,32 @@ struct ampc_list take_steps(struct call *c, struct list *steps, struct list *par
     return as_list(steps, AMPC_F32);
 }
 
+int packed_layout_fits(struct call *c, const struct list *params, const struct tensor *layout,
+                       int64_t size, int64_t steps, int64_t align)
+{
+    int64_t count = params->count;
+    if (layout->dtype != aoti_torch_dtype_int64() || layout->numel != 3 * count)
+        fail(c, "layout must be a torch.int64 tensor of 3 values a param (%lld), got %s with "
+             "%lld", (long long)(3 * count), dtype_name(layout->dtype), (long long)layout->numel);
+    const int64_t *lay = layout->data;
+    for (int64_t i = 0; i < count; i++) {
+        int64_t off = lay[3 * i];
+        int64_t n = lay[3 * i + 1];
+        int64_t s = lay[3 * i + 2];
+        int64_t end = i > 0 ? lay[3 * i - 3] + lay[3 * i - 2] : 0;
+        if (off < end || off % align != 0 || n < 0 || n > size - off
+            || s < (i > 0 ? lay[3 * i - 1] + 1 : 0) || s >= steps)
+            fail(c, "layout of param %lld (offset %lld, numel %lld, step %lld) is not inside "
+                 "the state (%lld a section) and steps (%lld), after the previous param's "
+                 "and at a multiple of %lld", (long long)i, (long long)off, (long long)n,
+                 (long long)s, (long long)size, (long long)steps, (long long)align);
+    }
+    for (int64_t i = 0; i < count; i++)
+        if (lay[3 * i + 1] != params->numel[i])
+            return 0;
+    return 1;
+}
+
 void check_adam_args(struct call *c, const struct ampc_adam_args *a, int lr_on_device)
 {
     if (!lr_on_device && !(a->lr >= 0 && isfinite(a->lr)))

@@ -216,6 +216,13 @@ void take_params_grads(struct call *c, struct list *params, struct list *grads,
                        struct ampc_list *p, struct ampc_list *g);
 /* One fp32 step count a param, as a kernel's list. */
 struct ampc_list take_steps(struct call *c, struct list *steps, struct list *params);
+/* A packed state's layout (adam_packed, adam_lean_packed): int64, 3 values a param (its
+ * offset in every section, its numel, the index of its step count), offsets and indices
+ * increasing, each param's range inside a section of `size` elements and its offset a
+ * multiple of `align`; it raises on one that is not. Returns 0 when a param's numel is
+ * not the layout's (the params do not fit the packing), else 1. */
+int packed_layout_fits(struct call *c, const struct list *params, const struct tensor *layout,
+                       int64_t size, int64_t steps, int64_t align);
 /* lr (unless it lives on the device), betas, eps and weight_decay are in range. */
 void check_adam_args(struct call *c, const struct ampc_adam_args *a, int lr_on_device);
 

@@ -72,28 +72,13 @@ static int packed_lists(struct call *c, struct adam_job *job, const struct list 
     if (state->dtype != aoti_torch_dtype_float32() || steps->dtype != aoti_torch_dtype_float32())
         fail(c, "state and steps must be torch.float32, got %s and %s",
              dtype_name(state->dtype), dtype_name(steps->dtype));
-    if (layout->dtype != aoti_torch_dtype_int64() || layout->numel != 3 * count)
-        fail(c, "layout must be a torch.int64 tensor of 3 values a param (%lld), got %s with "
-             "%lld", (long long)(3 * count), dtype_name(layout->dtype), (long long)layout->numel);
     if (state->numel % sections != 0)
         fail(c, "state must hold %lld sections of equal size, got %lld elements",
              (long long)sections, (long long)state->numel);
     int64_t size = state->numel / sections;
+    if (!packed_layout_fits(c, params, layout, size, steps->numel, 1))
+        return 0;
     const int64_t *lay = layout->data;
-    for (int64_t i = 0; i < count; i++) {
-        int64_t off = lay[3 * i];
-        int64_t n = lay[3 * i + 1];
-        int64_t s = lay[3 * i + 2];
-        int64_t end = i > 0 ? lay[3 * i - 3] + lay[3 * i - 2] : 0;
-        if (off < end || n < 0 || n > size - off || s < (i > 0 ? lay[3 * i - 1] + 1 : 0)
-            || s >= steps->numel)
-            fail(c, "layout of param %lld (offset %lld, numel %lld, step %lld) is not inside "
-                 "the state (%lld a section) and steps (%lld), after the previous param's",
-                 (long long)i, (long long)off, (long long)n, (long long)s, (long long)size,
-                 (long long)steps->numel);
-        if (n != params->numel[i])
-            return 0;
-    }
     void **ptr = malloc(sizeof(*ptr) * (size_t)(5 * (count ? count : 1)));
     if (!ptr)
         fail(c, "out of memory");

@@ -407,19 +407,28 @@ def test_adam_packed(amsgrad, stochastic):
     cpu, emu = params(), params()
     opts = [ampc.optim.AdamW(ps, lr=1e-2, amsgrad=amsgrad, stochastic_rounding=stochastic, seed=5)
             for ps in (cpu, emu)]
-    for k in range(3):
+    optimizers_both_ways(opts, cpu, emu)
+    for q in emu:
+        assert opts[1].state[q]["exp_avg"]._base is not None       # the packed path
+
+
+def optimizers_both_ways(opts, cpu, emu, steps=3):
+    """opts[0] steps the params `cpu` on the CPU, opts[1] the params `emu` through the
+    emulated kernels, on the same grads; params and every state tensor end bit-equal."""
+    for k in range(steps):
         g = torch.Generator().manual_seed(100 + k)
         for p, q in zip(cpu, emu):
             grad = torch.randn(p.shape, generator=g).to(p.dtype)
             p.grad, q.grad = grad, grad.clone()
         opts[0].step()
+        launched = _emu.ampc_emu_launch_count()
         with emulated():
             opts[1].step()
+        assert _emu.ampc_emu_launch_count() > launched, "no emulated launch ran"
     for i, (p, q) in enumerate(zip(cpu, emu)):
         assert_bits(q.detach(), p.detach(), f"param {i}")
         for key, t in opts[0].state[p].items():
             assert_bits(opts[1].state[q][key], t, f"'{key}' of param {i}")
-        assert opts[1].state[q]["exp_avg"]._base is not None       # the packed path
 
 
 # ---- fp8 ----
@@ -698,6 +707,24 @@ def test_adam_lean_launches_and_every_launch_matches(count):
     n = math.ceil(count / CAP_LEAN[large])
     steps_launches = math.ceil(count / (4093 if large else 509))
     assert got == ["lean_launch"] * n + ["advance_steps"] * steps_launches, got
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_adam_lean_packed(stochastic):
+    """The lean optimizer's packed path (small params, 8-bit and fp32 moments): the
+    emulated kernels on the pack's pointers give the CPU's bits."""
+    shapes = [(64, 64), (17,), (300, 20), (1,), (5, 1000), (0,), (33,)]
+
+    def params():
+        g = torch.Generator().manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(s, generator=g).to(bf16)) for s in shapes]
+
+    cpu, emu = params(), params()
+    opts = [ampc.optim.AdamW(ps, lr=1e-2, state="lean", stochastic_rounding=stochastic, seed=5)
+            for ps in (cpu, emu)]
+    optimizers_both_ways(opts, cpu, emu)
+    for q in emu:
+        assert opts[1].state[q]["step"]._base is not None       # the packed path
 
 
 # ---- encode_q8, decode_q8 ----
