@@ -369,7 +369,8 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
 
 def drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes, before):
     """The budget met: each move that costs time undone where the step stays under the budget
-    without it, the step measured each time (the lowering takes moves by predicted bytes: a
+    without it, the step measured each time, its forward first (most undone moves go over in
+    the forward, and then the backward is not run; the lowering takes moves by predicted bytes: a
     move taken early may be needed no more once a later one saved more, and a block
     recomputed saves nothing where the peak is another block's recomputation). Micro-batches,
     the split taken last, are halved first while the step stays under the budget (a move
@@ -393,7 +394,7 @@ def drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes, befor
         for u in units:
             plan.set_choice(u.module, u.choice, u.reason)
         try:
-            new = step_peak(model, plan, batch, loss_fn, optimizer)
+            new = step_peak(model, plan, batch, loss_fn, optimizer, peak_bytes)
         except Exception:          # noqa: BLE001 (the move stays: it was measured with it)
             new = None
         if new is not None and new.peak <= peak_bytes:

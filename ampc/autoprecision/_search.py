@@ -214,7 +214,8 @@ def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable |
     if check:
         # under a byte budget the whole step's forms are raced with their peaks measured
         peak_of = None if peak_bytes is None else (
-            lambda: _step_peak.step_peak(model, plan, whole[0], loss_fn, optimizer))
+            lambda over=None: _step_peak.step_peak(model, plan, whole[0], loss_fn, optimizer,
+                                                   over))
         report = check_whole(model, batches, loss_fn, plan, measured, budget, objective, device,
                              max_backoffs, peak_of=peak_of,
                              can_free=lambda: _step_peak.can_free(optimizer, plan) is None)

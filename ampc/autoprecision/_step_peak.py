@@ -8,7 +8,7 @@ import copy
 import math
 import re
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -61,18 +61,39 @@ class _Under(torch.nn.Module):
             return self.model(*args, **kwargs)
 
 
-def step_peak(model, plan, batch, loss_fn, optimizer):
+@dataclass(frozen=True)
+class Floor:
+    """A step's forward measured alone (``step_peak`` with ``over``): its peak is at least
+    ``peak`` bytes."""
+    peak: int
+
+
+def step_peak(model, plan, batch, loss_fn, optimizer, over=None):
     """The ``ampc.memory.report`` of a training step of ``plan`` applied to a copy of
     ``model``: its state and optimizer as ``plan.step`` says (from ``optimizer``, a callable
-    taking the params), its modules as the plan says (module names begin ``model.``)."""
+    taking the params), its modules as the plan says (module names begin ``model.``).
+    With ``over`` (bytes): the forward is measured first, on a copy of its own, and where it
+    alone reaches more than ``over`` a ``Floor`` of its bytes comes back instead (the moves
+    a search undoes to see whether the step stays under a mark mostly fail in the forward,
+    and the backward is two thirds of a step)."""
     from ..memory import report
+    from ..memory._report import forward_floor
+    if over is not None:
+        floor = _measured(forward_floor, model, plan, batch, loss_fn, optimizer)
+        if floor > over:
+            return Floor(floor)
+    return _measured(report, model, plan, batch, loss_fn, optimizer)
+
+
+def _measured(measure, model, plan, batch, loss_fn, optimizer):
+    """``measure`` (report or forward_floor) of a step of ``plan`` on a copy of ``model``."""
     work, opt = _step.make(plan.step, copy.deepcopy(model), optimizer_for(optimizer, plan.step))
     plan.apply(work)
     with torch.random.fork_rng(devices=[]):
         # warmup=0: the optimizer's state from a step on zero gradients, not a whole
         # training step (the same bytes; half the time of each measurement)
-        return report(_Under(work, plan.autocast), opt, batch, plan.loss(loss_fn), warmup=0,
-                      micro_batches=plan.step.micro_batches)
+        return measure(_Under(work, plan.autocast), opt, batch, plan.loss(loss_fn), warmup=0,
+                       micro_batches=plan.step.micro_batches)
 
 
 def _ampc_adam(optimizer):

@@ -15,7 +15,7 @@ import torch
 
 import ampc      # its fp8 attribute loads ampc.fp8 (and torch._dynamo) on first use only
 from . import _candidates, _loss, _objectives
-from ._step_peak import MiB
+from ._step_peak import Floor, MiB
 from ._plan import Plan
 from ._solve import MARGIN, Budget, Over, clearly_faster, order, raise_one, solve
 from ._units import Reason
@@ -404,17 +404,16 @@ class Check:
         for name in list(forms)[1:]:
             put(name)
             try:
-                rep = peak_of()
+                rep = peak_of(limit)    # a form over it in its forward alone stops there
             except Exception:    # noqa: BLE001 (a form the model cannot run is not raced)
                 continue
-            peaks[name] = rep.peak
+            peaks[name] = ("at least " if isinstance(rep, Floor) else "") + f"{rep.peak / MiB:.1f}"
             if rep.peak <= limit:
                 fits[name] = rep
         put("as chosen")
         if len(fits) == 1:
             self.notes.append("under the byte budget the plan's forms of higher precision were "
-                              "over it: " + ", ".join(f"{n} {b / MiB:.1f} MiB"
-                                                      for n, b in peaks.items()))
+                              "over it: " + ", ".join(f"{n} {b} MiB" for n, b in peaks.items()))
             return result, mine
         ms = self.race({n: self.plan_entrant(lambda p, n=n: put(n)) for n in fits})
         best = min(fits, key=ms.get)

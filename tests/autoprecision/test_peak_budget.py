@@ -633,6 +633,19 @@ def test_a_whole_step_move_that_lowers_the_peak_by_less_than_one_percent_is_left
                                             "(0.0 -> 0.0 MiB)")
 
 
+def test_a_step_whose_forward_alone_is_over_the_mark_stops_there(roomy):
+    """step_peak with ``over``: the forward measured first; over the mark, a Floor of its
+    bytes (at most the step's peak, the backward not run); under it, the whole step."""
+    from ampc.autoprecision._step_peak import Floor, step_peak
+    plan = Plan.from_json(roomy.to_json())
+    batch = _batches()[0]
+    whole = step_peak(_model(), plan, batch, None, torch.optim.AdamW)
+    floor = step_peak(_model(), plan, batch, None, torch.optim.AdamW, 0)
+    assert isinstance(floor, Floor) and 0 < floor.peak <= whole.peak
+    again = step_peak(_model(), plan, batch, None, torch.optim.AdamW, whole.peak)
+    assert not isinstance(again, Floor) and again.peak == whole.peak
+
+
 def test_backward_refuses_a_plan_with_fp16_modules_without_a_scaler(roomy):
     """The search measures fp16 choices at the loss scale a run settles at: a loop that runs
     them unscaled could underflow their gradients, silently. plan.backward names the fp16
