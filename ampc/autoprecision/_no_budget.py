@@ -6,8 +6,8 @@ import math
 
 from . import _step
 from ._apply import recomputed
-from ._peak import (_Lowering, _all_fp32, _block_saved, _inside, _snapshot, _undo, free_moves,
-                    recompute_candidates)
+from ._peak import (LeafCosts, _Lowering, _all_fp32, _inside, _snapshot, _undo, free_moves,
+                    leaves, recompute_candidates)
 from ._step_peak import MiB, step_peak
 from ._units import Reason
 
@@ -45,9 +45,11 @@ def recompute_in_room(plan, model, batch, loss_fn, optimizer, measured, budget, 
     backward) fits ``room_ms``; a layer and its parts are alternatives, the first ranked is
     taken; the step measured and the blocks kept only where its peak falls
     (``plan.step.why["recompute"]`` says which)."""
-    names = recompute_candidates(model, [u.module for u in plan])
+    units = [u.module for u in plan]
+    names = recompute_candidates(model, units)
+    leaf = LeafCosts(model, plan, batch, leaves(model, units))
     low = _Lowering(plan, {n: [c] for n, c in plan.decisions.items()}, measured, budget,
-                    recomputed(plan), _block_saved(rep, names))
+                    recomputed(plan), leaf.saved(rep, names), leaf_ms=leaf.ms)
     before = _snapshot(plan)
     changed, spent, taken = {}, 0.0, []
     for cost_per_byte, minus_saved, b, a in low.moves():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import time
 import warnings
 from dataclasses import replace
 
@@ -152,7 +153,8 @@ def blocks(model, units):
 def recompute_candidates(model, units):
     """What may be recomputed: the blocks (:func:`blocks`), then each block's children that
     hold two units or more (a transformer layer's attention and its MLP): a part costs
-    less time than its block, and the MLP holds most of a layer's saved bytes."""
+    less time than its block, and the MLP holds most of a layer's saved bytes; then the
+    modules inside a block that hold no parameters and no module (:func:`leaves`)."""
     found = blocks(model, units)
     parts = []
     for b in found:
@@ -160,7 +162,74 @@ def recompute_candidates(model, units):
             name = f"{b}.{k}"
             if sum(_inside(u, name) for u in units) >= 2:
                 parts.append(name)
-    return found + parts
+    return found + parts + leaves(model, units)
+
+
+def leaves(model, units):
+    """The modules inside the blocks (:func:`blocks`) that hold no parameters and no module (an
+    activation such as GPT-2's tanh GELU, whose ops each save a tensor as wide as the MLP):
+    recomputed alone they cost only their own elementwise forward, where a part costs a
+    third of its matmuls. One that works in place is left out (``ampc.memory.recompute``
+    refuses it)."""
+    out = []
+    for b in blocks(model, units):
+        for k, m in model.get_submodule(b).named_modules():
+            name = f"{b}.{k}"
+            if (k and next(m.children(), None) is None and next(m.parameters(), None) is None
+                    and getattr(m, "inplace", False) is not True and name not in units):
+                out.append(name)
+    return out
+
+
+class LeafCosts:
+    """What recomputing each leaf module (:func:`leaves`) costs: ``ms``, its forward's
+    milliseconds (all its calls in a forward, timed by hooks in the plan's model under its
+    region, the faster of two forwards: a recomputation runs them once more), and ``kept``,
+    the bytes of its tensor inputs, which the recomputation keeps in place of what its ops
+    saved."""
+
+    def __init__(self, model, plan, batch, names):
+        self.ms, self.kept = {}, {}
+        if not names:
+            return
+        work = copy.deepcopy(model)
+        plan.apply(work)
+        runs, start, hooks = [], {}, []
+
+        def before(n, args, kwargs):
+            self.kept[n] = self.kept.get(n, 0) + sum(
+                a.numel() * a.element_size() for a in (*args, *kwargs.values())
+                if isinstance(a, torch.Tensor))
+            start[n] = time.perf_counter()
+
+        def after(n):
+            runs[-1][n] = runs[-1].get(n, 0.0) + time.perf_counter() - start[n]
+        for n in names:
+            m = work.get_submodule(n)
+            hooks.append(m.register_forward_pre_hook(
+                lambda mod, args, kwargs, n=n: before(n, args, kwargs), with_kwargs=True))
+            hooks.append(m.register_forward_hook(lambda mod, args, out, n=n: after(n)))
+        try:
+            with torch.random.fork_rng(devices=[]):
+                for _ in range(2):
+                    runs.append({})
+                    self.kept = {}
+                    with plan.autocast():
+                        out = call_model(work, batch[0])
+                    del out
+        finally:
+            for h in hooks:
+                h.remove()
+        self.ms = {n: 1e3 * min(r.get(n, 0.0) for r in runs) for n in runs[-1]}
+
+    def saved(self, rep, names):
+        """:func:`_block_saved` with each leaf's inputs taken off (kept when recomputed: a
+        leaf that saves only its input, such as torch's GELU, saves nothing recomputed)."""
+        out = _block_saved(rep, names)
+        for n, kept in self.kept.items():
+            if n in out:
+                out[n] = max(out[n] - kept, 0)
+        return out
 
 
 def _inside(name, block):
@@ -174,12 +243,13 @@ class _Lowering:
     byte saved; a move is open only while the units' summed errors stay within their limits."""
 
     def __init__(self, plan, usable, measured, budget, recompute, saved, banned=(),
-                 head_bytes=None):
+                 head_bytes=None, leaf_ms=None):
         self.choice, self.usable, self.measured = plan.decisions, usable, measured
         # (unit, candidate), (block, None) or (head, SLICED): saved nothing
         self.banned = set(banned)
         self.limits, self.totals = summed_errors(measured, self.choice, budget)
         self.recompute, self.saved = list(recompute), saved
+        self.leaf_ms = leaf_ms or {}     # a leaf module's recomputation: its forward
         self.sliced, self.head_bytes = list(sliced(plan)), head_bytes or {}
         # gradients freed in the backward: no choice may need the loss scaler's whole look
         self.scaled_ok = not plan.step.grads_freed
@@ -222,7 +292,8 @@ class _Lowering:
             if any(_inside(b, r) for r in self.recompute):
                 continue                      # a part of a block recomputed whole
             if b not in self.recompute and saved > 0 and (b, None) not in self.banned:
-                ms = sum(self._ms(n, c) for n, c in self.choice.items() if _inside(n, b)) / 3
+                ms = (sum(self._ms(n, c) for n, c in self.choice.items() if _inside(n, b)) / 3
+                      + self.leaf_ms.get(b, 0.0))
                 out.append((ms / saved, -saved, b, None))
         for h, saved in self.head_bytes.items():
             # the loss takes the head's gradients slice by slice: no time added, none recomputed
@@ -308,18 +379,21 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
     batch = batches[0]
     usable = {n: [c for c in opts if c not in rejected.get(n, {}) and not opts[c].get("error")]
               for n, opts in measured.items()}
-    names = recompute_candidates(model, [u.module for u in plan])
-    head_bytes = heads(model, batch, [u.module for u in plan])
+    units = [u.module for u in plan]
+    names = recompute_candidates(model, units)
+    head_bytes = heads(model, batch, units)
     fp32_peak = step_peak(model, _all_fp32(plan), batch, loss_fn, optimizer).peak
     rep = step_peak(model, plan, batch, loss_fn, optimizer)
     first, rounds, scale = rep.peak, 0, 1.0   # scale: bytes the step saved per byte predicted
     # first the moves that cost little time and no error: freed gradients, the state, the head
     rep = free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=peak_bytes)
     unlowered = _snapshot(plan)
+    # the leaves timed only where the lowering has work (two forwards of the model)
+    leaf = LeafCosts(model, plan, batch, leaves(model, units) if rep.peak > peak_bytes else [])
     banned, most = set(), None
     while rep.peak > peak_bytes and rounds < ROUNDS:
         lowering = _Lowering(plan, usable, measured, budget, recomputed(plan),
-                             _block_saved(rep, names), banned, head_bytes)
+                             leaf.saved(rep, names), banned, head_bytes, leaf.ms)
         before = _snapshot(plan)
         changed, new_blocks, predicted = lowering.take((rep.peak - peak_bytes) / scale, most)
         if not lowering.taken:
@@ -362,12 +436,13 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
             rep = free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=peak_bytes)
     if rep.peak <= peak_bytes:
         rep = drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes,
-                            unlowered[0])
+                            unlowered[0], leaf.ms)
     plan.set_peak(_step.Peak(int(peak_bytes), fp32_peak, first, rep.peak, rounds,
                              by_kind=rep.by_kind()))
 
 
-def drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes, before):
+def drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes, before,
+                  leaf_times=None):
     """The budget met: each move that costs time undone where the step stays under the budget
     without it, the step measured each time, its forward first (most undone moves go over in
     the forward, and then the backward is not run; the lowering takes moves by predicted bytes: a
@@ -435,7 +510,8 @@ def drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes, befor
         if b in recomputed(plan):
             attempt(f"recompute {b}", recompute=[x for x in recomputed(plan) if x != b])
 
-    costly = [(_block_ms(plan, b), i, functools.partial(undo_block, b))
+    costly = [(_block_ms(plan, b) + (leaf_times or {}).get(b, 0.0), i,
+               functools.partial(undo_block, b))
               for i, b in enumerate(recomputed(plan))]
     costly.append((_units_ms(plan, lowered()), -1, lambda: undo_units(
         "{} module(s) lowered", lowered())))

@@ -1,6 +1,8 @@
 """The memory objective's byte budget for a step's peak (search's ``peak_bytes``): the fastest
 plan is lowered, module by module, until the step measures under the budget; the figures are
 the step's as ampc.memory.report measures it, and a budget that cannot be met is said."""
+import copy
+import types
 import warnings
 
 import pytest
@@ -545,12 +547,74 @@ def test_a_layers_parts_of_two_units_or_more_may_be_recomputed_in_place_of_the_l
     model = nn.Sequential(_Layer(), _Layer())
     units = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert _peak.recompute_candidates(model, units) == ["0", "1", "0.attn", "0.mlp", "1.attn",
-                                                        "1.mlp"]
+                                                        "1.mlp", "0.mlp.1", "1.mlp.1"]
     low = _peak._Lowering.__new__(_peak._Lowering)
     low.recompute, low.choice = [], dict.fromkeys(units, "bf16")
     for b in ("0.mlp", "1.mlp", "0", "0.attn"):
         low.recompute_block(b, {})
     assert low.recompute == ["1.mlp", "0"]
+
+
+class _TanhGelu(nn.Module):
+    """GPT-2's GELU: five ops, three of them saving a tensor as wide as the input."""
+
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(0.7978845608 * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class _GeluLayer(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(d, 4 * d), _TanhGelu(), nn.Linear(4 * d, d)
+        self.gelu, self.relu = nn.GELU(), nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return x + self.relu(self.gelu(self.fc2(self.act(self.fc1(x)))))
+
+
+def test_a_layers_activation_alone_may_be_recomputed_for_its_own_forward():
+    """A module inside a layer that holds no parameters and no module (an activation) may be
+    recomputed alone: it keeps its input and drops what its ops saved, for its own forward's
+    time, timed in the plan's model. One that works in place is not offered (recompute
+    refuses it), nor a unit. The lowering prices the leaf by that time, a part by a third of
+    its units' forward + backward."""
+    import contextlib
+    from ampc.autoprecision import _peak
+    from ampc.autoprecision._solve import Budget
+    model = nn.Sequential(_GeluLayer(), _GeluLayer())
+    units = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    leaves = ["0.act", "0.gelu", "1.act", "1.gelu"]
+    assert _peak.leaves(model, units) == leaves
+    assert _peak.recompute_candidates(model, units)[-4:] == leaves
+    batch = (torch.randn(256, 64), None)
+    as_is = types.SimpleNamespace(apply=lambda m: None, autocast=contextlib.nullcontext)
+    costs = _peak.LeafCosts(model, as_is, batch, leaves)
+    assert set(costs.ms) == set(leaves) and all(t > 0 for t in costs.ms.values())
+    assert costs.kept == {"0.act": 256 * 256 * 4, "1.act": 256 * 256 * 4,
+                          "0.gelu": 256 * 64 * 4, "1.gelu": 256 * 64 * 4}
+
+    def report(names):       # the step with `names` recomputed
+        m = copy.deepcopy(model)
+        if names:
+            ampc.memory.recompute(m, names)
+        return ampc.memory.report(_Under(m, contextlib.nullcontext),  # named as in a search
+                                  torch.optim.SGD(m.parameters(), lr=0), batch,
+                                  lambda out, _: out.sum(), warmup=0)
+    plain = report([])
+    # the tanh GELU saves its input and three more as wide; torch's GELU its input alone,
+    # which its recomputation keeps: it is offered nothing to save
+    net = costs.saved(plain, leaves)
+    assert net["0.act"] >= 3 * 256 * 256 * 4 and net["0.gelu"] == 0
+    assert plain.peak - report(["0.act"]).peak >= 2 * 256 * 256 * 4
+    # priced by its forward: the cheaper leaf per byte first, a part by its units' third
+    measured = {n: {"fp32": _figures(3.0, 1000)} for n in units}
+    low = _peak._Lowering(_Plan(dict.fromkeys(units, "fp32")), {n: ["fp32"] for n in units},
+                          measured, Budget(loss=0.05), [],
+                          {"0": 2 * 10 ** 6, "0.act": 10 ** 6, "1.act": 10 ** 6},
+                          leaf_ms={"0.act": 0.5, "1.act": 2.0})
+    # (module, ms): layer 0 a third of its two units' 3 ms each, for twice the leaf's bytes
+    assert [(m[2], -m[0] * m[1]) for m in low.moves()] == [
+        ("0.act", pytest.approx(0.5)), ("0", pytest.approx(2.0)), ("1.act", pytest.approx(2.0))]
 
 
 def test_without_a_budget_a_layer_and_its_parts_are_alternatives():
