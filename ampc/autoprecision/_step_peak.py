@@ -76,8 +76,7 @@ def step_peak(model, plan, batch, loss_fn, optimizer, over=None):
     alone reaches more than ``over`` a ``Floor`` of its bytes comes back instead (the moves
     a search undoes to see whether the step stays under a mark mostly fail in the forward,
     and the backward is two thirds of a step)."""
-    from ..memory import report
-    from ..memory._report import forward_floor
+    from ..memory import forward_floor, report
     if over is not None:
         floor = _measured(forward_floor, model, plan, batch, loss_fn, optimizer)
         if floor > over:

@@ -91,20 +91,18 @@ def test_the_forward_floor_is_the_forward_alone_and_bounds_the_step_s_peak():
     """forward_floor: the bytes alive before the step plus the running peak up to the loss,
     the backward not run. The step's peak is at least that, and at the end of the forward
     every saved tensor is alive."""
-    from ampc.memory._report import forward_floor
-
     def sins():
         torch.manual_seed(0)
         model = nn.Sequential(Scaled(), *[Sin() for _ in range(8)])
         return model, torch.optim.SGD(model.parameters(), lr=1e-6), (torch.randn(N), None)
 
     model, opt, batch = sins()
-    floor = forward_floor(model, opt, batch, sum_loss)
+    floor = mem.forward_floor(model, opt, batch, sum_loss)
     assert all(p.grad is None for p in model.parameters())        # no backward ran
     r = mem.report(*sins(), sum_loss)
     assert r.parts["weights"] + r.parts["batch"] + total(r) <= floor <= r.peak
     with pytest.raises(ValueError, match="warmup"):
-        forward_floor(model, opt, batch, sum_loss, warmup=-1)
+        mem.forward_floor(model, opt, batch, sum_loss, warmup=-1)
 
 
 def test_table_and_plot(tmp_path):
