@@ -1,6 +1,8 @@
 """The lean step: 8-bit or bf16 moments, and the weight kept by a master, a bf16 Kahan
 compensation, or the param alone (stochastic rounding), in one ``adam_lean`` call per
-(device, dtypes, layout) of the params with grads. The layouts are in ``_codes``."""
+(device, dtypes, layout) of the params with grads; where the param is its own weight, the
+small params' state is packed and stepped by one ``adam_lean_packed`` call (PACK_MAX). The
+layouts are in ``_codes``."""
 from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
 
 from itertools import repeat
