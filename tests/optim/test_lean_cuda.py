@@ -53,3 +53,31 @@ def test_cuda_matches_cpu(weights, moments):
     for k, v in cpu.items():
         for i, (a, b) in enumerate(zip(v or [], gpu[k] or [])):
             assert_same(b.cpu(), a, f"{k}[{i}]")
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_packed_lean_state_on_cuda_matches_cpu(stochastic):
+    """The lean optimizer's packed path (small params: one adam_lean_packed call on pointers
+    into the packed buffers) on the GPU gives the CPU's bits."""
+    shapes = [(64, 64), (17,), (300, 20), (1,), (5, 1000), (33,)]
+
+    def params(device):
+        g = torch.Generator().manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(s, generator=g).to(bf16).to(device))
+                for s in shapes]
+
+    cpu, gpu = params("cpu"), params("cuda")
+    opts = [ampc.optim.AdamW(ps, lr=1e-2, state="lean", stochastic_rounding=stochastic, seed=5)
+            for ps in (cpu, gpu)]
+    for k in range(3):
+        g = torch.Generator().manual_seed(100 + k)
+        for p, q in zip(cpu, gpu):
+            grad = torch.randn(p.shape, generator=g).to(bf16)
+            p.grad, q.grad = grad, grad.to("cuda")
+        for opt in opts:
+            opt.step()
+    for i, (p, q) in enumerate(zip(cpu, gpu)):
+        assert opts[1].state[q]["step"]._base is not None        # packed on the GPU too
+        assert_same(q.detach().cpu(), p.detach(), f"param {i}")
+        for key, t in opts[0].state[p].items():
+            assert_same(opts[1].state[q][key].cpu(), t, f"'{key}' of param {i}")
