@@ -4,6 +4,7 @@ a group's params; ``adam_master`` per bucket where the packing does not fit (DTe
 param whose dtype, shape or contiguity changed since the plan was made)."""
 from __future__ import annotations  # "X | None" hints on Python 3.9 too; none evaluated at import
 
+import math
 from itertools import repeat
 from operator import is_
 
@@ -43,8 +44,10 @@ class Pack:
             (k, self.scales, j * (size // align), align) for j, k in enumerate(scale_keys)]
         for i, (p, s) in enumerate(zip(params, states)):
             for k, buffer, begin, per in sections:
+                # a param's shape, or one scale a block: a state of another size fails the copy
+                shape = p.shape if per == 1 else (-(-p.numel() // per),)
                 begin += self.offsets[i] // per
-                view = buffer[begin:begin + s[k].numel()].view(s[k].shape)
+                view = buffer[begin:begin + math.prod(shape)].view(shape)
                 view.copy_(s[k])
                 s[k] = view
                 self.views[k].append(view)
