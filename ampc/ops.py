@@ -745,7 +745,7 @@ def _same_device(op, **args):
                                    f"{first[0]}, got {t.device}")
 
 
-# Arguments the kernels read on the host whatever the call's device (adam_packed's layout).
+# Arguments the kernels read on the host whatever the call's device (the packed steps' layout).
 _HOST_ARGS = {"adam_packed": ("layout",), "adam_lean_packed": ("layout",)}
 
 

@@ -60,6 +60,7 @@ def stepper(args, plan):
     bf16 with torch's fused AdamW)."""
     model = fresh(args)
     region = contextlib.nullcontext
+    batch = batches(args, 1, seed=1)[0]
     if plan == "amp":
         region = lambda: torch.autocast("cpu", dtype=torch.bfloat16)   # noqa: E731
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -67,7 +68,7 @@ def stepper(args, plan):
         # the state and gradient release the plan chose, its modules' precisions and moves;
         # the step is the plan's backward (its micro-batches, its scaler where a module runs fp16)
         model, opt = plan.prepare(model, ampc.optim.AdamW, lr=1e-3)
-        scaler, batch = plan.scaler(), batches(args, 1, seed=1)[0]
+        scaler = plan.scaler()
 
         def step():
             opt.zero_grad(set_to_none=True)
@@ -76,7 +77,7 @@ def stepper(args, plan):
         return step
     else:
         opt = optimizer_for(args)(list(model.parameters()))
-    (inputs, y), = batches(args, 1, seed=1)
+    inputs, y = batch
 
     def step():
         opt.zero_grad(set_to_none=True)

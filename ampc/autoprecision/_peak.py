@@ -442,7 +442,7 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
 
 
 def drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes, before,
-                  leaf_times=None):
+                  leaf_ms=None):
     """The budget met: each move that costs time undone where the step stays under the budget
     without it, the step measured each time, its forward first (most undone moves go over in
     the forward, and then the backward is not run; the lowering takes moves by predicted bytes: a
@@ -510,7 +510,7 @@ def drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes, befor
         if b in recomputed(plan):
             attempt(f"recompute {b}", recompute=[x for x in recomputed(plan) if x != b])
 
-    costly = [(_block_ms(plan, b) + (leaf_times or {}).get(b, 0.0), i,
+    costly = [(_block_ms(plan, b) + (leaf_ms or {}).get(b, 0.0), i,
                functools.partial(undo_block, b))
               for i, b in enumerate(recomputed(plan))]
     costly.append((_units_ms(plan, lowered()), -1, lambda: undo_units(

@@ -75,7 +75,7 @@ def step_peak(model, plan, batch, loss_fn, optimizer, over=None):
     With ``over`` (bytes): the forward is measured first, on a copy of its own, and where it
     alone reaches more than ``over`` a ``Floor`` of its bytes comes back instead (the moves
     a search undoes to see whether the step stays under a mark mostly fail in the forward,
-    and the backward is two thirds of a step)."""
+    and the forward alone costs about half a measured step)."""
     from ..memory import forward_floor, report
     if over is not None:
         floor = _measured(forward_floor, model, plan, batch, loss_fn, optimizer)

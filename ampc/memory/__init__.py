@@ -3,7 +3,7 @@
 ``report(model, optimizer, batch, loss_fn)`` runs a step and measures its peak and what the
 peak is made of (weights, grads, optimizer state, saved activations by module);
 ``forward_floor(...)`` (the same arguments) measures the step's forward alone, a lower bound
-of that peak for a third to a half of the time;
+of that peak for about half the time;
 ``recompute(model, modules)`` makes modules recompute in the backward;
 ``compress(model, modules, "8bit")`` makes them keep what they save in 8 bits (or bf16);
 ``micro_batches(batch, k)`` splits a batch into k whose gradients add up to its own

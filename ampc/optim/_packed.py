@@ -18,11 +18,12 @@ _ALIGN = 16             # fp32 elements: each param's state starts 64-byte align
 
 
 class Pack:
-    """The state of some params packed: one buffer of equal sections (one a key of
-    ``keys``; for this step fp32 exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad, master
-    with master weights), with ``scale_keys`` one fp32 buffer of equal sections of one
-    value a block of ``align`` elements (8-bit moments' scales), and one tensor of step
-    counts. Each param's state entries are views into them, so everything that reads
+    """The state of some params packed: one buffer of ``dtype`` in equal sections, one a
+    key of ``keys`` (the master-weight step's: fp32 exp_avg, exp_avg_sq, max_exp_avg_sq with
+    amsgrad, master with master weights; the lean step's: its two moments), each param's
+    state at a multiple of ``align`` elements; with ``scale_keys`` one fp32 buffer of equal
+    sections of one value a block of ``align`` elements (8-bit moments' scales); and one
+    tensor of step counts. Each param's state entries are views into them, so everything that reads
     ``optimizer.state`` sees torch's per-param tensors."""
 
     def __init__(self, params, states, keys, dtype=torch.float32, align=_ALIGN, scale_keys=()):

@@ -17,6 +17,18 @@ struct adam_lean_job {
 
 ON_DEVICES(adam_lean, adam_lean_job, &job->lists, &job->control, &job->args)
 
+/* The kind of moments a torch dtype holds; raises naming `what` for any other dtype. */
+static int kind_of(struct call *c, int32_t dt, const char *what)
+{
+    int kind = dt == aoti_torch_dtype_float32() ? AMPC_MOMENTS_F32
+             : dt == aoti_torch_dtype_bfloat16() ? AMPC_MOMENTS_BF16
+             : dt == aoti_torch_dtype_uint8() ? AMPC_MOMENTS_Q8 : -1;
+    if (kind < 0)
+        fail(c, "%s must be torch.float32, torch.bfloat16 or torch.uint8 (8-bit codes), got %s",
+             what, dtype_name(dt));
+    return kind;
+}
+
 /* The kind of moments, from exp_avgs[0]'s dtype; both moment lists are checked to share it. */
 static int moments_kind(struct call *c, struct list *m, struct list *v)
 {
@@ -24,12 +36,7 @@ static int moments_kind(struct call *c, struct list *m, struct list *v)
         return AMPC_MOMENTS_F32;
     int32_t dt = m->t[0].dtype;
     const char *name = dtype_name(dt);
-    int kind = dt == aoti_torch_dtype_float32() ? AMPC_MOMENTS_F32
-             : dt == aoti_torch_dtype_bfloat16() ? AMPC_MOMENTS_BF16
-             : dt == aoti_torch_dtype_uint8() ? AMPC_MOMENTS_Q8 : -1;
-    if (kind < 0)
-        fail(c, "exp_avgs[0] must be torch.float32, torch.bfloat16 or torch.uint8 (8-bit "
-             "codes), got %s", name);
+    int kind = kind_of(c, dt, "exp_avgs[0]");
     check_dtype(c, m, dt, name);
     check_dtype(c, v, dt, name);
     return kind;
@@ -99,13 +106,7 @@ void ampc_op_adam_lean_packed(struct call *c, struct adam_lean_packed_args *a)
     if (c->unfit || mixed)
         return;
     check_same_shapes(c, a->grads, "grads", a->params, "params");
-    int32_t dt = a->moments->dtype;
-    int kind = dt == aoti_torch_dtype_float32() ? AMPC_MOMENTS_F32
-             : dt == aoti_torch_dtype_bfloat16() ? AMPC_MOMENTS_BF16
-             : dt == aoti_torch_dtype_uint8() ? AMPC_MOMENTS_Q8 : -1;
-    if (kind < 0)
-        fail(c, "moments must be torch.float32, torch.bfloat16 or torch.uint8 (8-bit codes), "
-             "got %s", dtype_name(dt));
+    int kind = kind_of(c, a->moments->dtype, "moments");
     if (a->steps->dtype != aoti_torch_dtype_float32() || a->scales->dtype != aoti_torch_dtype_float32())
         fail(c, "steps and scales must be torch.float32, got %s and %s",
              dtype_name(a->steps->dtype), dtype_name(a->scales->dtype));

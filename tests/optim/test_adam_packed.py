@@ -298,13 +298,17 @@ def test_adam_packed_refuses_what_is_not_a_tensor_list():
     assert steps.tolist() == [0.0]
 
 
-@pytest.mark.parametrize("dtype", [f32, bf16])
-def test_compiled_step_equals_eager(dtype):
-    """opt.step() inside a torch.compile'd function (the packed op returns an int, which
-    compile cannot functionalize) runs and gives the eager bits."""
+@pytest.mark.parametrize("dtype, options", [(f32, {}), (bf16, {}), (bf16, {"state": "lean"})],
+                         ids=["fp32", "bf16", "lean"])
+def test_compiled_step_equals_eager(dtype, options):
+    """opt.step() inside a torch.compile'd function (the packed ops return an int, which
+    compile cannot functionalize) runs and gives the eager bits, params and state: the
+    master-weight packing and the lean one (its 64 x 64 param in 8-bit moments)."""
     torch._dynamo.reset()
-    mine, theirs = make_params(dtype, shapes=SHAPES[:4]), make_params(dtype, shapes=SHAPES[:4])
-    opt, ref = ampc.optim.AdamW(mine, lr=1e-2), ampc.optim.AdamW(theirs, lr=1e-2)
+    shapes = SHAPES[:4] + [(64, 64)]
+    mine, theirs = make_params(dtype, shapes=shapes), make_params(dtype, shapes=shapes)
+    opt = ampc.optim.AdamW(mine, lr=1e-2, **options)
+    ref = ampc.optim.AdamW(theirs, lr=1e-2, **options)
     compiled = torch.compile(opt.step)
     for k in range(3):
         set_grads(mine, k)
@@ -312,3 +316,6 @@ def test_compiled_step_equals_eager(dtype):
         compiled()
         ref.step()
     assert_params_same(mine, theirs, "compiled")
+    for i, (p, q) in enumerate(zip(mine, theirs)):
+        for key, t in ref.state[q].items():
+            assert_same(opt.state[p][key], t, f"compiled: '{key}' of param {i}")

@@ -83,6 +83,7 @@ def test_packed_steps_give_the_unpacked_bits(monkeypatch, stochastic):
     for k in range(4):
         set_grads(mine, k)
         opt.step()
+    assert all(t._base is not None for t in opt.state[mine[0]].values())
     unpacked(monkeypatch)
     ref = lean(theirs, stochastic_rounding=stochastic, weight_decay=0.1)
     for k in range(4):
@@ -92,7 +93,7 @@ def test_packed_steps_give_the_unpacked_bits(monkeypatch, stochastic):
     assert_same_training(mine, theirs, opt, ref, "packed vs unpacked")
 
 
-def test_small_and_large_params_round_from_streams_of_their_own(monkeypatch):
+def test_small_and_large_params_round_from_streams_of_their_own():
     """A large param's call and the packed call of the small ones beside it must not draw
     the same random bits: element i of each would round alike. Two params with the same
     values and grads on their first 4,096 elements: their roundings differ."""
@@ -111,22 +112,20 @@ def test_small_and_large_params_round_from_streams_of_their_own(monkeypatch):
     assert differ > 0.05, f"only {differ:.3f} of the shared elements rounded differently"
 
 
-def test_mixed_sizes_train_like_the_unpacked_state():
+def test_mixed_sizes_train_like_the_unpacked_state(monkeypatch):
     """Small and large params in one group (two calls): 30 steps track the unpacked
     optimizer as closely as two unpacked runs with different seeds track each other."""
     shapes = SHAPES + [BIG]
     runs = {}
-    for name, pack_max, seed in (("packed", _lean.PACK_MAX, 0), ("unpacked", -1, 0),
-                                 ("unpacked, seed 1", -1, 1)):
-        _lean.PACK_MAX, saved = pack_max, _lean.PACK_MAX
-        try:
-            params = make_params(shapes)
-            opt = lean(params, seed=seed)
-            for k in range(30):
-                set_grads(params, k)
-                opt.step()
-        finally:
-            _lean.PACK_MAX = saved
+    for name, seed in (("packed", 0), ("unpacked", 0), ("unpacked, seed 1", 1)):
+        if name != "packed":
+            unpacked(monkeypatch)
+        params = make_params(shapes)
+        opt = lean(params, seed=seed)
+        for k in range(30):
+            set_grads(params, k)
+            opt.step()
+        assert (opt.state[params[0]]["step"]._base is not None) == (name == "packed")
         runs[name] = torch.cat([p.detach().float().flatten() for p in params])
     gap = (runs["packed"] - runs["unpacked"]).abs().max().item()
     seeds = (runs["unpacked, seed 1"] - runs["unpacked"]).abs().max().item()
@@ -201,6 +200,7 @@ def packed_and_unpacked(monkeypatch, train):
         params = make_params()
         opt = lean(params)
         train(params, opt)
+        assert (opt.state[params[0]]["step"]._base is not None) == pack
         runs.append((params, opt))
     return runs
 
@@ -351,17 +351,3 @@ def test_opcheck_adam_lean_packed():
                           test_utils=("test_schema", "test_autograd_registration",
                                       "test_faketensor"))
 
-
-def test_compiled_step_equals_eager():
-    """opt.step() inside a torch.compile'd function (the packed op returns an int, which
-    compile cannot functionalize) runs and gives the eager bits."""
-    torch._dynamo.reset()
-    mine, theirs = make_params(), make_params()
-    opt, ref = lean(mine), lean(theirs)
-    compiled = torch.compile(opt.step)
-    for k in range(3):
-        set_grads(mine, k)
-        set_grads(theirs, k)
-        compiled()
-        ref.step()
-    assert_same_training(mine, theirs, opt, ref, "compiled")
