@@ -38,15 +38,16 @@ MATERIAL = 0.01
 MAX_MICRO = 16      # the most micro-batches a batch is split into
 
 
-def free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=None):
+def free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=None, head_bytes=None):
     """The whole-step moves that cost little time, each measured and kept where the step's
     peak falls by MATERIAL of it or more, until it is under ``stop``: each gradient freed in
     the backward (no gradient of the whole model), the lean state (bf16 weights, 8-bit
     moments: 6 B a parameter against fp32 AdamW's 16), the head's logits sliced.
-    ``plan.step.why`` says why each was taken or left. Returns the report of the step as it
-    stands."""
+    ``plan.step.why`` says why each was taken or left; ``head_bytes``: :func:`heads`, where
+    the caller found them. Returns the report of the step as it stands."""
     why = dict(plan.step.why)
-    heads_bytes = heads(model, batch, [u.module for u in plan])
+    if head_bytes is None:
+        head_bytes = heads(model, batch, [u.module for u in plan])
 
     def attempt(name, change, undo):
         nonlocal rep
@@ -71,6 +72,12 @@ def free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=None):
     cannot = can_free(optimizer, plan)
     if cannot:
         why["grads freed"] = f"left: {cannot}"
+    elif not plan.step.grads_freed and not rep.parts.get("grads") and not (
+            stop is not None and rep.peak <= stop):
+        # the peak is where no gradient is alive (in the forward, the batch whole): freeing
+        # them leaves the bytes there as they are, so the peak cannot fall; not measured
+        why["grads freed"] = ("left: no gradient is alive at the step's peak (in its "
+                              f"{rep.phase}): freeing them cannot lower it")
     elif not plan.step.grads_freed:
         attempt("grads freed", {"grads_freed": True}, {"grads_freed": False})
     if plan.step.state == "fp32":
@@ -85,7 +92,7 @@ def free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=None):
                                  f"weights, state and grads against {before:.2f}; its optimizer "
                                  f"step {lean_ms:.1f} ms against {fp32_ms:.1f} ms here; quality "
                                  f"{_step.QUALITY['lean']}")
-    for h in heads_bytes:
+    for h in head_bytes:
         u = plan.unit(h)
         if h in plan.step.sliced_head:
             continue
@@ -386,7 +393,8 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
     rep = step_peak(model, plan, batch, loss_fn, optimizer)
     first, rounds, scale = rep.peak, 0, 1.0   # scale: bytes the step saved per byte predicted
     # first the moves that cost little time and no error: freed gradients, the state, the head
-    rep = free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=peak_bytes)
+    rep = free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=peak_bytes,
+                         head_bytes=head_bytes)
     unlowered = _snapshot(plan)
     # the leaves timed only where the lowering has work (two forwards of the model)
     leaf = LeafCosts(model, plan, batch, leaves(model, units) if rep.peak > peak_bytes else [])
@@ -427,13 +435,15 @@ def fit(plan, model, batches, loss_fn, measured, rejected, budget, peak_bytes, o
     if rep.peak > peak_bytes and not plan.step.grads_freed:
         # a move left for the fastest plan may be open now (its fp16 modules lowered to
         # bf16 or fp32 need no loss scaler): tried again
-        rep = free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=peak_bytes)
+        rep = free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=peak_bytes,
+                         head_bytes=head_bytes)
     if rep.peak > peak_bytes:
         rep = split_batch(plan, model, batch, loss_fn, optimizer, rep, peak_bytes)
         if rep.peak > peak_bytes and plan.step.micro_batches > 1:
             # the split moved the peak (smaller activations, the gradients kept): a move
             # left before may lower it now
-            rep = free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=peak_bytes)
+            rep = free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=peak_bytes,
+                             head_bytes=head_bytes)
     if rep.peak <= peak_bytes:
         rep = drop_unneeded(plan, model, batch, loss_fn, optimizer, rep, peak_bytes,
                             unlowered[0], leaf.ms)

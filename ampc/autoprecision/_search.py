@@ -61,6 +61,7 @@ def _check_args(model, batches, candidates, budget, objective):
     return batches, ("fp32",) + tuple(c for c in candidates if c != "fp32"), budget
 
 
+@_step_peak.measuring
 def search(model: torch.nn.Module, batches: Sequence[tuple], loss_fn: Callable | None = None, *,
            candidates: Iterable[str] | None = None,
            budget: Budget | dict | None = None, objective: str = "time",

@@ -4,7 +4,10 @@ with the optimizer its state asks for, and what that optimizer can do (free each
 the backward; its step's time)."""
 from __future__ import annotations
 
+import contextvars
 import copy
+import functools
+import gc
 import math
 import re
 import time
@@ -68,6 +71,44 @@ class Floor:
     peak: int
 
 
+_SEEN = contextvars.ContextVar("ampc_step_peaks", default=None)
+
+
+def measuring(fn):
+    """``fn`` (the search) run as one scope of measured steps:
+
+    - each plan's step is measured once (``step_peak``): a search comes back to plans it
+      measured (the whole-plan check measures the plan the budget's fit ended with), and
+      the same plan on the same model, batch and optimizer measures the same bytes;
+    - the objects alive before it are frozen out of the garbage collector's walks
+      (``gc.freeze``): each measured step collects garbage first, and with a library such
+      as transformers loaded one collection walked 400,000 objects in 0.19 s; frozen, it
+      walks only what the search made. Where the caller froze objects of its own, the
+      collector is left as it is."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        token = _SEEN.set({"alive": []})
+        freeze = not gc.get_freeze_count()
+        if freeze:
+            gc.collect()
+            gc.freeze()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if freeze:
+                gc.unfreeze()
+            _SEEN.reset(token)
+    return run
+
+
+def _plan_key(plan):
+    """What a plan's measured step depends on: each unit's choice, the ops outside them, the
+    step's moves."""
+    s = plan.step
+    return (tuple(sorted(plan.decisions.items())), plan.rest, s.state, s.grads_freed,
+            s.recompute, s.sliced_head, s.micro_batches)
+
+
 def step_peak(model, plan, batch, loss_fn, optimizer, over=None):
     """The ``ampc.memory.report`` of a training step of ``plan`` applied to a copy of
     ``model``: its state and optimizer as ``plan.step`` says (from ``optimizer``, a callable
@@ -75,13 +116,23 @@ def step_peak(model, plan, batch, loss_fn, optimizer, over=None):
     With ``over`` (bytes): the forward is measured first, on a copy of its own, and where it
     alone reaches more than ``over`` a ``Floor`` of its bytes comes back instead (the moves
     a search undoes to see whether the step stays under a mark mostly fail in the forward,
-    and the forward alone costs about half a measured step)."""
+    and the forward alone costs about half a measured step). Inside :func:`measuring`, a
+    plan measured before is not measured again."""
     from ..memory import forward_floor, report
+    seen, got = _SEEN.get(), {}
+    if seen is not None:
+        args = (model, batch, loss_fn, optimizer)
+        seen["alive"].append(args)      # held, so that no id in a key is reused in the scope
+        got = seen.setdefault(tuple(map(id, args)) + _plan_key(plan), {})
+    if "report" in got:
+        return got["report"]
     if over is not None:
-        floor = _measured(forward_floor, model, plan, batch, loss_fn, optimizer)
-        if floor > over:
-            return Floor(floor)
-    return _measured(report, model, plan, batch, loss_fn, optimizer)
+        if "floor" not in got:
+            got["floor"] = _measured(forward_floor, model, plan, batch, loss_fn, optimizer)
+        if got["floor"] > over:
+            return Floor(got["floor"])
+    got["report"] = _measured(report, model, plan, batch, loss_fn, optimizer)
+    return got["report"]
 
 
 def _measured(measure, model, plan, batch, loss_fn, optimizer):

@@ -109,7 +109,11 @@ def roomy():
 def test_a_budget_the_fastest_plan_meets_lowers_nothing(roomy):
     plan = roomy
     d = plan.peak
-    assert d.met and d.rounds == 0 and d.bytes == d.fastest
+    assert d.met and d.rounds == 0
+    # the step the fit measured, unless the whole-plan check's race took a form of higher
+    # precision that fits too (on a model this small fp32 throughout can time clearly faster)
+    raced = [n for n in plan.data["notes"] if n.startswith("under the byte budget the whole")]
+    assert d.bytes == d.fastest or not raced[0].endswith("the plan as chosen taken"), raced
     assert plan.step.state == "fp32" and not plan.step.grads_freed and not plan.step.sliced_head
     assert not any(u.reason is Reason.PEAK for u in plan)
     assert plan.data["ceiling"] is None      # a budget, not the time ceiling
@@ -466,8 +470,13 @@ def test_validate_trains_a_plan_that_splits_the_batch_as_it_says(least):
 
 
 class _Peak:
-    def __init__(self, peak):
+    """A measured step standing in for a report: its peak, and gradients alive at it (the peak
+    in the backward) unless ``grads`` is 0."""
+
+    def __init__(self, peak, grads=1):
         self.peak = peak
+        self.parts = {"grads": grads}
+        self.phase = "backward" if grads else "forward"
 
 
 def _fake_peaks(monkeypatch, peak_of):
@@ -695,6 +704,86 @@ def test_a_whole_step_move_that_lowers_the_peak_by_less_than_one_percent_is_left
     assert plan.step.grads_freed is False and plan.step.state == "lean" and rep.peak == 700
     assert plan.step.why["grads freed"] == ("left: the step's peak did not fall by 1% "
                                             "(0.0 -> 0.0 MiB)")
+
+
+def test_freeing_the_gradients_is_not_measured_where_none_is_alive_at_the_peak(
+        roomy, monkeypatch):
+    """A peak in the forward, with no gradient alive (the batch whole): freeing them leaves
+    the bytes there as they are, so the move is left without a measurement. Gradients alive
+    at the peak (earlier micro-batches' in the forward, or the backward's): measured."""
+    plan = Plan.from_json(roomy.to_json())
+    asked = []
+
+    def peak_of(p):
+        asked.append(p.step.grads_freed)
+        return 1000 - 300 * (p.step.state == "lean")
+    _peak = _fake_peaks(monkeypatch, peak_of)
+    rep = _peak.free_moves(plan, _model(), _batches()[0], None, torch.optim.AdamW,
+                           _Peak(1000, grads=0), head_bytes={})
+    assert asked == [False] and rep.peak == 700        # the state measured; the freeing not
+    assert plan.step.grads_freed is False and plan.step.state == "lean"
+    assert plan.step.why["grads freed"] == ("left: no gradient is alive at the step's peak (in "
+                                            "its forward): freeing them cannot lower it")
+    again, asked[:] = Plan.from_json(roomy.to_json()), []
+    _peak.free_moves(again, _model(), _batches()[0], None, torch.optim.AdamW,
+                     _Peak(1000, grads=64), head_bytes={})
+    assert asked == [True, False]
+    assert again.step.why["grads freed"].startswith("left: the step's peak did not fall")
+
+
+def test_inside_a_search_each_plan_is_measured_once(roomy, monkeypatch):
+    """Within a search (``measuring``), a plan's step measured before is not measured again:
+    its report comes back; a floor above a mark is reused for a lower mark, and a floor under
+    a mark goes on to the whole step once. Sound because a step measures the same bytes
+    each time (checked here apart from the memo); a changed plan is measured anew."""
+    from ampc.autoprecision import _step_peak
+    from ampc.autoprecision._step_peak import Floor, measuring, step_peak
+    plan = Plan.from_json(roomy.to_json())
+    model, batch, opt = _model(), _batches()[0], torch.optim.AdamW
+    a = step_peak(model, plan, batch, None, opt)
+    b = step_peak(model, plan, batch, None, opt)
+    assert a is not b and a.peak == b.peak and a.saved == b.saved      # no memo: both measured
+    runs = []
+    real = _step_peak._measured
+    monkeypatch.setattr(_step_peak, "_measured",
+                        lambda measure, *args: runs.append(measure.__name__) or real(measure, *args))
+
+    @measuring
+    def one_search():
+        floor = step_peak(model, plan, batch, None, opt, 0)
+        low = step_peak(model, plan, batch, None, opt, 1)
+        whole = step_peak(model, plan, batch, None, opt, a.peak)
+        assert isinstance(floor, Floor) and low == floor and whole.peak == a.peak
+        assert step_peak(model, plan, batch, None, opt) is whole
+        assert step_peak(model, plan, batch, None, opt, 0) is whole     # the step is known
+        changed = Plan.from_json(plan.to_json())
+        changed.set_step(state="lean")
+        assert step_peak(model, changed, batch, None, opt).peak < whole.peak
+    one_search()
+    assert runs == ["forward_floor", "report", "report"]
+    runs.clear()
+    one_search()                # a new scope measures again
+    assert runs == ["forward_floor", "report", "report"]
+
+
+def test_a_search_freezes_the_collector_only_while_it_runs(roomy):
+    """Measured steps collect garbage first; the objects alive before the search are frozen
+    out of those walks while it runs, and the collector is as it was after, also where the
+    caller had frozen objects of its own."""
+    import gc
+    from ampc.autoprecision._step_peak import measuring
+    counts = []
+    measuring(lambda: counts.append(gc.get_freeze_count()))()
+    assert counts[0] > 0 and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        measuring(lambda: counts.append(gc.get_freeze_count()))()
+        assert counts[1] > 0 and gc.get_freeze_count() > 0     # the caller's, not unfrozen
+    finally:
+        gc.unfreeze()
+    with pytest.raises(ZeroDivisionError):
+        measuring(lambda: 1 / 0)()
+    assert gc.get_freeze_count() == 0
 
 
 def test_a_step_whose_forward_alone_is_over_the_mark_stops_there(roomy):
