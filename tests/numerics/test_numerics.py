@@ -36,6 +36,14 @@ def test_rel_error_edges():
     assert rel_error([torch.ones(2)], [torch.ones(3)]) is None               # shapes differ
     assert rel_error([torch.tensor([1.0, math.nan])], [torch.ones(2)]) == math.inf
     assert rel_error([torch.tensor([2.0]), None], [torch.tensor([1.0]), torch.ones(1)]) == 1.0
+    # a non-finite value in a later pair, and infinities that would cancel in a difference
+    assert rel_error([torch.ones(2), torch.tensor([math.inf])],
+                     [torch.ones(2), torch.tensor([1.0])]) == math.inf
+    assert rel_error([torch.tensor([-math.inf])], [torch.tensor([1.0])]) == math.inf
+    # float64 tensors are compared in float64: a difference fp32 cannot hold is still seen
+    y = torch.ones(4, dtype=torch.float64)
+    assert rel_error([y + 1e-12], [y]) == pytest.approx(1e-12, rel=1e-3)
+    assert rel_error([(y + 1e-12).float()], [y]) == 0.0
 
 
 def test_loss_error_sums_per_example_magnitudes():
@@ -47,6 +55,13 @@ def test_loss_error_sums_per_example_magnitudes():
     assert loss_error(y, ref, grad, -2.0) == 2.0
     assert loss_error(None, ref, grad, 1.0) is None
     assert loss_error(torch.full((2, 2), math.inf), ref, grad, 1.0) == math.inf
+    assert loss_error(torch.tensor([[math.nan, 0.0], [0.0, 0.0]]), ref, grad, 1.0) == math.inf
+    # a bf16 output against its fp32 reference: the float64 sum of the exact products
+    g = torch.Generator().manual_seed(1)
+    ref, grad = torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)
+    y = ref.bfloat16()
+    exact = (grad.double() * (y.double() - ref.double())).sum(1).abs().sum().item() / 3.0
+    assert loss_error(y, ref, grad, 3.0) == pytest.approx(exact, rel=1e-6)
 
 
 def test_fp16_range_counts_by_hand():
