@@ -12,8 +12,10 @@ GPT-2-shaped model of bench_lean_memory.py (16.9M, width 512, 4 layers, vocab 8,
 
     python benchmarks/bench_plan_memory.py [--sizes 16x256,4x128] [--fractions 0.30,0.35] [--reps 5]
                                            [--width 512] [--layers 4] [--vocab 8192] [--no-compile]
+                                           [--search-only]
 
---fractions: one per size, the budget as a fraction of torch.amp's peak. --reps 0: the peaks alone. Peak: ampc.memory.report (live tensors
+--fractions: one per size, the budget as a fraction of torch.amp's peak. --search-only: the budgeted search
+alone, its time and plan (what the search costs), nothing else run. --reps 0: the peaks alone. Peak: ampc.memory.report (live tensors
 at the step's start plus the profiler's running maximum over a step, after a warm-up step that compiles).
 Time: the whole training step, reps interleaved across the arms (each timed rep after an untimed one), the
 ratio to torch.amp's step taken within each round, median and quartiles over the rounds; the 1-minute load
@@ -153,6 +155,8 @@ def run_size(args, batch, context, fraction):
     plan, s = search(args, search_batches, peak_bytes=int(fraction * amp_peak),
                      optimizer=lambda ps: ampc.optim.AdamW(ps, lr=1e-3))
     describe(f"ampc plan, budget {fraction:g}x torch.amp", plan, s, amp_peak)
+    if args.search_only:
+        return
     arms[f"ampc plan {fraction:g}x"] = plan_arm(args, plan)
     default, s = search(args, search_batches, optimizer=lambda ps: ampc.optim.AdamW(ps, lr=1e-3))
     describe("ampc plan, no budget", default, s, amp_peak)
@@ -191,6 +195,7 @@ def main():
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--reps", type=int, default=5, help="0: the peaks only, no step timed")
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile arms")
+    p.add_argument("--search-only", action="store_true", help="the budgeted search alone, timed")
     p.add_argument("--peak-only-compile", action="store_true",
                    help="the torch.compile arms' peaks only, their steps not timed")
     args = p.parse_args()
