@@ -54,13 +54,6 @@ def gradient(stream, t):
     return g
 
 
-def moments(opt, p):
-    st = opt.state[p]
-    if "exp_avg_sq" in st and st["exp_avg_sq"].dtype != torch.uint8:
-        return st["exp_avg"].float(), st["exp_avg_sq"].float()
-    return decode_moments(st)
-
-
 def run(stream, lean, steps, every):
     p = torch.nn.Parameter(torch.zeros(SHAPE, dtype=torch.bfloat16 if lean else torch.float32))
     opt = (ampc.optim.AdamW([p], lr=1e-3, weight_decay=0.0, state="lean") if lean
@@ -70,7 +63,7 @@ def run(stream, lean, steps, every):
         p.grad = gradient(stream, t).to(p.dtype)
         opt.step()
         if (t + 1) % every == 0:
-            m, v = moments(opt, p)
+            m, v = decode_moments(opt.state[p])     # torch's fp32 state as it is
             out.append((t + 1, m[:, 1:].mean().item(), v[:, 1:].mean().item()))
     return out
 
@@ -91,7 +84,6 @@ def main():
             print(f"{t:6d} {v32:10.3e} {vl:10.3e} {vl / v32:8.3f} {m32:10.3e} {ml:10.3e} {mr}")
     if args.model_steps:
         model_stream(args.model_steps, args.every * 2)
-        v_recurrence(args.model_steps, args.every * 2)
 
 
 def char_gpt():
@@ -114,12 +106,26 @@ def quantiles(ratios):
     return " ".join(f"{v:8.3f}" for v in torch.quantile(r, torch.tensor(QS, dtype=r.dtype)).tolist())
 
 
+def ratios(pairs):
+    """Quantiles of a / b over the elements of each (a, b) where b is above 1e-12 of its largest."""
+    out = []
+    for a, b in pairs:
+        a, b = a.double().reshape(-1), b.double().reshape(-1)
+        keep = b > 1e-12 * b.max()
+        out.append(a[keep] / b[keep])
+    return quantiles(out)
+
+
 def model_stream(steps, every):
+    """The lean state and the v recurrence coded in Python, both fed the fp32 run's gradients."""
     model, opt, make_batch, ce = char_gpt()
-    lr, wd = opt.defaults["lr"], opt.defaults["weight_decay"]
-    shadow = [torch.nn.Parameter(p.detach().bfloat16()) for p in model.parameters()]
+    lr, wd, beta2 = opt.defaults["lr"], opt.defaults["weight_decay"], opt.defaults["betas"][1]
+    params = list(model.parameters())
+    shadow = [torch.nn.Parameter(p.detach().bfloat16()) for p in params]
     lean = ampc.optim.AdamW(shadow, lr=lr, weight_decay=wd, state="lean")
-    print(f"\nthe character GPT ({sum(p.numel() for p in model.parameters())} params), the same "
+    coded, vs, rows = None, None, []
+    gen = torch.Generator().manual_seed(0)
+    print(f"\nthe character GPT ({sum(p.numel() for p in params)} params), the same "
           f"gradients to both states: lean v / fp32 v over the 8-bit params' elements")
     print(f"{'step':>6} {'loss':>7} " + " ".join(f"{f'q{q:g}':>8}" for q in QS) + f" {'elements':>9}")
     for t in range(steps):
@@ -127,21 +133,27 @@ def model_stream(steps, every):
         opt.zero_grad(set_to_none=True)
         loss = ce(model(x), y)
         loss.backward()
-        for p, s in zip(model.parameters(), shadow):
+        for p, s in zip(params, shadow):
             s.grad = p.grad.bfloat16()
         opt.step()
         lean.step()
+        if coded is None:      # the params the lean state codes (2-d, 4096 elements or more)
+            coded = [i for i, s in enumerate(shadow) if "exp_avg_sq" not in lean.state[s]]
+            vs = {sr: [torch.zeros_like(params[i], dtype=torch.float64) for i in coded]
+                  for sr in (False, True)}
+        for sr, v in vs.items():
+            for k, i in enumerate(coded):
+                g2 = params[i].grad.bfloat16().double() ** 2
+                v[k] = v_code(beta2 * v[k] + (1 - beta2) * g2, sr, gen)
         if (t + 1) % every == 0:
-            ratios = []
-            for p, s in zip(model.parameters(), shadow):
-                st = lean.state[s]
-                if "exp_avg_sq" in st:       # fp32 moments (a small or 1-d param): no code
-                    continue
-                v32 = opt.state[p]["exp_avg_sq"].reshape(-1)
-                vl = decode_moments(st)[1].reshape(-1)
-                keep = v32 > 1e-12 * v32.max()
-                ratios.append((vl[keep] / v32[keep]).double())
-            print(f"{t + 1:6d} {loss.item():7.3f} {quantiles(ratios)} {sum(map(len, ratios)):9d}")
+            v32 = [opt.state[params[i]]["exp_avg_sq"] for i in coded]
+            lean_v = [decode_moments(lean.state[shadow[i]])[1] for i in coded]
+            print(f"{t + 1:6d} {loss.item():7.3f} {ratios(zip(lean_v, v32))} "
+                  f"{sum(int((b > 1e-12 * b.max()).sum()) for b in v32):9d}")
+            rows.append(f"{t + 1:6d} {ratios(zip(vs[False], v32))} | {ratios(zip(vs[True], v32))}")
+    print("\nthe v recurrence alone, the same gradients, coded in Python: v / fp32 v, quantiles "
+          + ", ".join(f"{q:g}" for q in QS) + ": to nearest | stochastic")
+    print("\n".join(rows))
 
 
 def v_code(v, stochastic, gen):
@@ -163,35 +175,6 @@ def v_code(v, stochastic, gen):
     c = torch.where(up, hi, lo)
     c = torch.where((x > 0) & (c == 0), torch.ones_like(c), c)
     return ((grid[c] * top / _V_MAX) ** 2).reshape(v.shape)
-
-
-def v_recurrence(steps, every):
-    model, opt, make_batch, ce = char_gpt()
-    beta2 = opt.defaults["betas"][1]
-    coded = [p for p in model.parameters() if p.dim() >= 2 and p.numel() >= 4096]   # 8-bit there
-    vs = {k: [torch.zeros_like(p, dtype=torch.float64) for p in coded] for k in (False, True)}
-    gen = torch.Generator().manual_seed(0)
-    print("\nthe v recurrence alone, the same gradients, coded in Python: v / fp32 v, quantiles "
-          + ", ".join(f"{q:g}" for q in QS) + ": to nearest | stochastic")
-    for t in range(steps):
-        x, y = make_batch(t)
-        opt.zero_grad(set_to_none=True)
-        ce(model(x), y).backward()
-        for sr, v in vs.items():
-            for i, p in enumerate(coded):
-                g2 = p.grad.bfloat16().double() ** 2
-                v[i] = v_code(beta2 * v[i] + (1 - beta2) * g2, sr, gen)
-        opt.step()
-        if (t + 1) % every == 0:
-            out = []
-            for sr, v in vs.items():
-                ratios = []
-                for p, vc in zip(coded, v):
-                    v32 = opt.state[p]["exp_avg_sq"].double().reshape(-1)
-                    keep = v32 > 1e-12 * v32.max()
-                    ratios.append(vc.reshape(-1)[keep] / v32[keep])
-                out.append(quantiles(ratios))
-            print(f"{t + 1:6d} {out[0]} | {out[1]}")
 
 
 if __name__ == "__main__":

@@ -49,10 +49,15 @@ def free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=None, head_byte
     if head_bytes is None:
         head_bytes = heads(model, batch, [u.module for u in plan])
 
-    def attempt(name, change, undo):
+    def attempt(name, change, undo, cannot_lower=None):
+        """Measures the step with ``change`` and keeps it where the peak falls; where
+        ``cannot_lower`` says why it could not, that is the reason, and nothing is measured."""
         nonlocal rep
         if stop is not None and rep.peak <= stop:
             why.setdefault(name, "not needed: the step was under the budget")
+            return
+        if cannot_lower:
+            why[name] = f"left: {cannot_lower}"
             return
         plan.set_step(**change)
         try:
@@ -72,14 +77,13 @@ def free_moves(plan, model, batch, loss_fn, optimizer, rep, stop=None, head_byte
     cannot = can_free(optimizer, plan)
     if cannot:
         why["grads freed"] = f"left: {cannot}"
-    elif not plan.step.grads_freed and not rep.parts.get("grads") and not (
-            stop is not None and rep.peak <= stop):
-        # the peak is where no gradient is alive (in the forward, the batch whole): freeing
-        # them leaves the bytes there as they are, so the peak cannot fall; not measured
-        why["grads freed"] = ("left: no gradient is alive at the step's peak (in its "
-                              f"{rep.phase}): freeing them cannot lower it")
     elif not plan.step.grads_freed:
-        attempt("grads freed", {"grads_freed": True}, {"grads_freed": False})
+        # a peak where no gradient is alive (in the forward, the batch whole) keeps its bytes
+        # with the gradients freed: it cannot fall
+        attempt("grads freed", {"grads_freed": True}, {"grads_freed": False},
+                cannot_lower=None if rep.parts.get("grads") else
+                f"no gradient is alive at the step's peak (in its {rep.phase}): freeing them "
+                "cannot lower it")
     if plan.step.state == "fp32":
         if _ampc_adam(optimizer) is None:
             why["state"] = "fp32: the optimizer is not Adam or AdamW"

@@ -87,7 +87,7 @@ def measuring(fn):
       collector is left as it is."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        token = _SEEN.set({"alive": []})
+        token = _SEEN.set({})
         freeze = not gc.get_freeze_count()
         if freeze:
             gc.collect()
@@ -122,8 +122,8 @@ def step_peak(model, plan, batch, loss_fn, optimizer, over=None):
     seen, got = _SEEN.get(), {}
     if seen is not None:
         args = (model, batch, loss_fn, optimizer)
-        seen["alive"].append(args)      # held, so that no id in a key is reused in the scope
-        got = seen.setdefault(tuple(map(id, args)) + _plan_key(plan), {})
+        # the entry holds the objects, so that no id in its key is reused in the scope
+        got = seen.setdefault(tuple(map(id, args)) + _plan_key(plan), {"of": args})
     if "report" in got:
         return got["report"]
     if over is not None:
