@@ -35,7 +35,8 @@ class Adam(torch.optim.Optimizer):
             fp16 and bf16 params, not for fp32 ones.
         stochastic_rounding (bool): write fp16/bf16 params from the masters with
             stochastic rounding instead of round to nearest. Default: False.
-        seed (int): seed of the stochastic rounding. Default: 0.
+        seed (int): seed of the random bits a step draws: the stochastic rounding of the
+            weights, bf16 moments and the 8-bit second moment's codes. Default: 0.
         moments (str): how exp_avg and exp_avg_sq are stored: ``"fp32"`` (default),
             ``"bf16"`` (stochastic rounding), or ``"8bit"`` (block-wise codes with an fp32
             scale a block of 256). Params under ``moments_min_numel`` elements, and 1-d

@@ -112,8 +112,8 @@ def encode_moments(m: torch.Tensor, v: torch.Tensor, kind: str, step: torch.Tens
     """The state entries of fp32 moments stored as `kind`. 8-bit codes come from the step
     kernel itself, so they are the kernel's: with beta1 = beta2 = 0, lr = 0 and grad g a
     step stores m = g and v = g * g, once with g = m (keeping its exp_avg codes) and once
-    with g = sqrt(v) (keeping its exp_avg_sq codes; v comes back within an ulp). bf16
-    moments are rounded to nearest."""
+    with g = sqrt(v) (keeping its exp_avg_sq codes, rounded stochastically by the step's
+    random bits of `seed`). bf16 moments are rounded to nearest."""
     if kind == "fp32":
         return {"exp_avg": m.float().clone(), "exp_avg_sq": v.float().clone()}
     if kind == "bf16":
@@ -131,6 +131,6 @@ def encode_moments(m: torch.Tensor, v: torch.Tensor, kind: str, step: torch.Tens
         ops.adam_lean([torch.zeros(n, device=m.device)],
                       [g.float().contiguous().reshape(-1)], [cm.reshape(-1)], [cv.reshape(-1)],
                       [torch.zeros(1, device=m.device)], lr=0.0, beta1=0.0, beta2=0.0,
-                      exp_avg_scales=[sm], exp_avg_sq_scales=[sv])
+                      exp_avg_scales=[sm], exp_avg_sq_scales=[sv], seed=seed)
         out[CODES[key]], out[key + "_scale"] = (cm, sm) if key == "exp_avg" else (cv, sv)
     return out

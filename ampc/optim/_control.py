@@ -10,8 +10,10 @@ def name(opt) -> str:
 def hyper(group) -> dict:
     """The kernels' keyword arguments that come from the group, lr aside."""
     beta1, beta2 = (float(b) for b in group["betas"])
-    # the kernel mixes each param's step count into the seed, on the device
-    seed = int(group["seed"]) if group["stochastic_rounding"] else 0
+    # the seed of every random bit a step draws (stochastic rounding of the weights, bf16
+    # moments, the 8-bit second moment's codes); the kernel mixes in each param's step
+    # count, on the device
+    seed = int(group["seed"])
     return dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                 decoupled=group["decoupled_weight_decay"], maximize=group["maximize"],
                 stochastic=group["stochastic_rounding"], seed=seed)

@@ -132,12 +132,17 @@ def step(opt, group, index, first, grads, mask, cache):
 
 
 def step_one(opt, group, position, p, g):
-    """Steps param p alone (the step in the backward). Its stochastic rounding draws from a
-    stream of its own: a one-param call would otherwise start every param's at 0."""
+    """Steps param p alone (the step in the backward). Its random bits (stochastic rounding,
+    bf16 moments, the 8-bit second moment's codes) draw from a stream of its own: a
+    one-param call would otherwise start every param's at 0."""
     args = hyper(group)
-    if args["stochastic"]:
-        args["seed"] = (args["seed"] * 1000003 + position + 1) % (1 << 62)
+    args["seed"] = own_seed(args["seed"], position)
     _step_live(opt, group, [(position, p, g)], {}, args)
+
+
+def own_seed(seed, position):
+    """The seed of the param at `position` of its group stepped alone."""
+    return (seed * 1000003 + position + 1) % (1 << 62)
 
 
 def _step_live(opt, group, live, cache, args):

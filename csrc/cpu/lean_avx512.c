@@ -54,13 +54,13 @@ AVX512 INLINE __m512 load_bf16x16(const uint16_t *p)
 }
 
 /* Elements [lo, hi) of the preset's block, 16 at a time: lean.h's ampc_lean_element with
- * the layout and AdamW's flags fixed, m and sqrt(v) left in mb and sb, their absmax bits
- * folded into *mx and *vx. Returns where it stopped (the rest goes to the generic loop). */
+ * the layout and AdamW's flags fixed, m, sqrt(v) and the random bits left in mb, sb and
+ * rb, the absmax bits folded into *mx and *vx. Returns where it stopped (the rest goes to the generic loop). */
 AVX512 INLINE int64_t lean_step_preset(const struct ampc_lean_at *at,
                                        const struct ampc_adam_coef *c, uint32_t key_w,
                                        uint32_t base, int64_t lo, int64_t hi, float fm,
-                                       float fv, float *mb, float *sb, uint32_t *mx,
-                                       uint32_t *vx)
+                                       float fv, float *mb, float *sb, uint32_t *rb,
+                                       uint32_t *mx, uint32_t *vx)
 {
     const uint16_t *gp = (const uint16_t *)at->grad;
     uint16_t *pp = (uint16_t *)at->param;
@@ -98,13 +98,14 @@ AVX512 INLINE int64_t lean_step_preset(const struct ampc_lean_at *at,
         /* cast.h's ampc_f32_to_bf16_sr with ampc_random_bits_keyed(key_w, index_lo); a NaN
          * keeps its top half with the quiet bit set */
         __m512i u = _mm512_castps_si512(w);
-        __m512i r = _mm512_srli_epi32(mix32_16(_mm512_xor_si512(idx, key)), 16);
-        __m512i b = _mm512_srli_epi32(_mm512_add_epi32(u, r), 16);
+        __m512i h = mix32_16(_mm512_xor_si512(idx, key));
+        __m512i b = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_srli_epi32(h, 16)), 16);
         __mmask16 nan = _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q);
         b = _mm512_mask_or_epi32(b, nan, _mm512_srli_epi32(u, 16), quiet);
         _mm256_storeu_si256((__m256i *)(pp + i), _mm512_cvtepi32_epi16(b));
         _mm512_storeu_ps(mb + i, m);
         _mm512_storeu_ps(sb + i, s);
+        _mm512_storeu_si512(rb + i, h);
         mmax = _mm512_max_epu32(mmax, _mm512_and_si512(_mm512_castps_si512(m), abs_mask));
         vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_castps_si512(v), abs_mask));
         idx = _mm512_add_epi32(idx, sixteen);
@@ -115,42 +116,56 @@ AVX512 INLINE int64_t lean_step_preset(const struct ampc_lean_at *at,
     return i;
 }
 
-/* lean.h's ampc_q8_e4m3 / _e4m4 on 16 magnitudes a: `mbits` mantissa bits kept. */
-AVX512 INLINE __m512i e4m_code16(__m512 a, int mbits, __m512 sub_add, __m512i sub_bits)
+/* lean.h's ampc_q8_e4m3 on 16 magnitudes a. */
+AVX512 INLINE __m512i e4m3_code16(__m512 a)
 {
     __m512i u = _mm512_castps_si512(a);
-    const int sh = 23 - mbits;
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, sh), _mm512_set1_epi32(1));
-    __m512i bias = _mm512_set1_epi32((int)(((1u << (sh - 1)) - 1u) - (120u << 23)));
-    __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), odd), sh);
-    __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(a, sub_add)), sub_bits);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(1));
+    __m512i bias = _mm512_set1_epi32((int)(0x7ffffu - (120u << 23)));
+    __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), odd), 20);
+    __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(a, _mm512_set1_ps(16384.0f))),
+                                   _mm512_set1_epi32(0x46800000));      /* bits of 2^14 */
     __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
     return _mm512_mask_mov_epi32(normal, small, sub);
 }
 
+/* lean.h's ampc_q8_e4m4_sr on 16 magnitudes a with their random bits r, code 1 at least
+ * for a nonzero a: a is +0 or positive (a sqrt of a sum of squares, never -0 or nan in a
+ * block of finite absmax), so min(bits, 1) is a > 0. */
+AVX512 INLINE __m512i e4m4_sr_code16(__m512 a, __m512i r)
+{
+    const __m512 two_m6 = _mm512_set1_ps(0.015625f);
+    __m512i u = _mm512_castps_si512(a);
+    /* bits(a) - (120 << 23), or below 2^-6 bits(a + 2^-6) - (121 << 23) */
+    __m512i x = _mm512_sub_epi32(u, _mm512_set1_epi32(120 << 23));
+    __mmask16 small = _mm512_cmp_ps_mask(a, two_m6, _CMP_LT_OQ);
+    x = _mm512_mask_sub_epi32(x, small, _mm512_castps_si512(_mm512_add_ps(a, two_m6)),
+                              _mm512_set1_epi32(121 << 23));
+    /* (r & 0xffff) << 3: r's low half at the top of the 19 bits under the code */
+    __m512i add = _mm512_srli_epi32(_mm512_slli_epi32(r, 16), 13);
+    __m512i c = _mm512_srli_epi32(_mm512_add_epi32(x, add), 19);
+    return _mm512_max_epu32(c, _mm512_min_epu32(u, _mm512_set1_epi32(1)));
+}
+
 /* A block's codes of both moments, 16 at a time: lean.h's ampc_q8m_code_by and
- * ampc_q8v_code_by with the block's factors fm and fv (ampc_q8_code_factor, not 0),
- * narrowed to bytes in registers. Returns where it stopped. */
+ * ampc_q8v_code_by with the block's factors fm and fv (ampc_q8_code_factor, not 0) and
+ * v's random bits rb, narrowed to bytes in registers. Returns where it stopped. */
 AVX512 INLINE int64_t lean_encode_both(uint8_t *qm, uint8_t *qv, const float *mb,
-                                       const float *sb, int64_t n, float fm, float fv)
+                                       const float *sb, const uint32_t *rb, int64_t n,
+                                       float fm, float fv)
 {
     const __m512 m_factor = _mm512_set1_ps(fm), v_factor = _mm512_set1_ps(fv);
-    const __m512 two14 = _mm512_set1_ps(16384.0f), two13 = _mm512_set1_ps(8192.0f);
-    const __m512i bits14 = _mm512_set1_epi32(0x46800000), bits13 = _mm512_set1_epi32(0x46000000);
-    const __m512i sign_bit = _mm512_set1_epi32(0x80), one = _mm512_set1_epi32(1);
+    const __m512i sign_bit = _mm512_set1_epi32(0x80);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         __m512 m = _mm512_loadu_ps(mb + i);
         __m512 am = _mm512_mul_ps(_mm512_abs_ps(m), m_factor);
-        __m512i cm = e4m_code16(am, 3, two14, bits14);
+        __m512i cm = e4m3_code16(am);
         /* cm | ((bits(m) >> 24) & 0x80): the sign at the code's top bit */
         cm = _mm512_ternarylogic_epi32(cm, _mm512_srli_epi32(_mm512_castps_si512(m), 24),
                                        sign_bit, 0xf8);
         __m512 av = _mm512_mul_ps(_mm512_loadu_ps(sb + i), v_factor);
-        __m512i cv = e4m_code16(av, 4, two13, bits13);
-        /* code 1 at least for a nonzero sqrt(v): av is +0 or positive (a sqrt of a sum of
-         * squares, never -0 or nan in a block of finite absmax), so min(bits, 1) is av > 0 */
-        cv = _mm512_max_epu32(cv, _mm512_min_epu32(_mm512_castps_si512(av), one));
+        __m512i cv = e4m4_sr_code16(av, _mm512_loadu_si512(rb + i));
         _mm_storeu_si128((__m128i *)(qm + i), _mm512_cvtepi32_epi8(cm));
         _mm_storeu_si128((__m128i *)(qv + i), _mm512_cvtepi32_epi8(cv));
     }

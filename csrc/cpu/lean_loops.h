@@ -9,9 +9,9 @@
  * A chunk (cpu.h; chunks start at multiples of AMPC_CHUNK, so at block boundaries) is
  * walked a block of AMPC_QBLOCK elements at a time, and one loop runs lean.h's
  * ampc_lean_element on each, all that an element needs on its own. 8-bit moments wait for
- * their block's new absmax: the loop leaves m and sqrt(v) in L1 buffers and their maxima
- * in registers, and a second loop codes them (Note [8-bit moments]) in 32-bit lanes,
- * packed to bytes by a third.
+ * their block's new absmax: the loop leaves m, sqrt(v) and the element's random bits (v's
+ * code rounds stochastically) in L1 buffers and the maxima in registers, and a second
+ * loop codes them (Note [8-bit moments]) in 32-bit lanes, packed to bytes by a third.
  *
  * The common layouts are compiled with every kind a constant (a loop with no test in it),
  * and with the Adam flags constant too for plain AdamW (decoupled weight decay, beta1 >
@@ -38,10 +38,12 @@ struct lean_block {
     int64_t index;          /* list-wide index of the first element */
 };
 
-/* A block's values that wait: m and sqrt(v) for their absmax, fp16 weights for cast.c. */
+/* A block's values that wait: m and sqrt(v) for their absmax with the random bits of v's
+ * code, fp16 weights for cast.c. */
 struct lean_bufs {
     float m[AMPC_QBLOCK];
     float s[AMPC_QBLOCK];
+    uint32_t r[AMPC_QBLOCK];
     float w[AMPC_QBLOCK];
     uint32_t c[AMPC_QBLOCK];    /* 8-bit codes before they are packed */
 };
@@ -66,12 +68,13 @@ INLINE void step_loop(const struct lean_block *b, const struct ampc_adam_coef *c
     const float fm = moments == AMPC_MOMENTS_Q8 ? ampc_q8m_factor(*b->m_scale) : 0.0f;
     const float fv = moments == AMPC_MOMENTS_Q8 ? ampc_q8v_factor(*b->v_scale) : 0.0f;
     float *const mb = buf->m, *const sb = buf->s, *const wb = buf->w;
+    uint32_t *const rb = buf->r;
     uint32_t mx = *mmax, vx = *vmax;
 #ifdef LEAN_STEP_PRESET
     /* the lean preset's layout, 8 lanes at a time, in a loop written out by hand */
     if (moments == AMPC_MOMENTS_Q8 && weight == AMPC_WEIGHT_PARAM && write == AMPC_WRITE_SR &&
         pt == AMPC_BF16 && gt == AMPC_BF16 && plain)
-        lo = LEAN_STEP_PRESET(&at, &cc, kk.w, base, lo, hi, fm, fv, mb, sb, &mx, &vx);
+        lo = LEAN_STEP_PRESET(&at, &cc, kk.w, base, lo, hi, fm, fv, mb, sb, rb, &mx, &vx);
 #endif
 #pragma omp simd reduction(max : mx, vx)
     for (int64_t i = lo; i < hi; i++) {
@@ -81,6 +84,8 @@ INLINE void step_loop(const struct lean_block *b, const struct ampc_adam_coef *c
         if (moments == AMPC_MOMENTS_Q8) {
             mb[i] = m;
             sb[i] = sqrtf(v);           /* the step's own sqrt(v): the compiler shares it */
+            /* the weight's random bits (the same call where it is written stochastically) */
+            rb[i] = ampc_random_bits_keyed(kk.w, base + (uint32_t)i);
             uint32_t a = ampc_abs_bits(m), e = ampc_abs_bits(v);
             mx = a > mx ? a : mx;
             vx = e > vx ? e : vx;
@@ -107,6 +112,7 @@ INLINE void encode_loop(const struct lean_block *b, struct lean_bufs *buf, int64
 {
     uint8_t *const qm = b->at.m, *const qv = b->at.v;
     const float *const mb = buf->m, *const sb = buf->s;
+    const uint32_t *const rb = buf->r;
     uint32_t *const cb = buf->c;
     /* sqrt is monotonic, so the largest sqrt(v) is the sqrt of the largest v */
     const float mmax = ampc_bits_f32(mbits), smax = sqrtf(ampc_bits_f32(vbits));
@@ -118,7 +124,7 @@ INLINE void encode_loop(const struct lean_block *b, struct lean_bufs *buf, int64
     const float fv = ampc_q8_code_factor(AMPC_Q8V_MAX, smax);
 #ifdef LEAN_ENCODE_BOTH
     if (fm != 0.0f && fv != 0.0f)
-        done = LEAN_ENCODE_BOTH(qm, qv, buf->m, buf->s, n, fm, fv);
+        done = LEAN_ENCODE_BOTH(qm, qv, mb, sb, rb, n, fm, fv);
     if (done == n)
         return;
 #endif
@@ -141,10 +147,10 @@ INLINE void encode_loop(const struct lean_block *b, struct lean_bufs *buf, int64
         if (fv != 0.0f) {
 #pragma omp simd
             for (int64_t i = done; i < n; i++)
-                cb[i] = ampc_q8v_code_by(sb[i], fv);
+                cb[i] = ampc_q8v_code_by(sb[i], fv, rb[i]);
         } else {
             for (int64_t i = done; i < n; i++)
-                cb[i] = ampc_q8v_code(sb[i], smax);
+                cb[i] = ampc_q8v_code(sb[i], smax, rb[i]);
         }
         pack_codes(qv + done, cb + done, n - done);
     }

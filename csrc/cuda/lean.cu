@@ -79,8 +79,8 @@ lean_kernel(const __grid_constant__ lean_table<P> tab, const __grid_constant__ s
     at.m = tab.ptr[LEAN_EXP_AVG][t];
     at.v = tab.ptr[LEAN_EXP_AVG_SQ][t];
     float m = 0.0f, v = 0.0f, w;
+    const struct ampc_lean_keys keys = ampc_lean_keys(coef.seed, (uint32_t)(k >> 32));
     if (live) {
-        const struct ampc_lean_keys keys = ampc_lean_keys(coef.seed, (uint32_t)(k >> 32));
         float fm = 0.0f, fv = 0.0f;
         if (c.args.moments == AMPC_MOMENTS_Q8) {
             fm = ampc_q8m_factor(m_scale[block]);
@@ -110,8 +110,10 @@ lean_kernel(const __grid_constant__ lean_table<P> tab, const __grid_constant__ s
     }
     if (live) {
         ((uint8_t *)at.m)[i] = ampc_q8_codes_zero(mmax) ? (uint8_t)0 : ampc_q8m_encode(m, mmax);
+        /* v's code rounds with the low half of the weight's random bits (lean.h) */
+        const uint32_t rnd = ampc_random_bits_keyed(keys.w, (uint32_t)k);
         ((uint8_t *)at.v)[i] =
-            ampc_q8_codes_zero(smax) ? (uint8_t)0 : ampc_q8v_encode(sqrtf(v), smax);
+            ampc_q8_codes_zero(smax) ? (uint8_t)0 : ampc_q8v_encode(sqrtf(v), smax, rnd);
     }
 }
 

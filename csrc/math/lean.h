@@ -19,6 +19,14 @@
  *     square root the 19 binades of the code cover 38 of v, and a nonzero value never
  *     rounds to code 0 (it takes code 1 instead): a small second moment can only come
  *     back larger, which shrinks its update, never blows it up (sqrt(0) + eps would).
+ *     Rounded stochastically, with 16 random bits (the low half of the element's random
+ *     bits under the weight's key, whose high half rounds a bf16 weight): at beta2 = 0.999
+ *     a value's own change in a step is about 0.05% of sqrt(v), far under half a code step
+ *     (3% or more), so to nearest a value kept its code and moved only with its block's
+ *     scale; over 2,000 steps of a small GPT its ratio to fp32's v spread to 0.30-4.3
+ *     (1% to 99%), where stochastic codes stay at 0.6-1.7 around a median of 1
+ *     (benchmarks/bench_lean_moment_drift.py). exp_avg, which moves 1 - beta1 = 10% of
+ *     its distance to the gradient a step, rounds to nearest.
  * Value = code's value * (absmax / MAX), the factor computed once per block in fp32.
  * Quantizing multiplies |x| by MAX / absmax, computed once per block in fp32: a divide by
  * the absmax for every value bound the CPU loops (the divider is their slowest unit), and
@@ -66,14 +74,18 @@ AMPC_HD uint32_t ampc_q8_e4m3(float a)
     return ampc_select(a < 0.015625f, sub, normal);
 }
 
-/* The code of magnitude a in [0, 496] with 4 mantissa bits (2^-10 steps below 2^-6,
- * ulp(2^13)), code 1 at least when a > 0. */
-AMPC_HD uint32_t ampc_q8_e4m4(float a)
+/* The code of magnitude a in [0, 496] with 4 mantissa bits, rounded stochastically:
+ * up with probability (a's distance past the code below) / (the code's step), to 16 bits
+ * (rnd's low half; Note [8-bit moments]); code 1 at least when a > 0. Normal (a >= 2^-6):
+ * the 19 bits under the 4 kept, plus rnd's 16 bits shifted to their top, carry into the
+ * code; exponent rebased from 127 to 7. Subnormal: a + 2^-6 (an fp32 sum, a rounded to a
+ * multiple of 2^-29) holds a * 2^10 in the same 4 + 19 bit positions, under 2^-6's
+ * exponent, which is code 16's (so its exponent is taken one lower): 2^-10 steps. */
+AMPC_HD uint32_t ampc_q8_e4m4_sr(float a, uint32_t rnd)
 {
-    uint32_t u = ampc_f32_bits(a);
-    uint32_t normal = (u + (0x3ffffu - (120u << 23)) + ((u >> 19) & 1u)) >> 19;
-    uint32_t sub = ampc_f32_bits(a + 8192.0f) - 0x46000000u;           /* bits of 2^13 */
-    uint32_t c = ampc_select(a < 0.015625f, sub, normal);
+    uint32_t sub = ampc_f32_bits(a + 0.015625f) - (1u << 23);
+    uint32_t x = ampc_select(a < 0.015625f, sub, ampc_f32_bits(a));
+    uint32_t c = (x - (120u << 23) + ((rnd & 0xffffu) << 3)) >> 19;
     uint32_t least = (uint32_t)(a > 0.0f);
     return c > least ? c : least;
 }
@@ -146,21 +158,23 @@ AMPC_HD float ampc_q8m_decode(uint8_t c, float factor)
     return ampc_bits_f32(ampc_f32_bits(a) | ((uint32_t)(c & 0x80u) << 24));    /* -a */
 }
 
-/* exp_avg_sq's code for s = sqrt(v) in a block whose largest sqrt(v) is `absmax`. */
-AMPC_HD uint32_t ampc_q8v_code_by(float s, float factor)    /* ampc_q8_code_factor, not 0 */
+/* exp_avg_sq's code for s = sqrt(v) in a block whose largest sqrt(v) is `absmax`, rounded
+ * with the element's random bits rnd. */
+AMPC_HD uint32_t ampc_q8v_code_by(float s, float factor, uint32_t rnd)   /* factor: not 0 */
 {
-    return ampc_q8_e4m4(s * factor);
+    return ampc_q8_e4m4_sr(s * factor, rnd);
 }
 
-AMPC_HD uint32_t ampc_q8v_code(float s, float absmax)
+AMPC_HD uint32_t ampc_q8v_code(float s, float absmax, uint32_t rnd)
 {
     float f = ampc_q8_code_factor(AMPC_Q8V_MAX, absmax);
-    return f != 0.0f ? ampc_q8v_code_by(s, f) : ampc_q8_e4m4(s / absmax * AMPC_Q8V_MAX);
+    return f != 0.0f ? ampc_q8v_code_by(s, f, rnd)
+                     : ampc_q8_e4m4_sr(s / absmax * AMPC_Q8V_MAX, rnd);
 }
 
-AMPC_HD uint8_t ampc_q8v_encode(float s, float absmax)
+AMPC_HD uint8_t ampc_q8v_encode(float s, float absmax, uint32_t rnd)
 {
-    return (uint8_t)ampc_q8v_code(s, absmax);
+    return (uint8_t)ampc_q8v_code(s, absmax, rnd);
 }
 
 /* Whether a block of this absmax stores code 0 everywhere (0, inf or nan). */

@@ -21,7 +21,8 @@ SIZES = [1, 255, 256, 257, 1000, 65536 + 300]
 
 def transcribed(x):
     """(codes, scales, decoded fp32 values) of x (fp32) by the transcription."""
-    codes, scales, _, _ = encode_moments(x, torch.zeros_like(x))
+    # exp_avg's codes (to nearest); v is zero, so its random bits do not matter
+    codes, scales, _, _ = encode_moments(x, torch.zeros_like(x), np.zeros(x.numel(), np.uint64))
     idx = np.arange(x.numel()) // QBLOCK
     factor = (scales.numpy() / np.float32(480)).astype(np.float32)[idx]
     c = codes.numpy().astype(np.int64)

@@ -224,7 +224,8 @@ def test_torch_adamw_state_loads_converted_and_lean_exports_to_torch():
     m, v = decode_moments(s)
     tm, tv = topt.state[fp[0].weight]["exp_avg"], topt.state[fp[0].weight]["exp_avg_sq"]
     assert ((m - tm).abs() <= tm.abs() * 2 ** -4 + s["exp_avg_scale"].max() * 2 ** -9).all()
-    assert ((v.sqrt() - tv.sqrt()).abs() <= tv.sqrt() * 2 ** -5
+    # sqrt(v) within a whole code step: its code rounds stochastically
+    assert ((v.sqrt() - tv.sqrt()).abs() <= tv.sqrt() * 2 ** -4
             + s["exp_avg_sq_scale"].max() * 2 ** -10).all()
     # export: torch's AdamW takes it, and holds the decoded moments
     exported = roundtrip(to_torch_state(lopt))

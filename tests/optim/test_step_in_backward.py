@@ -10,6 +10,7 @@ from torch import nn
 
 import ampc
 from ampc.optim import AdamW
+from ampc.optim._lean import own_seed
 
 
 def _model(dtype=torch.float32):
@@ -53,10 +54,16 @@ def _same(a, b):
     (torch.bfloat16, {"moments": "8bit", "moments_min_numel": 0}),
     (torch.bfloat16, {"kahan_summation": True, "moments": "bf16"})])
 def test_equals_the_usual_step(dtype, options):
+    """8-bit moments draw random bits (the second moment's codes), each param alone from a
+    stream of its own: the usual step takes them in groups of one param with those seeds."""
     a = _model(dtype)
     b = copy.deepcopy(a)
-    oa = AdamW(a.parameters(), lr=1e-2, **options)
-    ob = AdamW(b.parameters(), lr=1e-2, step_in_backward=True, **options)
+    if options.get("moments") == "8bit":
+        groups = [{"params": [p], "seed": own_seed(7, k)} for k, p in enumerate(a.parameters())]
+        oa = AdamW(groups, lr=1e-2, **options)
+    else:
+        oa = AdamW(a.parameters(), lr=1e-2, seed=7, **options)
+    ob = AdamW(b.parameters(), lr=1e-2, step_in_backward=True, seed=7, **options)
     batches = _batches(12, dtype)
     _train(a, oa, batches)
     for batch in batches:
