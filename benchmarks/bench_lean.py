@@ -144,7 +144,8 @@ def validate(dev) -> str:
         tm, tv = topt.state[ref[i]]["exp_avg"], topt.state[ref[i]]["exp_avg_sq"]
         if not torch.allclose(m, tm, rtol=2 ** -4, atol=float(tm.abs().max()) * 2 ** -8):
             return f"exp_avg {i} is not torch's to within the codes' step"
-        if not torch.allclose(v.sqrt(), tv.sqrt(), rtol=2 ** -5, atol=float(tv.sqrt().max()) * 2 ** -9):
+        # sqrt(v) within a whole code step: its code rounds stochastically
+        if not torch.allclose(v.sqrt(), tv.sqrt(), rtol=2 ** -4, atol=float(tv.sqrt().max()) * 2 ** -9):
             return f"exp_avg_sq {i} is not torch's to within the codes' step"
     return ""
 

@@ -1,8 +1,9 @@
 """Do the lean state's 8-bit moments follow fp32's over a long run when a block's largest value
-changes? Each block of 256 values is coded against its absmax, rounded to nearest; a value whose
+changes? Each block of 256 values is coded against its absmax. Rounded to nearest, a value whose
 own change in a step is under half a code step keeps its code, so it moves with the block's scale
 instead of with its own decay or growth (at beta2 = 0.999 a second moment moves 0.05% a step in its
-square root; the code's half step is 3%).
+square root; the code's half step is 3%). The second moment's code now rounds stochastically
+(lean.h), which moves it by its own change in expectation; the first moment's rounds to nearest.
 
 Two gradient streams on a (64, 256) parameter (each row one block), the same for both optimizers,
 weight decay 0, lr 1e-3: ampc.optim.AdamW(state="lean") (bf16 weights, 8-bit moments) against
@@ -22,10 +23,10 @@ Then a real stream: bench_lean_quality.py's character GPT trained by fp32 AdamW 
 of the weights: the same gradients for both states. At each report, the quantiles of lean v / fp32 v over
 the elements of the 8-bit params (v above 1e-12 of its tensor's largest).
 
-Last, the v recurrence alone on the same gradients, coded in Python as lean.h codes it (sqrt(v) against
-its block's largest, 4 mantissa bits, round to nearest, code 1 at least where v > 0; its quantiles should
-equal the kernel's above) and with the code rounded stochastically between its two neighbours instead
-(unbiased): what stochastic rounding of the v code would change.
+Last, the v recurrence alone on the same gradients, coded in Python (sqrt(v) against its block's
+largest, 4 mantissa bits, code 1 at least where v > 0), rounded to nearest (as lean.h coded it before
+its code rounded stochastically: those quantiles were the kernel's, digit for digit) and stochastically
+between its two neighbours (as lean.h does now, with other random bits: near the kernel's above).
 
     python benchmarks/bench_lean_moment_drift.py [--steps 2000] [--model-steps 2000]
 """

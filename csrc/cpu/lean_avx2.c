@@ -12,7 +12,9 @@
  * are the scalar loop's.
  */
 #pragma GCC target("avx2,fma,f16c")
-#pragma GCC optimize("no-trapping-math")
+/* no loop distribution: it split the random bits' store into a loop of its own, which
+ * computed the hash a second time */
+#pragma GCC optimize("no-trapping-math", "no-tree-loop-distribution")
 
 #include "adam.h"
 #include "lean.h"
@@ -102,6 +104,7 @@ AVX2 INLINE int64_t lean_step_preset(const struct ampc_lean_at *at, const struct
         /* cast.h's ampc_f32_to_bf16_sr with ampc_random_bits_keyed(key_w, index_lo) */
         __m256i u = _mm256_castps_si256(w);
         __m256i h = mix32_8(_mm256_xor_si256(idx, key));
+        _mm256_storeu_si256((__m256i *)(rb + i), h);
         __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_srli_epi32(h, 16)), 16);
         __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet);
         __m256i b = _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(w, w, _CMP_UNORD_Q)));
@@ -109,7 +112,6 @@ AVX2 INLINE int64_t lean_step_preset(const struct ampc_lean_at *at, const struct
                          _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
         _mm256_storeu_ps(mb + i, m);
         _mm256_storeu_ps(sb + i, s);
-        _mm256_storeu_si256((__m256i *)(rb + i), h);
         mmax = _mm256_max_epu32(mmax, _mm256_and_si256(_mm256_castps_si256(m), abs_mask));
         vmax = _mm256_max_epu32(vmax, _mm256_and_si256(_mm256_castps_si256(v), abs_mask));
         idx = _mm256_add_epi32(idx, eight);

@@ -14,7 +14,9 @@
  * bits are the scalar loop's.
  */
 #pragma GCC target("avx512f,avx512bw")
-#pragma GCC optimize("no-trapping-math")
+/* no loop distribution: it split the random bits' store into a loop of its own, which
+ * computed the hash a second time */
+#pragma GCC optimize("no-trapping-math", "no-tree-loop-distribution")
 
 #include "adam.h"
 #include "lean.h"
@@ -99,13 +101,13 @@ AVX512 INLINE int64_t lean_step_preset(const struct ampc_lean_at *at,
          * keeps its top half with the quiet bit set */
         __m512i u = _mm512_castps_si512(w);
         __m512i h = mix32_16(_mm512_xor_si512(idx, key));
+        _mm512_storeu_si512(rb + i, h);
         __m512i b = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_srli_epi32(h, 16)), 16);
         __mmask16 nan = _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q);
         b = _mm512_mask_or_epi32(b, nan, _mm512_srli_epi32(u, 16), quiet);
         _mm256_storeu_si256((__m256i *)(pp + i), _mm512_cvtepi32_epi16(b));
         _mm512_storeu_ps(mb + i, m);
         _mm512_storeu_ps(sb + i, s);
-        _mm512_storeu_si512(rb + i, h);
         mmax = _mm512_max_epu32(mmax, _mm512_and_si512(_mm512_castps_si512(m), abs_mask));
         vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_castps_si512(v), abs_mask));
         idx = _mm512_add_epi32(idx, sixteen);

@@ -194,3 +194,22 @@ def test_distant_elements_round_independently(seed):
         corr = float((a * b).mean() / (a.std() * b.std()))
         # 2^19 pairs or more: independent bits give |corr| about 0.001
         assert abs(corr) < 0.02, f"seed {seed}: elements {lag} apart round alike ({corr:.3f})"
+
+
+@pytest.mark.parametrize("seed", [0, 12345, (7 << 32) | 99])
+def test_the_two_halves_of_an_element_s_bits_are_independent(seed):
+    """The lean step rounds a bf16 weight with the high 16 bits of an element's random bits
+    and the 8-bit second moment's code with the low 16 (csrc/math/lean.h): decisions drawn
+    from the two halves agree as independent ones would, in one element and at a distance."""
+    n = 1 << 20
+    rnd = random_bits(seed, np.arange(n, dtype=np.uint64))
+    for cut in (1 << 15, 1 << 12, 3 << 14):       # probabilities 1/2, 1/16, 3/4
+        hi = ((rnd >> 16) < cut).astype(np.float64)
+        lo = ((rnd & 0xFFFF) < cut).astype(np.float64)
+        p = cut / 65536
+        assert abs(lo.mean() - p) < 0.004, (cut, lo.mean())
+        for lag in (0, 1, 4096):
+            a = hi[:n - lag] - hi[:n - lag].mean()
+            b = lo[lag:] - lo[lag:].mean()
+            corr = float((a * b).mean() / (a.std() * b.std()))
+            assert abs(corr) < 0.01, f"seed {seed}, p {p}: halves {lag} apart ({corr:.4f})"
