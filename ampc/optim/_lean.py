@@ -230,7 +230,7 @@ def _call(opt, group, b, grads, cache, args):
     who = name(opt)
     params, device = b.params, b.device
     if b.pack is not None:
-        if b.stream and args["stochastic"]:     # not the bits of the unpacked call's elements
+        if b.stream:        # its random bits are not those of the unpacked call's elements
             args = dict(args, seed=(args["seed"] * 1000003 + 999983) % (1 << 62))
         if ops.adam_lean_packed(params, grads, b.pack.buffer, b.pack.scales, b.pack.steps,
                                 b.layout, lr=lr_on(group, device), **args,

@@ -112,6 +112,28 @@ def test_small_and_large_params_round_from_streams_of_their_own():
     assert differ > 0.05, f"only {differ:.3f} of the shared elements rounded differently"
 
 
+def test_small_and_large_params_code_v_from_streams_of_their_own():
+    """The same with bf16 weights rounded to nearest: the second moment's 8-bit code still
+    draws random bits, and the two calls' codes of the shared elements differ."""
+    g = torch.Generator().manual_seed(4)
+    head = torch.randn(4096, generator=g)
+    big = torch.cat([head, torch.randn(BIG[0] * BIG[1] - 4096, generator=g)]).view(BIG)
+    params = [torch.nn.Parameter(big.to(bf16)), torch.nn.Parameter(head.view(64, 64).to(bf16))]
+    opt = ampc.optim.AdamW(params, lr=1e-3, moments="8bit", master_weights=False,
+                           stochastic_rounding=False)
+    grad_head = torch.randn(4096, generator=g) * 0.01
+    params[0].grad = torch.cat([grad_head, torch.zeros(BIG[0] * BIG[1] - 4096)]).view(BIG).to(bf16)
+    params[1].grad = grad_head.view(64, 64).to(bf16)
+    opt.step()
+    assert opt.state[params[1]]["step"]._base is not None          # packed
+    sa, sb = (opt.state[p]["exp_avg_sq_scale"].flatten()[:16] for p in params)
+    assert_same(sa, sb, "the shared blocks' scales")
+    a = opt.state[params[0]]["exp_avg_sq_codes"].flatten()[:4096]
+    b = opt.state[params[1]]["exp_avg_sq_codes"].flatten()
+    differ = (a != b).float().mean().item()
+    assert differ > 0.05, f"only {differ:.3f} of the shared elements coded differently"
+
+
 def test_mixed_sizes_train_like_the_unpacked_state(monkeypatch):
     """Small and large params in one group (two calls): 30 steps track the unpacked
     optimizer as closely as two unpacked runs with different seeds track each other."""
