@@ -5,7 +5,10 @@ Each reference is a few lines of plain torch (float64 or integer bit arithmetic)
 plain Python: slow, and obviously right.
 """
 import math
+import os
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -163,3 +166,16 @@ def assert_refused_unchanged(case_name, call, watched, exc, pattern):
     for b, a in zip(before, after):
         assert torch.equal(b.contiguous().view(torch.uint8), a.contiguous().view(torch.uint8)), \
             f"{case_name} modified a tensor"
+
+
+def run_on_cpu_path(isa, script, *args):
+    """stdout of `script` (python -c, with args) in a fresh process whose kernels take the
+    CPU path `isa` ("scalar", "avx2"; "best": uncapped), through AMPC_CPU_ISA."""
+    env = dict(os.environ)
+    env.pop("AMPC_CPU_ISA", None)
+    if isa != "best":
+        env["AMPC_CPU_ISA"] = isa
+    out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout

@@ -17,6 +17,7 @@
 #pragma GCC optimize("no-trapping-math", "no-tree-loop-distribution")
 
 #include "adam.h"
+#include "codes_avx2.h"          // includes: lean.h, simd.h
 #include "lean.h"
 #include "simd.h"
 
@@ -121,38 +122,6 @@ AVX2 INLINE int64_t lean_step_preset(const struct ampc_lean_at *at, const struct
     return i;
 }
 
-/* lean.h's ampc_q8_e4m3 on 8 magnitudes a. */
-AVX2 INLINE __m256i e4m3_code8(__m256 a)
-{
-    __m256i u = _mm256_castps_si256(a);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 20), _mm256_set1_epi32(1));
-    __m256i bias = _mm256_set1_epi32((int)(0x7ffffu - (120u << 23)));
-    __m256i normal = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias), odd), 20);
-    __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(a, _mm256_set1_ps(16384.0f))),
-                                   _mm256_set1_epi32(0x46800000));      /* bits of 2^14 */
-    __m256 small = _mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ);
-    return _mm256_blendv_epi8(normal, sub, _mm256_castps_si256(small));
-}
-
-/* lean.h's ampc_q8_e4m4_sr on 8 magnitudes a with their random bits r, code 1 at least
- * for a nonzero a: a is +0 or positive (a sqrt of a sum of squares, never -0 or nan in a
- * block of finite absmax), so min(bits, 1) is a > 0. */
-AVX2 INLINE __m256i e4m4_sr_code8(__m256 a, __m256i r)
-{
-    const __m256 two_m6 = _mm256_set1_ps(0.015625f);
-    __m256i u = _mm256_castps_si256(a);
-    /* bits(a), or below 2^-6 bits(a + 2^-6) - 2^23: then less 120 << 23 */
-    __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(a, two_m6)),
-                                   _mm256_set1_epi32(1 << 23));
-    __m256 small = _mm256_cmp_ps(a, two_m6, _CMP_LT_OQ);
-    __m256i x = _mm256_blendv_epi8(u, sub, _mm256_castps_si256(small));
-    /* (r & 0xffff) << 3 - (120 << 23): r's low half at the top of the 19 bits under the code */
-    __m256i add = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_slli_epi32(r, 16), 13),
-                                   _mm256_set1_epi32(120 << 23));
-    __m256i c = _mm256_srli_epi32(_mm256_add_epi32(x, add), 19);
-    return _mm256_max_epu32(c, _mm256_min_epu32(u, _mm256_set1_epi32(1)));
-}
-
 /* A block's codes of both moments, 8 at a time: lean.h's ampc_q8m_code_by and
  * ampc_q8v_code_by with the block's factors fm and fv (ampc_q8_code_factor, not 0) and
  * v's random bits rb, packed to bytes in registers. Returns where it stopped. */
@@ -160,17 +129,11 @@ AVX2 INLINE int64_t lean_encode_both(uint8_t *qm, uint8_t *qv, const float *mb, 
                                      const uint32_t *rb, int64_t n, float fm, float fv)
 {
     const __m256 m_factor = _mm256_set1_ps(fm), v_factor = _mm256_set1_ps(fv);
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256i sign_bit = _mm256_set1_epi32(0x80);
     /* m's bytes to the low 8 bytes of each 128-bit half, v's to the next 8 */
     const __m256i gather = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256 m = _mm256_loadu_ps(mb + i);
-        __m256 am = _mm256_mul_ps(_mm256_and_ps(m, abs_mask), m_factor);
-        __m256i cm = e4m3_code8(am);
-        __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(m), 24), sign_bit);
-        cm = _mm256_or_si256(cm, sign);
+        __m256i cm = q8m_code8(_mm256_loadu_ps(mb + i), m_factor);
         __m256 av = _mm256_mul_ps(_mm256_loadu_ps(sb + i), v_factor);
         __m256i cv = e4m4_sr_code8(av, _mm256_loadu_si256((const __m256i *)(rb + i)));
         /* words [m0-3 v0-3 | m4-7 v4-7], bytes likewise twice over, then m0-7 and v0-7 */

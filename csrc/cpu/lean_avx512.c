@@ -19,6 +19,7 @@
 #pragma GCC optimize("no-trapping-math", "no-tree-loop-distribution")
 
 #include "adam.h"
+#include "codes_avx512.h"        // includes: lean.h, simd.h
 #include "lean.h"
 #include "simd.h"
 
@@ -118,37 +119,6 @@ AVX512 INLINE int64_t lean_step_preset(const struct ampc_lean_at *at,
     return i;
 }
 
-/* lean.h's ampc_q8_e4m3 on 16 magnitudes a. */
-AVX512 INLINE __m512i e4m3_code16(__m512 a)
-{
-    __m512i u = _mm512_castps_si512(a);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 20), _mm512_set1_epi32(1));
-    __m512i bias = _mm512_set1_epi32((int)(0x7ffffu - (120u << 23)));
-    __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), odd), 20);
-    __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(a, _mm512_set1_ps(16384.0f))),
-                                   _mm512_set1_epi32(0x46800000));      /* bits of 2^14 */
-    __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
-    return _mm512_mask_mov_epi32(normal, small, sub);
-}
-
-/* lean.h's ampc_q8_e4m4_sr on 16 magnitudes a with their random bits r, code 1 at least
- * for a nonzero a: a is +0 or positive (a sqrt of a sum of squares, never -0 or nan in a
- * block of finite absmax), so min(bits, 1) is a > 0. */
-AVX512 INLINE __m512i e4m4_sr_code16(__m512 a, __m512i r)
-{
-    const __m512 two_m6 = _mm512_set1_ps(0.015625f);
-    __m512i u = _mm512_castps_si512(a);
-    /* bits(a) - (120 << 23), or below 2^-6 bits(a + 2^-6) - (121 << 23) */
-    __m512i x = _mm512_sub_epi32(u, _mm512_set1_epi32(120 << 23));
-    __mmask16 small = _mm512_cmp_ps_mask(a, two_m6, _CMP_LT_OQ);
-    x = _mm512_mask_sub_epi32(x, small, _mm512_castps_si512(_mm512_add_ps(a, two_m6)),
-                              _mm512_set1_epi32(121 << 23));
-    /* (r & 0xffff) << 3: r's low half at the top of the 19 bits under the code */
-    __m512i add = _mm512_srli_epi32(_mm512_slli_epi32(r, 16), 13);
-    __m512i c = _mm512_srli_epi32(_mm512_add_epi32(x, add), 19);
-    return _mm512_max_epu32(c, _mm512_min_epu32(u, _mm512_set1_epi32(1)));
-}
-
 /* A block's codes of both moments, 16 at a time: lean.h's ampc_q8m_code_by and
  * ampc_q8v_code_by with the block's factors fm and fv (ampc_q8_code_factor, not 0) and
  * v's random bits rb, narrowed to bytes in registers. Returns where it stopped. */
@@ -157,15 +127,9 @@ AVX512 INLINE int64_t lean_encode_both(uint8_t *qm, uint8_t *qv, const float *mb
                                        float fm, float fv)
 {
     const __m512 m_factor = _mm512_set1_ps(fm), v_factor = _mm512_set1_ps(fv);
-    const __m512i sign_bit = _mm512_set1_epi32(0x80);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        __m512 m = _mm512_loadu_ps(mb + i);
-        __m512 am = _mm512_mul_ps(_mm512_abs_ps(m), m_factor);
-        __m512i cm = e4m3_code16(am);
-        /* cm | ((bits(m) >> 24) & 0x80): the sign at the code's top bit */
-        cm = _mm512_ternarylogic_epi32(cm, _mm512_srli_epi32(_mm512_castps_si512(m), 24),
-                                       sign_bit, 0xf8);
+        __m512i cm = q8m_code16(_mm512_loadu_ps(mb + i), m_factor);
         __m512 av = _mm512_mul_ps(_mm512_loadu_ps(sb + i), v_factor);
         __m512i cv = e4m4_sr_code16(av, _mm512_loadu_si512(rb + i));
         _mm_storeu_si128((__m128i *)(qm + i), _mm512_cvtepi32_epi8(cm));

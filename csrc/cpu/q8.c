@@ -7,15 +7,18 @@
  *
  * Chunks start at multiples of AMPC_CHUNK, so at block boundaries. A block's 16-bit values
  * are widened first (cast.c's SIMD loops), so the loops here see fp32 only: the absmax as
- * a max of bits (Note [amax as bits]), then the codes in 32-bit lanes, packed to bytes by a
- * loop of their own (a loop that stores bytes narrows all its arithmetic to bytes). Each
- * loop is compiled for AVX-512, AVX2 and the baseline (target_clones); every operation is
- * exact or rounded on its own, so all give the same bits, and CUDA's (cuda/q8.cu) too.
+ * a max of bits (Note [amax as bits]), then the codes: on AVX-512 and AVX2 written out by
+ * hand and narrowed to bytes in registers (q8_avx512.c, q8_avx2.c), elsewhere (and for a
+ * block's tail) in 32-bit lanes, packed to bytes by a loop of their own (a loop that stores
+ * bytes narrows all its arithmetic to bytes). Each loop here is compiled for AVX-512, AVX2
+ * and the baseline (target_clones); every operation is exact or rounded on its own, so all
+ * give the same bits, and CUDA's (cuda/q8.cu) too.
  */
 #include <string.h>
 
 #include "lean.h"
-#include "simd.h"
+#include "q8_cpu.h"
+#include "simd.h"       // defines: ampc_cpu_isa
 
 #define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
@@ -63,6 +66,21 @@ CLONES static void values_of(float *x, const uint8_t *q, int64_t n, float factor
         x[i] = ampc_q8m_decode(q[i], factor);
 }
 
+/* The block's codes a vector at a time, written as bytes, by the best instruction set
+ * there is (q8_avx512.c, q8_avx2.c); returns how many (none under a tiny absmax, whose
+ * codes divide: lean.h). */
+static int64_t codes_by_isa(uint8_t *q, const float *x, int64_t n, float absmax)
+{
+    const float factor = ampc_q8_code_factor(AMPC_Q8M_MAX, absmax);
+    if (factor == 0.0f)
+        return 0;
+    switch (ampc_cpu_isa()) {
+    case ISA_AVX512: return ampc_q8_codes_avx512(q, x, n, factor);
+    case ISA_AVX2: return ampc_q8_codes_avx2(q, x, n, factor);
+    default: return 0;
+    }
+}
+
 static void encode_span(void *ctx, const struct ampc_span *s)
 {
     const struct q8_job *job = ctx;
@@ -85,8 +103,9 @@ static void encode_span(void *ctx, const struct ampc_span *s)
             memset(codes + i, 0, (size_t)n);
             continue;
         }
-        codes_of(c, x, n, absmax);
-        pack(codes + i, c, n);
+        const int64_t done = codes_by_isa(codes + i, x, n, absmax);
+        codes_of(c, x + done, n - done, absmax);
+        pack(codes + i + done, c, n - done);
     }
 }
 

@@ -4,9 +4,6 @@ code table, not lean.h's bit arithmetic; exp_avg_sq's codes rounded stochastical
 the weight's random bits), stochastic rounding unbiased, Kahan summation against fp32
 master weights, every CPU path bit-equal, bad input refused before anything moves."""
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,7 +11,7 @@ import torch
 
 import ampc
 from ampc.ops import QBLOCK
-from reference import assert_refused_unchanged, assert_same
+from reference import assert_refused_unchanged, assert_same, run_on_cpu_path
 from test_stochastic_bits import random_bits
 
 f32, f16, bf16, u8 = torch.float32, torch.float16, torch.bfloat16, torch.uint8
@@ -523,16 +520,7 @@ print(h.hexdigest())
 
 
 def test_every_cpu_path_gives_the_same_bits():
-    digests = {}
-    for isa in ("scalar", "avx2", "best"):
-        env = dict(os.environ)
-        env.pop("AMPC_CPU_ISA", None)
-        if isa != "best":
-            env["AMPC_CPU_ISA"] = isa
-        out = subprocess.run([sys.executable, "-c", CHECK_PATHS], env=env, capture_output=True,
-                             text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        digests[isa] = out.stdout.strip()
+    digests = {isa: run_on_cpu_path(isa, CHECK_PATHS).strip() for isa in ("scalar", "avx2", "best")}
     assert len(set(digests.values())) == 1, digests
 
 
@@ -644,14 +632,8 @@ def test_codes_multiply_by_the_block_s_factor_on_every_cpu_path(isa):
     v = (s.astype(np.float32) ** 2).astype(np.float32)     # sqrt gives s back
     assert np.array_equal(np.sqrt(v), s)
     cm, _, cv, _ = encode(torch.from_numpy(m), torch.from_numpy(v), v_random_bits(0, 1, m.size))
-    env = dict(os.environ)
-    env.pop("AMPC_CPU_ISA", None)
-    if isa != "best":
-        env["AMPC_CPU_ISA"] = isa
-    out = subprocess.run([sys.executable, "-c", CHECK_TIES, repr(m.tolist()), repr(v.tolist())],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got_m, got_v = (np.array(x) for x in eval(out.stdout))
+    out = run_on_cpu_path(isa, CHECK_TIES, repr(m.tolist()), repr(v.tolist()))
+    got_m, got_v = (np.array(x) for x in eval(out))
     assert np.array_equal(got_m, cm.numpy()) and np.array_equal(got_v, cv.numpy())
     # the pairs are ties of the two formulas: the divide would have given other codes
     for j, (a, b) in enumerate(M_TIES):

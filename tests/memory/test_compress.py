@@ -12,7 +12,7 @@ from torch import nn
 
 import ampc
 from ampc import ops
-from reference import assert_same
+from reference import assert_same, run_on_cpu_path
 from test_adam_lean import M_TABLE, QBLOCK, encode as encode_moments
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
@@ -46,6 +46,33 @@ def test_codes_match_the_transcription(dtype):
         assert_same(back[k], values.to(dtype), f"values {k}")
     # fp32 out of 16-bit codes: the decoded values themselves
     assert_same(ops.decode_q8(codes[:1], scales[:1])[0], transcribed(src[0].float())[2], "fp32")
+
+
+CHECK_PATHS = r"""
+import hashlib, torch
+from ampc import ops
+g = torch.Generator().manual_seed(1)
+h = hashlib.sha256()
+for n in (1, 15, 16, 255, 256, 257, 1000, 65536 + 300):
+    x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-30, 30, (n,), generator=g)
+    x[::97] = 0.0
+    if n > 600:
+        x[512:768] *= 2.0 ** -110          # a block under 2^-100: its codes divide
+    for src in (x, x.to(torch.bfloat16)):
+        codes, scales = ops.encode_q8([src])
+        h.update(codes[0].numpy().tobytes() + scales[0].numpy().tobytes())
+print(ops.cpu_isa(), h.hexdigest())
+"""
+
+
+def test_every_cpu_path_gives_the_same_codes():
+    """The codes are written out by hand for AVX-512 and AVX2 (csrc/cpu/q8_avx512.c,
+    q8_avx2.c), by the compiler's loops elsewhere and for a block's tail: every path, each
+    in a fresh process under AMPC_CPU_ISA, gives the same bytes (the best one is the
+    transcription's, above)."""
+    out = {isa: run_on_cpu_path(isa, CHECK_PATHS).split() for isa in ("scalar", "avx2", "best")}
+    assert out["scalar"][0] == "scalar", out
+    assert len({digest for _, digest in out.values()}) == 1, out
 
 
 def test_a_block_holding_inf_or_nan_decodes_to_nan_alone():
