@@ -136,13 +136,19 @@ def step_one(opt, group, position, p, g):
     bf16 moments, the 8-bit second moment's codes) draw from a stream of its own: a
     one-param call would otherwise start every param's at 0."""
     args = hyper(group)
-    args["seed"] = own_seed(args["seed"], position)
+    args["seed"] = stream_seed(args["seed"], position + 1)
     _step_live(opt, group, [(position, p, g)], {}, args)
 
 
-def own_seed(seed, position):
-    """The seed of the param at `position` of its group stepped alone."""
-    return (seed * 1000003 + position + 1) % (1 << 62)
+# a packed call beside an unpacked one: a stream past any param's position
+PACKED_STREAM = 999983
+
+
+def stream_seed(seed, stream):
+    """The seed of random stream `stream` (>= 1) beside the group's own `seed`: a param
+    stepped alone takes its position + 1, a packed call beside an unpacked one
+    PACKED_STREAM."""
+    return (seed * 1000003 + stream) % (1 << 62)
 
 
 def _step_live(opt, group, live, cache, args):
@@ -231,7 +237,7 @@ def _call(opt, group, b, grads, cache, args):
     params, device = b.params, b.device
     if b.pack is not None:
         if b.stream:        # its random bits are not those of the unpacked call's elements
-            args = dict(args, seed=(args["seed"] * 1000003 + 999983) % (1 << 62))
+            args = dict(args, seed=stream_seed(args["seed"], PACKED_STREAM))
         if ops.adam_lean_packed(params, grads, b.pack.buffer, b.pack.scales, b.pack.steps,
                                 b.layout, lr=lr_on(group, device), **args,
                                 **control(opt, device, cache)):

@@ -18,8 +18,6 @@
 
 #include "adam.h"
 #include "codes_avx2.h"          // includes: lean.h, simd.h
-#include "lean.h"
-#include "simd.h"
 
 AVX2 INLINE __m256i mix32_8(__m256i x)         /* cast.h's ampc_mix32, 8 lanes */
 {

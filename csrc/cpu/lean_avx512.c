@@ -19,9 +19,7 @@
 #pragma GCC optimize("no-trapping-math", "no-tree-loop-distribution")
 
 #include "adam.h"
-#include "codes_avx512.h"        // includes: lean.h, simd.h
-#include "lean.h"
-#include "simd.h"
+#include "codes_avx512.h"          // includes: lean.h, simd.h
 
 AVX512 INLINE __m512i mix32_16(__m512i x)      /* cast.h's ampc_mix32, 16 lanes */
 {
